@@ -1,0 +1,71 @@
+"""The ``fuseformer`` command: ``info`` and ``bench`` (more subcommands land with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+
+def _info(args: argparse.Namespace) -> int:
+    import torch
+
+    import fuseformer
+    from fuseformer.ops import OPS
+    from fuseformer.runtime import backend
+
+    ok, triton_info = backend.triton_status()
+    print(f"fuseformer {fuseformer.__version__}")
+    print(f"python     {platform.python_version()} ({sys.executable})")
+    print(f"torch      {torch.__version__}")
+    print(f"triton     {triton_info}")
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            print(
+                f"cuda:{i}     {p.name}, compute capability {p.major}.{p.minor}, "
+                f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB"
+            )
+        devices.append("cuda")
+    else:
+        print("cuda       not available (ops run on the PyTorch reference, or interpreted)")
+    print(f"TRITON_INTERPRET={'1' if backend.INTERPRET else '0'}  FUSEFORMER_BACKEND={backend.forced_backend() or 'auto'}")
+    print()
+    width = max(len(op) for op in OPS)
+    for dev in devices:
+        print(f"ops on {dev} tensors:")
+        for op in OPS:
+            choice = backend.explain(dev)
+            print(f"  {op:<{width}}  {choice.backend:<9}  {choice.reason}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from fuseformer.bench import run_suites
+
+    return run_suites(args.suites, out_dir=args.out, quick=args.quick)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fuseformer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="device, versions, and which backend each op uses and why")
+    p.set_defaults(func=_info)
+
+    p = sub.add_parser("bench", help="benchmarks against peers on a GPU (table, JSON, PNG)")
+    p.add_argument("suites", nargs="*", default=["ops"], help="suites to run: ops (default)")
+    p.add_argument("--out", default="bench-results", help="folder for JSON and PNG (default: bench-results)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    p.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,16 @@
+"""Fused ops. One file an op; each has a reference, Triton kernels, launchers and registration.
+
+import fuseformer.ops as F
+y, h = F.rms_norm(x, weight, eps=1e-6, residual=r)
+"""
+
+from fuseformer.ops.rms_norm import rms_norm, rms_norm_ref
+
+# Every public op, in the order ``fuseformer info`` lists them.
+OPS = ("rms_norm",)
+
+__all__ = [
+    "OPS",
+    "rms_norm",
+    "rms_norm_ref",
+]

@@ -1,0 +1,114 @@
+"""Helpers shared by every op: the one input-check helper and small launch utilities."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+
+# Dtypes the Triton kernels take. float64 is accepted by the public ops and runs on the reference.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
+
+
+def check_tensor(
+    op: str,
+    name: str,
+    t: object,
+    *,
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    ndim: int | tuple[int, ...] | None = None,
+    device: torch.device | None = None,
+    device_of: str = "x",
+) -> torch.Tensor:
+    """Check one input and raise a ValueError naming it: type, dtype, rank and device.
+
+    ``device``/``device_of``: the device the tensor must share, and the argument it comes from.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{op}: {name} has dtype {str(t.dtype).removeprefix('torch.')}; expected one of {allowed}")
+    if ndim is not None:
+        allowed_ndim = (ndim,) if isinstance(ndim, int) else ndim
+        if t.dim() not in allowed_ndim:
+            raise ValueError(
+                f"{op}: {name} must have {' or '.join(map(str, allowed_ndim))} dims, got shape {tuple(t.shape)}"
+            )
+    if device is not None and t.device != device:
+        raise ValueError(f"{op}: {name} is on {t.device} but {device_of} is on {device}; move them to one device")
+    return t
+
+
+def check_shape(op: str, name: str, t: torch.Tensor, expected: tuple[int, ...], what: str = "") -> None:
+    """Raise a ValueError naming ``name`` if ``t.shape != expected``."""
+    if tuple(t.shape) != tuple(expected):
+        suffix = f" ({what})" if what else ""
+        raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}; expected {tuple(expected)}{suffix}")
+
+
+def rows_2d(t: torch.Tensor) -> torch.Tensor:
+    """View ``t`` as (rows, last dim) with a unit stride in the last dim, copying only if needed.
+
+    Kernels take the row stride as an argument, so a row-strided view (e.g. a slice of a wider
+    tensor) goes in without a copy; anything else is made contiguous.
+    """
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 2:
+        return t
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:  # leading dims not collapsible without a copy
+        return t.reshape(-1, t.shape[-1]).contiguous() if t.numel() else t.reshape(-1, t.shape[-1])
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.cache
+def num_sms(device_index: int = 0) -> int:
+    """Multiprocessors on a CUDA device; a small stand-in on CPU (the interpreter)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return 4
+
+
+def sm_count(t: torch.Tensor) -> int:
+    return num_sms(t.device.index or 0) if t.is_cuda else num_sms(-1)
+
+
+def float_dtype_of(t: torch.Tensor) -> torch.dtype:
+    """The dtype a reference computes in: fp64 stays fp64, everything else goes to fp32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+# Tests set this (through ``poison_outputs``) so every output buffer starts as NaN (or -1 for
+# integers): an element a kernel fails to write then fails the comparison instead of passing on
+# whatever the allocator left there.
+_POISON = False
+
+
+def empty(shape: tuple[int, ...] | list[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate a kernel output. The one allocation helper, so that tests can poison outputs."""
+    if _POISON:
+        fill = float("nan") if dtype.is_floating_point else -1
+        return torch.full(tuple(shape), fill, dtype=dtype, device=device)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+@contextlib.contextmanager
+def poison_outputs() -> Iterator[None]:
+    """Within the block, every buffer from :func:`empty` starts filled with NaN (tests only)."""
+    global _POISON
+    previous, _POISON = _POISON, True
+    try:
+        yield
+    finally:
+        _POISON = previous

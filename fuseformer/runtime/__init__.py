@@ -1,0 +1,1 @@
+"""Runtime services: backend choice, autotune cache, memory pools, CUDA graphs."""

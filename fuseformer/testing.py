@@ -1,0 +1,61 @@
+"""The numerics criterion of DESIGN.md §3, in one place, for tests, the GPU check and validate.
+
+A kernel's output is judged against the reference computed in fp64 (or fp32). Its max error must
+be at most ``FACTOR`` times the max error of the same computation done by PyTorch in the kernel's
+dtype (the "baseline"), plus a small absolute floor for outputs near zero:
+
+    max|out - ref| <= FACTOR * max|base - ref| + floor(dtype) * max(1, max|ref|)
+"""
+
+from __future__ import annotations
+
+import torch
+
+FACTOR = 2.0
+# Absolute floor per dtype, scaled by the reference's magnitude (at least 1). About one ulp of the
+# dtype at 1.0 for half types, a few hundred ulps for fp32 (where the baseline error itself is
+# so small that reduction order alone would exceed 2x of it).
+FLOOR = {
+    torch.float16: 1e-3,
+    torch.bfloat16: 8e-3,
+    torch.float32: 1e-5,
+    torch.float64: 1e-12,
+}
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max absolute difference; NaN in either where the other is not NaN counts as infinite."""
+    a64, b64 = a.detach().double(), b.detach().double()
+    nan_a, nan_b = torch.isnan(a64), torch.isnan(b64)
+    if not torch.equal(nan_a, nan_b):
+        return float("inf")
+    inf_mismatch = (torch.isinf(a64) | torch.isinf(b64)) & (a64 != b64)
+    if inf_mismatch.any():
+        return float("inf")
+    finite = ~nan_a & torch.isfinite(a64) & torch.isfinite(b64)
+    if not finite.any():
+        return 0.0
+    return (a64[finite] - b64[finite]).abs().max().item()
+
+
+def tolerance(ref: torch.Tensor, base: torch.Tensor, dtype: torch.dtype) -> float:
+    """The allowed error for an output of ``dtype`` given the reference and the baseline."""
+    finite = torch.isfinite(ref.double())
+    scale = max(1.0, ref.double()[finite].abs().max().item()) if finite.any() else 1.0
+    return FACTOR * max_err(base, ref) + FLOOR[dtype] * scale
+
+
+def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, base: torch.Tensor) -> None:
+    """Assert the §3 criterion for one output or gradient; the message carries all three errors.
+
+    out: the kernel's result; ref: the fp64/fp32 reference; base: PyTorch in out's dtype.
+    """
+    if out.shape != ref.shape:
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    err = max_err(out, ref)
+    tol = tolerance(ref, base, out.dtype)
+    if not err <= tol:
+        raise AssertionError(
+            f"{name}: max error {err:.3e} > tolerance {tol:.3e} "
+            f"(baseline error {max_err(base, ref):.3e}, dtype {out.dtype})"
+        )
