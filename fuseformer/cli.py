@@ -30,7 +30,9 @@ def _info(args: argparse.Namespace) -> int:
         devices.append("cuda")
     else:
         print("cuda       not available (ops run on the PyTorch reference, or interpreted)")
-    print(f"TRITON_INTERPRET={'1' if backend.INTERPRET else '0'}  FUSEFORMER_BACKEND={backend.forced_backend() or 'auto'}")
+    print(
+        f"TRITON_INTERPRET={'1' if backend.INTERPRET else '0'}  FUSEFORMER_BACKEND={backend.forced_backend() or 'auto'}"
+    )
     print()
     width = max(len(op) for op in OPS)
     for dev in devices:

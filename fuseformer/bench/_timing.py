@@ -33,7 +33,6 @@ def copy_ceiling_tb_s(device: str = "cuda", nbytes: int = 2 << 30) -> float:
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src))
-    del src, dst
     return tb_per_s(2 * nbytes, ms)
 
 

@@ -253,8 +253,13 @@ def rms_norm_fwd(
     weight: torch.Tensor | None,
     residual: torch.Tensor | None,
     eps: float,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """x, residual (M, N) -> y (M, N) in x's dtype, h = x + residual (M, N) or None, rstd (M,) fp32."""
+    """x, residual (M, N) -> y (M, N) in x's dtype, h = x + residual (M, N) or None, rstd (M,) fp32.
+
+    ``config`` overrides the launch configuration (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps); for
+    tuning sweeps.
+    """
     m, n = x.shape
     y = empty((m, n), dtype=x.dtype, device=x.device)
     h = empty((m, n), dtype=x.dtype, device=x.device) if residual is not None else None
@@ -264,7 +269,7 @@ def rms_norm_fwd(
             rstd.fill_(eps**-0.5)
         return y, h, rstd
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-    cfg = _fwd_config(n)
+    cfg = config or _fwd_config(n)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
     _rms_norm_fwd_kernel[grid](
         x, residual if residual is not None else x, weight if weight is not None else x, y,
@@ -283,11 +288,14 @@ def rms_norm_bwd(
     weight: torch.Tensor | None,
     rstd: torch.Tensor,
     dh: torch.Tensor | None = None,
+    config: dict | None = None,
+    programs_per_sm: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dy, x (the normalized input: h when the residual was fused), dh (M, N) -> dx (M, N), dw (N,).
 
     ``dh`` is the gradient reaching the h output of the fused residual form; it is added into dx.
-    dw comes in weight's dtype, None without weight.
+    dw comes in weight's dtype, None without weight. ``config``/``programs_per_sm`` override the
+    launch configuration (for tuning sweeps).
     """
     m, n = x.shape
     dx = empty((m, n), dtype=x.dtype, device=x.device)
@@ -297,8 +305,9 @@ def rms_norm_bwd(
         dw = torch.zeros_like(weight) if weight is not None else None
         return dx, dw
     assert x.stride(1) == 1 and dy.stride(1) == 1 and (dh is None or dh.stride(1) == 1)
-    cfg = _bwd_config(n)
-    programs = max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), sm_count(x) * _BWD_PROGRAMS_PER_SM))
+    cfg = config or _bwd_config(n)
+    per_sm = programs_per_sm or _BWD_PROGRAMS_PER_SM
+    programs = max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), sm_count(x) * per_sm))
     dw_partial = empty((programs, n), dtype=torch.float32, device=x.device) if weight is not None else rstd
     _rms_norm_bwd_kernel[(programs,)](
         x, weight if weight is not None else x, dy, dh if dh is not None else dy, rstd, dx, dw_partial,
