@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU check: correctness at real sizes (tests marked `gpu`, bf16/fp16/fp32) and every benchmark,
+# in one go, on a CUDA machine. Writes logs, JSON and PNG plots to OUT_DIR.
+#
+#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep] [extra bench suites...]
+#
+# Run from the repository root; the package need not be installed (the root goes on PYTHONPATH).
+set -uo pipefail
+out="${1:-gpu-results}"
+stage="${2:-all}"
+shift $(( $# > 2 ? 2 : $# ))
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+status=0
+
+python3 -c "import torch, triton; print('gpu:', torch.cuda.get_device_name(), '| torch', torch.__version__, '| triton', triton.__version__)"
+
+if [[ "$stage" == all || "$stage" == tests ]]; then
+    python3 -m pytest -q -m gpu -p no:randomly tests/ 2>&1 | tee "$out/gpu-tests.log" | tail -n 40
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ "$stage" == all || "$stage" == sweep ]]; then
+    python3 -m fuseformer.cli bench sweep --out "$out" > "$out/sweep.log" 2>&1 || status=1
+    tail -n 3 "$out/sweep.log"
+fi
+if [[ "$stage" == all || "$stage" == bench ]]; then
+    suites=("ops" "$@")
+    python3 -m fuseformer.cli bench "${suites[@]}" --out "$out" 2>&1 | tee "$out/bench.log" || status=1
+fi
+exit $status
