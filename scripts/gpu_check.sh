@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep] [extra bench suites...]
 #
-# Run from the repository root; the package need not be installed (the root goes on PYTHONPATH).
+# TESTS=path overrides which tests run (default: all of tests/). Run from the repository root; the package need not be installed (the root goes on PYTHONPATH).
 set -uo pipefail
 out="${1:-gpu-results}"
 stage="${2:-all}"
@@ -17,7 +17,7 @@ status=0
 python3 -c "import torch, triton; print('gpu:', torch.cuda.get_device_name(), '| torch', torch.__version__, '| triton', triton.__version__)"
 
 if [[ "$stage" == all || "$stage" == tests ]]; then
-    python3 -m pytest -q -m gpu -p no:randomly tests/ 2>&1 | tee "$out/gpu-tests.log" | tail -n 40
+    python3 -m pytest -q -m gpu ${TESTS:-tests/} 2>&1 | tee "$out/gpu-tests.log" | tail -n 40
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ "$stage" == all || "$stage" == sweep ]]; then
