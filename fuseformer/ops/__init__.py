@@ -4,16 +4,21 @@ import fuseformer.ops as F
 y, h = F.rms_norm(x, weight, eps=1e-6, residual=r)
 """
 
+from fuseformer.ops.activations import geglu, geglu_ref, swiglu, swiglu_ref
 from fuseformer.ops.layer_norm import layer_norm, layer_norm_ref
 from fuseformer.ops.rms_norm import rms_norm, rms_norm_ref
 
 # Every public op, in the order ``fuseformer info`` lists them.
-OPS = ("rms_norm", "layer_norm")
+OPS = ("rms_norm", "layer_norm", "swiglu", "geglu")
 
 __all__ = [
     "OPS",
+    "geglu",
+    "geglu_ref",
     "layer_norm",
     "layer_norm_ref",
     "rms_norm",
     "rms_norm_ref",
+    "swiglu",
+    "swiglu_ref",
 ]

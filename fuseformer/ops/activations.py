@@ -1,0 +1,348 @@
+"""Gated activations of the Transformer MLP: SwiGLU and GeGLU.
+
+    swiglu(gate, up) = silu(gate) * up                     silu(g) = g * sigmoid(g)
+    geglu(gate, up)  = gelu(gate, approximate) * up        approximate "tanh" or "none" (erf)
+
+Everything below autograd lives here (STYLE.md §1): the references ``swiglu_ref``/``geglu_ref``,
+one forward and one backward Triton kernel shared by both ops (the activation is a ``tl.constexpr``
+string: "silu", "gelu_tanh" or "gelu"), the launchers ``glu_fwd``/``glu_bwd`` (no autograd; the
+engine and the fused MLP call them), the ``torch.library`` registration with fake and autograd,
+and the public ``swiglu``/``geglu``.
+
+Shapes: gate, up (..., I). The kernels see each as (M, I) rows with its own row stride and a unit
+column stride, so the two halves of a packed (T, 2I) gate_up tensor (``gu.chunk(2, dim=-1)``) go
+in without a copy. Each program handles one [BLOCK_M, BLOCK_N] tile; the tile ids run along the
+columns first, so consecutive programs touch consecutive memory.
+
+Backward: dgate = dy * up * act'(gate), dup = dy * act(gate). The activation is recomputed from
+gate (nothing but the inputs is saved), and both gradients are written in the same pass.
+
+The kernels compute in fp32 and use exp2 (one MUFU.EX2 on the GPU): sigmoid(x) = 1 / (1 + 2^(-x log2 e)).
+The tanh form of GELU is rewritten exactly as 0.5 * (1 + tanh(z)) = sigmoid(2z), which avoids
+both a tanh and the cancellation of 1 + tanh(z) for negative z.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as TF
+import triton
+import triton.language as tl
+
+from fuseformer.ops._utils import (
+    FLOAT_DTYPES,
+    KERNEL_DTYPES,
+    check_shape,
+    check_tensor,
+    empty,
+    float_dtype_of,
+    next_pow2,
+    rows_2d,
+)
+from fuseformer.runtime.backend import choose_backend
+
+# The kernels' activation names; the fused MLP takes the same strings.
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+# geglu's ``approximate`` (torch's names) -> kernel activation.
+_GELU_ACTIVATION = {"tanh": "gelu_tanh", "none": "gelu"}
+
+_LOG2E: tl.constexpr = 1.4426950408889634
+_SQRT_2_OVER_PI: tl.constexpr = 0.7978845608028654  # sqrt(2 / pi), GELU tanh form
+_GELU_C: tl.constexpr = 0.044715
+_INV_SQRT2: tl.constexpr = 0.7071067811865476
+_INV_SQRT_2PI: tl.constexpr = 0.3989422804014327
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+def _act_ref(g: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return TF.silu(g)
+    if activation == "gelu_tanh":
+        return TF.gelu(g, approximate="tanh")
+    return TF.gelu(g)
+
+
+def glu_ref(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", upcast: bool = True) -> torch.Tensor:
+    """act(gate) * up in pure PyTorch, for ``activation`` in ACTIVATIONS.
+
+    Computes in fp32 (fp64 stays fp64) when ``upcast``, else in gate's dtype; returns gate's dtype.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"glu_ref: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    dtype = gate.dtype
+    compute = float_dtype_of(gate) if upcast else dtype
+    return (_act_ref(gate.to(compute), activation) * up.to(compute)).to(dtype)
+
+
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+    """silu(gate) * up in pure PyTorch; fp32 (fp64 stays fp64) when ``upcast``, else gate's dtype."""
+    return glu_ref(gate, up, "silu", upcast)
+
+
+def geglu_ref(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", upcast: bool = True) -> torch.Tensor:
+    """gelu(gate, approximate) * up in pure PyTorch; fp32 (fp64 stays fp64) when ``upcast``."""
+    return glu_ref(gate, up, _gelu_activation("geglu_ref", approximate), upcast)
+
+
+def _gelu_activation(op: str, approximate: object) -> str:
+    if approximate not in _GELU_ACTIVATION:
+        raise ValueError(f"{op}: approximate must be 'tanh' or 'none', got {approximate!r}")
+    return _GELU_ACTIVATION[approximate]
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _act_fwd(g, ACTIVATION: tl.constexpr):
+    """act(g) for fp32 g. Shared with the fused MLP's epilogue."""
+    if ACTIVATION == "silu":
+        # g / (1 + e^-g): the form torch uses, so silu(-inf) is NaN here as there.
+        a = g / (1.0 + tl.exp2(-_LOG2E * g))
+    elif ACTIVATION == "gelu_tanh":
+        # 0.5 g (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3).
+        z2 = (2.0 * _SQRT_2_OVER_PI) * g * (1.0 + _GELU_C * g * g)
+        a = g / (1.0 + tl.exp2(-_LOG2E * z2))
+    else:
+        a = 0.5 * g * (1.0 + tl.erf(g * _INV_SQRT2))
+    return a
+
+
+@triton.jit
+def _act_fwd_bwd(g, ACTIVATION: tl.constexpr):
+    """(act(g), act'(g)) for fp32 g, in the order of torch's backward formulas (same NaN at +-inf)."""
+    if ACTIVATION == "silu":
+        s = 1.0 / (1.0 + tl.exp2(-_LOG2E * g))
+        a = g * s
+        da = s * (1.0 + g * (1.0 - s))
+    elif ACTIVATION == "gelu_tanh":
+        g2 = g * g
+        s = 1.0 / (1.0 + tl.exp2((-2.0 * _LOG2E * _SQRT_2_OVER_PI) * g * (1.0 + _GELU_C * g2)))
+        a = g * s
+        # d/dg [g * sigmoid(2z)] = s + g * s (1 - s) * 2 dz/dg
+        da = s + (g * s * (1.0 - s)) * ((2.0 * _SQRT_2_OVER_PI) * (1.0 + 3.0 * _GELU_C * g2))
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(g * _INV_SQRT2))
+        a = g * cdf
+        da = cdf + g * (_INV_SQRT_2PI * tl.exp2((-0.5 * _LOG2E) * g * g))
+    return a, da
+
+
+@triton.jit
+def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows (int64), columns and mask of tile ``pid``; tile ids run along the columns first."""
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    rows = (pid // col_blocks).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # row * stride can pass 2^31
+    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    return rows, cols, mask
+
+
+@triton.jit
+def _glu_fwd_kernel(
+    G, U, Y,
+    stride_g, stride_u, stride_y,
+    M, N,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows, cols, mask = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N)
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = _act_fwd(g, ACTIVATION) * u
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_bwd_kernel(
+    DY, G, U, DG, DU,
+    stride_dy, stride_g, stride_u, stride_dg, stride_du,
+    M, N,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows, cols, mask = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a, da = _act_fwd_bwd(g, ACTIVATION)
+    tl.store(DG + rows[:, None] * stride_dg + cols[None, :], (dy * u * da).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + rows[:, None] * stride_du + cols[None, :], (dy * a).to(DU.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+def _config(n: int, element_size: int, backward: bool) -> dict:
+    """Tile and warps for rows of ``n`` elements.
+
+    A tile is 4 KiB of each tensor (2048 bf16/fp16 or 1024 fp32 elements; 12 KiB a program forward,
+    20 KiB backward), BLOCK_N at most 1024 columns and short rows packed BLOCK_M to a tile. With 4
+    warps forward each thread issues two 16-byte loads per input; backward (three inputs, more live
+    values) takes 8 warps, one 16-byte load per input per thread, to keep registers and occupancy.
+    """
+    tile = 4096 // element_size
+    block_n = min(next_pow2(n), 1024, tile)
+    block_m = max(1, tile // block_n)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if backward else 4)
+
+
+def _grid(m: int, n: int, cfg: dict) -> tuple[int]:
+    return (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers (no autograd; inputs already checked; each (M, N) with a unit column stride)
+# --------------------------------------------------------------------------------------------
+def glu_fwd(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """gate, up (M, N) -> y = act(gate) * up (M, N) in gate's dtype.
+
+    gate and up may have any row strides (e.g. the halves of a packed (M, 2N) tensor). ``out``
+    (M, N), unit column stride, receives y instead of a new tensor. ``config`` overrides the launch
+    configuration (BLOCK_M, BLOCK_N, num_warps); for tuning sweeps.
+    """
+    _check_activation(activation)
+    m, n = gate.shape
+    y = out if out is not None else empty((m, n), dtype=gate.dtype, device=gate.device)
+    if m == 0 or n == 0:
+        return y
+    assert gate.stride(1) == 1 and up.stride(1) == 1 and y.stride(1) == 1
+    assert up.shape == (m, n) and y.shape == (m, n)
+    cfg = config or _config(n, gate.element_size(), backward=False)
+    _glu_fwd_kernel[_grid(m, n, cfg)](
+        gate, up, y,
+        gate.stride(0), up.stride(0), y.stride(0),
+        m, n,
+        ACTIVATION=activation, **cfg,
+    )  # fmt: skip
+    return y
+
+
+def glu_bwd(
+    dy: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    dgate: torch.Tensor | None = None,
+    dup: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dy, gate, up (M, N) -> dgate = dy * up * act'(gate), dup = dy * act(gate), both (M, N).
+
+    ``dgate``/``dup`` (M, N), unit column stride, receive the gradients instead of new tensors: the
+    fused MLP passes the two halves of one (M, 2N) buffer, the gradient of its packed gate_up.
+    """
+    _check_activation(activation)
+    m, n = gate.shape
+    dg = dgate if dgate is not None else empty((m, n), dtype=gate.dtype, device=gate.device)
+    du = dup if dup is not None else empty((m, n), dtype=up.dtype, device=up.device)
+    if m == 0 or n == 0:
+        return dg, du
+    assert dy.stride(1) == 1 and gate.stride(1) == 1 and up.stride(1) == 1
+    assert dg.stride(1) == 1 and du.stride(1) == 1
+    assert dy.shape == up.shape == dg.shape == du.shape == (m, n)
+    cfg = config or _config(n, gate.element_size(), backward=True)
+    _glu_bwd_kernel[_grid(m, n, cfg)](
+        dy, gate, up, dg, du,
+        dy.stride(0), gate.stride(0), up.stride(0), dg.stride(0), du.stride(0),
+        m, n,
+        ACTIVATION=activation, **cfg,
+    )  # fmt: skip
+    return dg, du
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library registration: opaque to torch.compile, differentiable through register_autograd
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("fuseformer::glu_fwd", mutates_args=())
+def _glu_fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    return glu_fwd(gate, up, activation)
+
+
+@_glu_fwd_op.register_fake
+def _(gate, up, activation):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("fuseformer::glu_bwd", mutates_args=())
+def _glu_bwd_op(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return glu_bwd(dy, gate, up, activation)
+
+
+@_glu_bwd_op.register_fake
+def _(dy, gate, up, activation):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    gate, up, activation = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(gate, up)
+
+
+def _backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    dgate, dup = _glu_bwd_op(rows_2d(dy), gate, up, ctx.activation)
+    return dgate, dup, None
+
+
+_glu_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+def _glu(op: str, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    check_tensor(op, "gate", gate, dtypes=FLOAT_DTYPES)
+    if gate.dim() == 0:
+        raise ValueError(f"{op}: gate must have at least 1 dim, got a scalar")
+    check_tensor(op, "up", up, dtypes=(gate.dtype,), device=gate.device, device_of="gate")
+    check_shape(op, "up", up, tuple(gate.shape), "the shape of gate")
+    backend = choose_backend(op, gate.device, gate.dtype in KERNEL_DTYPES, "float64 runs on the reference")
+    if backend == "reference":
+        return glu_ref(gate, up, activation)
+    y = _glu_fwd_op(rows_2d(gate), rows_2d(up), activation)
+    return y.view(gate.shape)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, as ``F.silu(gate) * up`` computes it (gradients included), in one pass.
+
+    Args:
+        gate: (..., I) fp16, bf16 or fp32 (fp64 runs on the reference). A row-strided view, such as
+            a half of ``gate_up.chunk(2, dim=-1)``, is read in place without a copy.
+        up: like gate (same shape, dtype and device).
+
+    Returns:
+        y (..., I), contiguous, in gate's dtype.
+    """
+    return _glu("swiglu", gate, up, "silu")
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """gelu(gate, approximate) * up, as ``F.gelu(gate, approximate=...) * up`` computes it, in one pass.
+
+    Args:
+        gate: (..., I) fp16, bf16 or fp32 (fp64 runs on the reference); row-strided views go in
+            without a copy.
+        up: like gate (same shape, dtype and device).
+        approximate: "tanh" (the tanh approximation, GPT-2/Gemma's gelu_pytorch_tanh) or "none"
+            (the exact erf form), as in ``torch.nn.functional.gelu``.
+
+    Returns:
+        y (..., I), contiguous, in gate's dtype.
+    """
+    return _glu("geglu", gate, up, _gelu_activation("geglu", approximate))
