@@ -1,0 +1,450 @@
+"""Rotary position embedding (RoPE), applied to a query or key tensor, with flash-attn's conventions.
+
+For a token at position p (its index in its sequence plus the sequence's offset) and each pair
+(x1, x2) of the first ``rotary_dim`` dims of every head:
+
+    out1 = x1 * cos[p, i] - x2 * sin[p, i]
+    out2 = x2 * cos[p, i] + x1 * sin[p, i]          i in [0, rotary_dim / 2)
+
+The pairs are (i, i + rotary_dim/2) ("rotate half", GPT-NeoX / Llama) or, with ``interleaved``,
+(2i, 2i + 1) (GPT-J). Dims past ``rotary_dim`` pass through unchanged (partial rotary).
+
+Everything below autograd lives here (STYLE.md §1): the reference ``apply_rotary_ref``, the one
+Triton kernel, the launchers ``apply_rotary_fwd``/``apply_rotary_bwd`` (no autograd; the engine
+calls them), the ``torch.library`` registration with fake and autograd, and the public ``apply_rotary``.
+
+Shapes: x (B, S, H, D), or packed varlen (T, H, D) with ``cu_seqlens`` (B + 1,) int32 and
+``max_seqlen``; cos, sin (S_max, rotary_dim / 2). The kernel takes x's strides, so q or k sliced out
+of a packed QKV tensor goes in without a copy as long as the last dim has unit stride.
+
+Backward: the rotation is orthogonal, so dx is dout rotated by -p: the same kernel with sin negated
+(the ``CONJUGATE`` switch). Gradients flow to x only: cos and sin are tables of constants and get none.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuseformer.ops._utils import FLOAT_DTYPES, KERNEL_DTYPES, check_tensor, empty, float_dtype_of, next_pow2
+from fuseformer.runtime.backend import choose_backend
+
+_OP = "apply_rotary"
+_MAX_HEAD_DIM = 256
+# CUDA caps grid dims y and z at 65535; the batch (sequences) goes on y.
+_MAX_BATCH = 65535
+# Rotary pairs a program handles: 2048 pairs = 8 KiB of bf16 read and 8 KiB written per program.
+_PAIRS_PER_PROGRAM = 2048
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+def _positions(x: torch.Tensor, seqlen_offsets: int | torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """The position of every token: (B, S) for x (B, S, H, D), (T,) for packed x (T, H, D)."""
+    if cu_seqlens is None:
+        b, s = x.shape[:2]
+        pos = torch.arange(s, device=x.device).expand(b, s)
+        if isinstance(seqlen_offsets, torch.Tensor):
+            return pos + seqlen_offsets.to(device=x.device, dtype=torch.int64)[:, None]
+        return pos + seqlen_offsets
+    cu = cu_seqlens.to(torch.int64)
+    tok = torch.arange(x.shape[0], device=x.device)
+    seq = torch.searchsorted(cu[1:], tok, right=True)  # (T,) the sequence each token belongs to
+    pos = tok - cu[seq]
+    if isinstance(seqlen_offsets, torch.Tensor):
+        return pos + seqlen_offsets.to(device=x.device, dtype=torch.int64)[seq]
+    return pos + seqlen_offsets
+
+
+def apply_rotary_ref(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+    seqlen_offsets: int | torch.Tensor = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Pure PyTorch rotary embedding, every mode of :func:`apply_rotary` (varlen included).
+
+    Computes in fp32 (fp64 stays fp64) when ``upcast``, else in x's dtype (cos and sin cast to it).
+    ``max_seqlen`` is accepted for signature parity and not needed here. Returns x's shape and dtype.
+    """
+    del max_seqlen
+    dtype = x.dtype
+    compute = float_dtype_of(x) if upcast else dtype
+    half = cos.shape[-1]
+    rot = 2 * half
+    pos = _positions(x, seqlen_offsets, cu_seqlens)
+    c = cos[pos].to(compute).unsqueeze(-2)  # (..., 1, half), broadcast over heads
+    s = sin[pos].to(compute).unsqueeze(-2)
+    xr = x[..., :rot].to(compute)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+    o1 = x1 * c - x2 * s
+    o2 = x2 * c + x1 * s
+    out = torch.stack((o1, o2), dim=-1).flatten(-2) if interleaved else torch.cat((o1, o2), dim=-1)
+    return torch.cat((out.to(dtype), x[..., rot:]), dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _apply_rotary_kernel(
+    X, OUT, COS, SIN, CU_SEQLENS, OFFSETS,
+    stride_xb, stride_xs, stride_xh,
+    stride_ob, stride_os, stride_oh,
+    stride_cos, stride_sin,
+    seqlen, nheads, seqlen_ro, offset,
+    HALF: tl.constexpr, PASS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, OFFSETS_IS_TENSOR: tl.constexpr,
+    INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    # Program (m, b, h): tokens [m*BLOCK_M, +BLOCK_M) of sequence b, heads [h*BLOCK_H, +BLOCK_H).
+    # Tile [BLOCK_M, BLOCK_H, BLOCK_K] of rotary pairs; cos/sin are loaded once per token and
+    # broadcast over the heads.
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    pid_h = tl.program_id(2)
+    if IS_VARLEN:
+        start = tl.load(CU_SEQLENS + pid_b)
+        n_tok = tl.load(CU_SEQLENS + pid_b + 1) - start
+        x_seq = X + start.to(tl.int64) * stride_xs
+        o_seq = OUT + start.to(tl.int64) * stride_os
+    else:
+        n_tok = seqlen
+        x_seq = X + pid_b.to(tl.int64) * stride_xb
+        o_seq = OUT + pid_b.to(tl.int64) * stride_ob
+    if OFFSETS_IS_TENSOR:
+        off = tl.load(OFFSETS + pid_b).to(tl.int64)
+    else:
+        off = offset
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_tok
+    rows = rows.to(tl.int64)  # row * stride can pass 2^31
+    pos = rows + off
+    # A position past the cos/sin table yields NaN rather than a read out of bounds. The public op
+    # checks this on the host; only the launcher called directly, or under torch.compile / CUDA-graph
+    # capture with tensor offsets (where the host check cannot run), can get here with one.
+    pos_ok = row_mask & (pos >= 0) & (pos < seqlen_ro)
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < nheads
+    heads = heads.to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    k_mask = k < HALF
+
+    cs_mask = pos_ok[:, None, None] & k_mask[None, None, :]
+    cos = tl.load(COS + pos[:, None, None] * stride_cos + k[None, None, :], mask=cs_mask, other=float("nan"))
+    sin = tl.load(SIN + pos[:, None, None] * stride_sin + k[None, None, :], mask=cs_mask, other=float("nan"))
+    cos = cos.to(tl.float32)  # (BLOCK_M, 1, BLOCK_K)
+    sin = sin.to(tl.float32)
+    if CONJUGATE:
+        sin = -sin
+
+    x_tile = x_seq + rows[:, None, None] * stride_xs + heads[None, :, None] * stride_xh
+    o_tile = o_seq + rows[:, None, None] * stride_os + heads[None, :, None] * stride_oh
+    tile_mask = row_mask[:, None, None] & head_mask[None, :, None]
+    mask = tile_mask & k_mask[None, None, :]
+    if INTERLEAVED:
+        col1 = 2 * k
+        col2 = 2 * k + 1
+    else:
+        col1 = k
+        col2 = k + HALF
+    x1 = tl.load(x_tile + col1[None, None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_tile + col2[None, None, :], mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    tl.store(o_tile + col1[None, None, :], o1.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(o_tile + col2[None, None, :], o2.to(OUT.dtype.element_ty), mask=mask)
+
+    if PASS > 0:
+        # Dims [2*HALF, 2*HALF + PASS) are copied unchanged.
+        p = 2 * HALF + tl.arange(0, BLOCK_P)
+        p_mask = tile_mask & (tl.arange(0, BLOCK_P) < PASS)[None, None, :]
+        xp = tl.load(x_tile + p[None, None, :], mask=p_mask, other=0.0)
+        tl.store(o_tile + p[None, None, :], xp, mask=p_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+def _config(seqlen: int, nheads: int, half: int, passthrough: int) -> dict:
+    """Tile sizes: all heads of a token in one program where they fit, several tokens per program
+    when a token's heads are few (GQA keys), so that each program moves about 8 KiB each way."""
+    block_k = next_pow2(half)
+    block_h = min(next_pow2(nheads), max(1, _PAIRS_PER_PROGRAM // block_k))
+    block_m = max(1, min(16, _PAIRS_PER_PROGRAM // (block_h * block_k), next_pow2(max(seqlen, 1))))
+    block_p = next_pow2(passthrough) if passthrough > 0 else 1
+    elems = block_m * block_h * (2 * block_k + block_p)
+    num_warps = 2 if elems <= 1024 else 4 if elems <= 8192 else 8
+    return dict(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_P=block_p, num_warps=num_warps)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers (no autograd; inputs already checked; the last dim of x has unit stride)
+# --------------------------------------------------------------------------------------------
+def apply_rotary_fwd(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    seqlen_offsets: int | torch.Tensor = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    interleaved: bool = False,
+    conjugate: bool = False,
+) -> torch.Tensor:
+    """x (B, S, H, D) or packed (T, H, D) with cu_seqlens (B + 1,) int32 and max_seqlen -> out, a new
+    contiguous tensor of x's shape and dtype. ``conjugate`` rotates by -p (sin negated): the backward.
+
+    cos, sin (S_max, rotary_dim / 2), contiguous in the last dim; seqlen_offsets an int or a (B,)
+    int32/int64 tensor. Positions past S_max give NaN (no out-of-bounds read); nothing else is checked.
+    """
+    out = empty(tuple(x.shape), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    assert x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+    half = cos.shape[-1]
+    d = x.shape[-1]
+    nheads = x.shape[-2]
+    if cu_seqlens is not None:
+        assert max_seqlen is not None and x.dim() == 3
+        batch, seqlen = cu_seqlens.shape[0] - 1, int(max_seqlen)
+        strides_x = (0, x.stride(0), x.stride(1))
+        strides_o = (0, out.stride(0), out.stride(1))
+    else:
+        assert x.dim() == 4
+        batch, seqlen = x.shape[0], x.shape[1]
+        strides_x = (x.stride(0), x.stride(1), x.stride(2))
+        strides_o = (out.stride(0), out.stride(1), out.stride(2))
+    if batch == 0 or seqlen == 0:
+        return out
+    offsets_is_tensor = isinstance(seqlen_offsets, torch.Tensor)
+    cfg = _config(seqlen, nheads, half, d - 2 * half)
+    grid = (triton.cdiv(seqlen, cfg["BLOCK_M"]), batch, triton.cdiv(nheads, cfg["BLOCK_H"]))
+    _apply_rotary_kernel[grid](
+        x, out, cos, sin,
+        cu_seqlens if cu_seqlens is not None else x,
+        seqlen_offsets if offsets_is_tensor else x,
+        *strides_x, *strides_o,
+        cos.stride(0), sin.stride(0),
+        seqlen, nheads, cos.shape[0], 0 if offsets_is_tensor else int(seqlen_offsets),
+        HALF=half, PASS=d - 2 * half,
+        IS_VARLEN=cu_seqlens is not None, OFFSETS_IS_TENSOR=offsets_is_tensor,
+        INTERLEAVED=bool(interleaved), CONJUGATE=bool(conjugate), **cfg,
+    )  # fmt: skip
+    return out
+
+
+def apply_rotary_bwd(
+    dout: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    seqlen_offsets: int | torch.Tensor = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """dout (like x) -> dx: the forward kernel rotating by -p (the inverse, since R(p) is orthogonal)."""
+    return apply_rotary_fwd(dout, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, conjugate=True)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library registration: opaque to torch.compile, differentiable through register_autograd
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("fuseformer::apply_rotary", mutates_args=())
+def _apply_rotary_op(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    offsets: torch.Tensor | None,
+    offset: int,
+    cu_seqlens: torch.Tensor | None,
+    max_seqlen: int,
+    interleaved: bool,
+    conjugate: bool,
+) -> torch.Tensor:
+    # A custom op's argument has one type: the int and the tensor form of seqlen_offsets come apart.
+    seqlen_offsets = offsets if offsets is not None else offset
+    return apply_rotary_fwd(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, conjugate)
+
+
+@_apply_rotary_op.register_fake
+def _(x, cos, sin, offsets, offset, cu_seqlens, max_seqlen, interleaved, conjugate):
+    return x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, cos, sin, offsets, offset, cu_seqlens, max_seqlen, interleaved, conjugate = inputs
+    ctx.save_for_backward(cos, sin, offsets, cu_seqlens)
+    ctx.args = (offset, max_seqlen, interleaved, conjugate)
+
+
+def _backward(ctx, dout):
+    cos, sin, offsets, cu_seqlens = ctx.saved_tensors
+    offset, max_seqlen, interleaved, conjugate = ctx.args
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dx = _apply_rotary_op(dout, cos, sin, offsets, offset, cu_seqlens, max_seqlen, interleaved, not conjugate)
+    # No gradient for cos and sin (constant tables), nor for the integer arguments.
+    return dx, None, None, None, None, None, None, None, None
+
+
+_apply_rotary_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------------
+def _can_read_device_values(t: torch.Tensor) -> bool:
+    """Whether checks may read tensor values on the host (a sync): not while torch.compile traces
+    nor while a CUDA graph is captured."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _check_inputs(x, cos, sin, interleaved, seqlen_offsets, cu_seqlens, max_seqlen) -> int | None:
+    """Raise ValueError naming the bad argument; return max_seqlen (computed when varlen and None)."""
+    varlen = cu_seqlens is not None
+    check_tensor(_OP, "x", x, dtypes=FLOAT_DTYPES)
+    if varlen and x.dim() != 3:
+        raise ValueError(f"{_OP}: x must have 3 dims (T, H, D) with cu_seqlens, got shape {tuple(x.shape)}")
+    if not varlen and x.dim() != 4:
+        raise ValueError(
+            f"{_OP}: x must have 4 dims (B, S, H, D) without cu_seqlens (3 dims (T, H, D) need cu_seqlens), "
+            f"got shape {tuple(x.shape)}"
+        )
+    d = x.shape[-1]
+    if d > _MAX_HEAD_DIM:
+        raise ValueError(f"{_OP}: head dim {d} of x is above the supported {_MAX_HEAD_DIM}")
+    check_tensor(_OP, "cos", cos, dtypes=FLOAT_DTYPES, ndim=2, device=x.device)
+    check_tensor(_OP, "sin", sin, dtypes=FLOAT_DTYPES, ndim=2, device=x.device)
+    if sin.shape != cos.shape:
+        raise ValueError(f"{_OP}: sin has shape {tuple(sin.shape)}; expected {tuple(cos.shape)} (the shape of cos)")
+    if sin.dtype != cos.dtype:
+        raise ValueError(f"{_OP}: sin has dtype {sin.dtype}; expected {cos.dtype} (the dtype of cos)")
+    half = cos.shape[1]
+    if half == 0 or 2 * half > d:
+        raise ValueError(
+            f"{_OP}: cos has shape {tuple(cos.shape)}, so rotary_dim = 2 * {half} = {2 * half}; "
+            f"expected 2 <= rotary_dim <= head dim {d} of x"
+        )
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"{_OP}: interleaved must be a bool, got {interleaved!r}")
+
+    if varlen:
+        check_tensor(_OP, "cu_seqlens", cu_seqlens, dtypes=(torch.int32,), ndim=1, device=x.device)
+        if cu_seqlens.shape[0] < 2:
+            raise ValueError(f"{_OP}: cu_seqlens must have B + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+        if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)):
+            raise ValueError(f"{_OP}: max_seqlen must be an int, got {max_seqlen!r}")
+    elif max_seqlen is not None:
+        raise ValueError(f"{_OP}: max_seqlen is only used with cu_seqlens (packed x), got {max_seqlen!r}")
+    batch = cu_seqlens.shape[0] - 1 if varlen else x.shape[0]
+    if batch > _MAX_BATCH:
+        raise ValueError(f"{_OP}: batch {batch} is above the supported {_MAX_BATCH} sequences")
+
+    if isinstance(seqlen_offsets, torch.Tensor):
+        check_tensor(_OP, "seqlen_offsets", seqlen_offsets, dtypes=(torch.int32, torch.int64), device=x.device)
+        if tuple(seqlen_offsets.shape) != (batch,):
+            raise ValueError(
+                f"{_OP}: seqlen_offsets has shape {tuple(seqlen_offsets.shape)}; expected ({batch},) (one per sequence)"
+            )
+    elif isinstance(seqlen_offsets, bool) or not isinstance(seqlen_offsets, int):
+        raise ValueError(f"{_OP}: seqlen_offsets must be an int or a (B,) int tensor, got {seqlen_offsets!r}")
+    elif seqlen_offsets < 0:
+        raise ValueError(f"{_OP}: seqlen_offsets must be >= 0, got {seqlen_offsets}")
+
+    # Checks that read device values (a host sync): skipped while compiling or capturing a CUDA graph,
+    # where the kernel still never reads out of bounds (positions past cos give NaN).
+    host = _can_read_device_values(x)
+    if varlen:
+        if host:
+            cu = cu_seqlens.tolist()
+            if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+                raise ValueError(f"{_OP}: cu_seqlens must start at 0 and be non-decreasing, got {cu}")
+            if cu[-1] != x.shape[0]:
+                raise ValueError(f"{_OP}: cu_seqlens ends at {cu[-1]}; expected the token count {x.shape[0]} of x")
+            longest = max(b - a for a, b in zip(cu, cu[1:]))
+            if max_seqlen is None:
+                max_seqlen = longest
+            elif max_seqlen < longest:
+                raise ValueError(f"{_OP}: max_seqlen {max_seqlen} is below the longest sequence {longest}")
+        elif max_seqlen is None:
+            raise ValueError(f"{_OP}: pass max_seqlen with cu_seqlens under torch.compile or CUDA-graph capture")
+    if isinstance(seqlen_offsets, torch.Tensor):
+        if not host or seqlen_offsets.numel() == 0:
+            return max_seqlen
+        lo, hi = seqlen_offsets.min().item(), seqlen_offsets.max().item()
+        if lo < 0:
+            raise ValueError(f"{_OP}: seqlen_offsets must be >= 0, got a minimum of {lo}")
+    else:
+        hi = seqlen_offsets
+    length = max_seqlen if varlen else x.shape[1]
+    if length > 0 and length + hi > cos.shape[0]:
+        raise ValueError(
+            f"{_OP}: cos and sin have {cos.shape[0]} positions but the input needs {length + hi} "
+            f"(seqlen {length} + max seqlen_offsets {hi})"
+        )
+    return max_seqlen
+
+
+# --------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------
+def apply_rotary(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+    seqlen_offsets: int | torch.Tensor = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
+    """Rotary position embedding, as flash-attn's ``apply_rotary_emb`` (not in place).
+
+    Args:
+        x: (B, S, H, D), or packed (T, H, D) with ``cu_seqlens``; fp16, bf16 or fp32 (fp64 runs on
+            the reference). Any strides with a unit-stride last dim are read without a copy (e.g. q
+            sliced out of a packed (B, S, 3, H, D) QKV tensor). D <= 256.
+        cos, sin: (S_max, rotary_dim / 2), one dtype (fp32 recommended; the kernel computes in fp32).
+            rotary_dim = 2 * cos.shape[1] <= D; dims past rotary_dim are passed through unchanged.
+        interleaved: False rotates pairs (i, i + rotary_dim/2) (GPT-NeoX, Llama); True rotates pairs
+            (2i, 2i + 1) (GPT-J).
+        seqlen_offsets: int, or (B,) int32/int64 tensor: the position of each sequence's first token
+            (decode with a KV cache). Positions S + offset (max_seqlen + offset when packed) must fit
+            in cos; with a tensor this check reads its max on the host (a sync; skipped while
+            torch.compile traces or a CUDA graph is captured, where an out-of-range position gives NaN).
+        cu_seqlens: (B + 1,) int32, starting at 0, non-decreasing, ending at T: the sequence
+            boundaries of packed x. Checked on the host (a sync) like a tensor seqlen_offsets.
+        max_seqlen: the longest sequence of packed x; computed from cu_seqlens when None (a sync;
+            required under torch.compile).
+
+    Returns:
+        A new tensor of x's shape and dtype (contiguous). Differentiable in x only: cos and sin get
+        no gradient.
+    """
+    max_seqlen = _check_inputs(x, cos, sin, interleaved, seqlen_offsets, cu_seqlens, max_seqlen)
+    supported = x.dtype in KERNEL_DTYPES and cos.dtype in KERNEL_DTYPES
+    backend = choose_backend(_OP, x.device, supported, "float64 runs on the reference")
+    if backend == "reference":
+        return apply_rotary_ref(x, cos, sin, interleaved, seqlen_offsets, cu_seqlens, max_seqlen)
+
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    offsets = seqlen_offsets if isinstance(seqlen_offsets, torch.Tensor) else None
+    offset = 0 if offsets is not None else int(seqlen_offsets)
+    return _apply_rotary_op(
+        x, cos, sin, offsets, offset, cu_seqlens, int(max_seqlen) if max_seqlen is not None else 0, interleaved, False
+    )
