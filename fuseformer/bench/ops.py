@@ -91,11 +91,10 @@ def bench_rms_norm(quick: bool) -> list[Record]:
             "F.rms_norm": lambda x, w: TF.rms_norm(x, (n,), w, 1e-6),
         }
         if _liger():
-            from liger_kernel.transformers import LigerRMSNorm
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-            lig = LigerRMSNorm(n, eps=1e-6).to(dev, dtype)
-            lig.weight = w  # same parameter
-            impls["liger"] = lambda x, w: lig(x)
+            # Liger's defaults (casting_mode "llama", in-place dy in backward), as LigerRMSNorm uses.
+            impls["liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6)
         records += _fwd_bwd_records(
             "rms_norm", (m, n), dtype, impls, (x, w), 2 * m * n * es + n * es, 3 * m * n * es + 2 * n * es, (x, w)
         )
