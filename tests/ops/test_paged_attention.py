@@ -1,0 +1,278 @@
+"""paged_attention and reshape_and_cache: the Triton kernels against plain attention over the contiguous
+sequence in fp64 (DESIGN.md §3), steps mixing prefix + chunk + decode, GQA, windows, bad input, compile."""
+
+import math
+
+import pytest
+import torch
+
+import fuseformer
+import fuseformer.ops as F
+from fuseformer.testing import assert_close
+
+
+def _dense(q, k, v, q_len, causal, window, dtype):
+    """Plain attention of the last ``q_len`` queries of one contiguous sequence, computed in ``dtype``.
+
+    q (S, Hq, D), k, v (S, Hkv, D) -> (q_len, Hq, D) in ``dtype``.
+    """
+    s_len, hq, d = q.shape
+    group = hq // k.shape[1]
+    q, k, v = (t.to(dtype) for t in (q[s_len - q_len :], k, v))
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * (1.0 / math.sqrt(d))
+    q_pos = torch.arange(s_len - q_len, s_len, device=q.device)[:, None]
+    k_pos = torch.arange(s_len, device=q.device)[None, :]
+    allowed = torch.ones(q_len, s_len, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed &= k_pos <= q_pos
+    if window > 0:
+        allowed &= k_pos > q_pos - window
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", p, v)
+
+
+def _nan_gapped(shape, dtype, device):
+    base = torch.full((*shape[:-1], shape[-1] + 3), float("nan"), dtype=dtype, device=device)
+    base[..., : shape[-1]] = torch.randn(shape, dtype=dtype, device=device)
+    return base[..., : shape[-1]]
+
+
+def _step(seqs, hq, hkv, d, block_size, dtype, device, *, causal=True, window=-1, noncontig=False):
+    """Run one step: ``seqs`` is a list of (context_len, q_len). The cached prefixes are written with
+    the reference, the new tokens with ``reshape_and_cache`` (Triton), blocks assigned in a random
+    order from a NaN-filled cache (a read outside the context yields NaN). Returns (out, ref, base)."""
+    blocks_per_seq = [-(-ctx // block_size) for ctx, _ in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks).tolist()
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    max_blocks = max(blocks_per_seq, default=1) + 2
+    block_tables = torch.full((len(seqs), max_blocks), 10**6, dtype=torch.int32, device=device)  # junk past the end
+    full, new_q, new_k, new_v, slots, cu, refs, bases = [], [], [], [], [], [0], [], []
+    for b, (ctx, q_len) in enumerate(seqs):
+        table = [perm.pop() for _ in range(blocks_per_seq[b])]
+        block_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        q = torch.randn(ctx, hq, d, dtype=dtype, device=device)
+        k = torch.randn(ctx, hkv, d, dtype=dtype, device=device)
+        v = torch.randn(ctx, hkv, d, dtype=dtype, device=device)
+        slot = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)], device=device)
+        pre = ctx - q_len
+        F.reshape_and_cache_ref(k[:pre], v[:pre], k_cache, v_cache, slot[:pre])
+        new_q.append(q[pre:])
+        new_k.append(k[pre:])
+        new_v.append(v[pre:])
+        slots.append(slot[pre:])
+        cu.append(cu[-1] + q_len)
+        full.append((q, k, v))
+        refs.append(_dense(q, k, v, q_len, causal, window, torch.float64).cpu())
+        bases.append(_dense(q, k, v, q_len, causal, window, dtype).cpu())
+    q, k, v = torch.cat(new_q), torch.cat(new_k), torch.cat(new_v)
+    if noncontig:  # slices of wider tensors whose gaps hold NaN, as slices of a packed qkv would be
+        q, k, v = (_nan_gapped(t.shape, dtype, device).copy_(t) for t in (q, k, v))
+    slot_mapping = torch.cat(slots).long()
+    # A padding token with slot -1 must not be written.
+    k_pad = torch.cat([k, torch.randn(1, hkv, d, dtype=dtype, device=device)])
+    v_pad = torch.cat([v, torch.randn(1, hkv, d, dtype=dtype, device=device)])
+    slot_pad = torch.cat([slot_mapping, torch.tensor([-1], device=device)])
+    cu_q = torch.tensor(cu, dtype=torch.int32, device=device)
+    ctx_lens = torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32, device=device)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    F.reshape_and_cache_ref(k, v, ref_k_cache, ref_v_cache, slot_mapping)
+    with fuseformer.use_backend("triton"):
+        F.reshape_and_cache(k_pad, v_pad, k_cache, v_cache, slot_pad)
+        out = F.paged_attention(q, k_cache, v_cache, cu_q, ctx_lens, block_tables, causal=causal, window=window)
+    for cache, ref_cache in ((k_cache, ref_k_cache), (v_cache, ref_v_cache)):
+        assert torch.equal(cache.nan_to_num(7.0), ref_cache.nan_to_num(7.0)), "reshape_and_cache wrote wrong slots"
+    ref = torch.cat(refs) if refs else torch.zeros(0, hq, d, dtype=torch.float64)
+    base = torch.cat(bases) if bases else torch.zeros(0, hq, d, dtype=dtype)
+    # The paged reference computes the same thing as the dense one.
+    paged_ref = F.paged_attention_ref(
+        q.double(), k_cache.double(), v_cache.double(), cu_q, ctx_lens, block_tables, causal=causal, window=window
+    )
+    torch.testing.assert_close(paged_ref.cpu(), ref, rtol=1e-9, atol=1e-9)
+    return out.cpu(), ref, base
+
+
+# (context_len, q_len): a prefill without prefix, a chunk after a cached prefix, decodes, a one-token sequence.
+MIX = [(37, 37), (50, 13), (20, 1), (1, 1), (70, 1)]
+CPU_CASES = [
+    # seqs, hq, hkv, d, block_size
+    (MIX, 4, 2, 32, 16),
+    (MIX, 4, 4, 59, 5),
+    ([(23, 23)], 2, 1, 16, 16),
+    ([(81, 1), (33, 1), (5, 1)], 6, 2, 64, 8),
+    ([(90, 70)], 2, 2, 80, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seqs, hq, hkv, d, block_size", CPU_CASES)
+def test_paged_attention_matches_contiguous_attention(seqs, hq, hkv, d, block_size, dtype, device):
+    out, ref, base = _step(seqs, hq, hkv, d, block_size, dtype, device)
+    assert out.dtype == dtype
+    assert_close("out", out, ref, base)
+
+
+@pytest.mark.parametrize("window", [1, 7, 20])
+def test_paged_attention_sliding_window(window, device):
+    out, ref, base = _step(MIX, 4, 2, 32, 16, torch.float16, device, window=window)
+    assert_close("out", out, ref, base)
+
+
+def test_paged_attention_not_causal(device):
+    out, ref, base = _step([(30, 30), (40, 9), (12, 1)], 4, 2, 32, 8, torch.float32, device, causal=False)
+    assert_close("out", out, ref, base)
+
+
+def test_paged_attention_noncontiguous_with_nan_gaps(device):
+    out, ref, base = _step(MIX, 4, 2, 32, 16, torch.float16, device, noncontig=True)
+    assert_close("out", out, ref, base)
+
+
+def test_paged_attention_empty_step(device):
+    k_cache = torch.randn(2, 4, 2, 16, device=device)
+    q = torch.randn(0, 2, 16, device=device)
+    zeros = torch.zeros(1, dtype=torch.int32, device=device)
+    with fuseformer.use_backend("triton"):
+        out = F.paged_attention(q, k_cache, k_cache, zeros, zeros[:0], zeros[:0, None])
+        F.reshape_and_cache(q, q, k_cache, k_cache, zeros[:0].long())
+    assert out.shape == (0, 2, 16)
+
+
+def test_paged_attention_nan_inf_propagate_like_reference(device):
+    seqs = [(20, 5), (9, 1)]
+    q = torch.randn(6, 2, 16, device=device)
+    q[1, 0, 3] = float("nan")
+    q[5, 1, 2] = float("inf")
+    k_cache = torch.randn(8, 4, 1, 16, device=device)
+    v_cache = torch.randn(8, 4, 1, 16, device=device)
+    args = (
+        torch.tensor([0, 5, 6], dtype=torch.int32, device=device),
+        torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32, device=device),
+        torch.tensor([[0, 2, 4, 6, 7], [1, 3, 5, 0, 0]], dtype=torch.int32, device=device),
+    )
+    with fuseformer.use_backend("triton"):
+        out = F.paged_attention(q, k_cache, v_cache, *args)
+    ref = F.paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), *args)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.isnan(out[1, 0]).all() and torch.isnan(out[5, 1]).all() and not torch.isnan(out[0]).any()
+    assert_close("out", out, ref, F.paged_attention_ref(q, k_cache, v_cache, *args, upcast=False))
+
+
+def test_paged_attention_reference_backend_is_used_when_forced(device):
+    q, kc = torch.randn(3, 2, 8, device=device), torch.randn(2, 4, 2, 8, device=device)
+    args = (
+        torch.tensor([0, 3], dtype=torch.int32, device=device),
+        torch.tensor([5], dtype=torch.int32, device=device),
+        torch.tensor([[1, 0]], dtype=torch.int32, device=device),
+    )
+    with fuseformer.use_backend("reference"):
+        torch.testing.assert_close(F.paged_attention(q, kc, kc, *args), F.paged_attention_ref(q, kc, kc, *args))
+
+
+def _good():
+    return dict(
+        q=torch.randn(3, 4, 8),
+        k_cache=torch.randn(2, 4, 2, 8),
+        v_cache=torch.randn(2, 4, 2, 8),
+        cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32),
+        context_lens=torch.tensor([5], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 0]], dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(q=torch.randint(0, 3, (3, 4, 8))), "q has dtype int64"),
+        (dict(q=torch.randn(3, 32)), "q must have 3 dims"),
+        (dict(k_cache=torch.randn(2, 4, 2, 8).half()), "k_cache has dtype float16"),
+        (dict(v_cache=torch.randn(2, 4, 2, 9)), r"v_cache has shape \(2, 4, 2, 9\)"),
+        (dict(q=torch.randn(3, 3, 8)), "not a multiple of k_cache's 2 kv heads"),
+        (dict(q=torch.randn(3, 4, 4)), "k_cache has head dim 8 but q has 4"),
+        (dict(cu_seqlens_q=torch.tensor([0.0, 3.0])), "cu_seqlens_q has dtype float32"),
+        (dict(context_lens=torch.tensor([5, 5], dtype=torch.int32)), r"context_lens has shape \(2,\)"),
+        (dict(block_tables=torch.tensor([1, 0], dtype=torch.int32)), "block_tables must have 2 dims"),
+        (dict(window=0), "window must be -1 or a positive int"),
+    ],
+)
+def test_paged_attention_bad_input(change, match):
+    with pytest.raises(ValueError, match=match):
+        F.paged_attention(**{**_good(), **change})
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(k=torch.randn(3, 2)), "k must have 3 dims"),
+        (dict(v=torch.randn(3, 2, 8).half()), "v has dtype float16"),
+        (dict(k_cache=torch.randn(2, 4, 3, 8), v_cache=torch.randn(2, 4, 3, 8)), r"k_cache has shape \(2, 4, 3, 8\)"),
+        (dict(slot_mapping=torch.tensor([0, 1, 2.0])), "slot_mapping has dtype float32"),
+        (dict(slot_mapping=torch.tensor([0, 1])), r"slot_mapping has shape \(2,\)"),
+    ],
+)
+def test_reshape_and_cache_bad_input(change, match):
+    args = dict(
+        k=torch.randn(3, 2, 8),
+        v=torch.randn(3, 2, 8),
+        k_cache=torch.randn(2, 4, 2, 8),
+        v_cache=torch.randn(2, 4, 2, 8),
+        slot_mapping=torch.tensor([0, 5, 6]),
+    )
+    with pytest.raises(ValueError, match=match):
+        F.reshape_and_cache(**{**args, **change})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device mismatch needs a second device")
+def test_paged_attention_device_mismatch():
+    args = {**_good(), "q": torch.randn(3, 4, 8, device="cuda")}
+    with pytest.raises(ValueError, match="k_cache is on cpu but q is on cuda"):
+        F.paged_attention(**args)
+
+
+def test_paged_attention_compiles_fullgraph(device, compile_backend):
+    q = torch.randn(4, 4, 16, device=device)
+    k = torch.randn(4, 2, 16, device=device)
+    v = torch.randn(4, 2, 16, device=device)
+    cu_q = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
+    ctx = torch.tensor([3, 6], dtype=torch.int32, device=device)
+    tables = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32, device=device)
+    slots = torch.tensor([8, 9, 10, 13], device=device)
+
+    def fn(q, k, v, k_cache, v_cache):
+        F.reshape_and_cache(k, v, k_cache, v_cache, slots)
+        return F.paged_attention(q, k_cache, v_cache, cu_q, ctx, tables, max_seqlen_q=3) * 2
+
+    with fuseformer.use_backend("triton"):
+        caches = [torch.randn(4, 4, 2, 16, device=device) for _ in range(2)]
+        caches_c = [c.clone() for c in caches]
+        eager = fn(q, k, v, *caches)
+        compiled = torch.compile(fn, fullgraph=True, backend=compile_backend)(q, k, v, *caches_c)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(caches_c, caches)
+
+
+GPU_CASES = [
+    # Llama-3-8B heads: a step mixing prefill chunks with cached prefixes and many decodes.
+    ([(4096, 4096), (3000, 512), (1500, 1)] + [(int(c), 1) for c in torch.randint(1, 4000, (61,))], 32, 8, 128, 16),
+    ([(1025, 97), (97, 97), (1, 1), (2049, 1)], 28, 4, 128, 16),
+    ([(777, 300), (5125, 1)], 16, 2, 64, 32),
+    ([(1000, 1000), (300, 1)], 8, 8, 256, 16),
+    ([(513, 200), (33, 1)], 12, 4, 80, 16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("seqs, hq, hkv, d, block_size", GPU_CASES)
+def test_paged_attention_gpu(seqs, hq, hkv, d, block_size, dtype):
+    out, ref, base = _step(seqs, hq, hkv, d, block_size, dtype, "cuda")
+    assert_close("out", out, ref, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [1, 100, 1000])
+def test_paged_attention_window_gpu(window):
+    out, ref, base = _step([(3000, 800), (2000, 1), (50, 50)], 32, 8, 128, 16, torch.bfloat16, "cuda", window=window)
+    assert_close("out", out, ref, base)
