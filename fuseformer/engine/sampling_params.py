@@ -1,0 +1,116 @@
+"""SamplingParams: how one request is sampled and when it stops (the fields and meanings of vLLM's).
+
+A validated dataclass: ``__post_init__`` raises ``ValueError`` (or ``TypeError``) naming the field,
+so a bad value fails when the request is made, not deep inside a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    """Sampling and stopping for one request.
+
+    Args:
+        n: completions per prompt (the ``LLM`` layer fans a prompt out into ``n`` requests).
+        max_tokens: output tokens at most.
+        temperature: 0 is greedy (argmax); otherwise logits are divided by it before sampling.
+        top_k: keep the k most likely tokens; -1 or 0 keeps all.
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p; in (0, 1].
+        min_p: drop tokens whose probability is below ``min_p`` times the top token's; in [0, 1].
+        repetition_penalty: > 0; tokens seen in the prompt or output have positive logits divided
+            by it and negative ones multiplied by it (1 = off).
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every token in the output.
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it is in the output.
+        seed: a per-request seed: the same seed gives the same tokens whatever else is in the batch.
+        stop: stop strings (a string or a list); the output is cut before the first one found.
+        stop_token_ids: token ids that finish the request (besides EOS).
+        ignore_eos: keep going past EOS.
+        logprobs: None, or how many top log-probabilities to return per token besides the sampled
+            token's (0 returns only the sampled token's).
+        skip_special_tokens: leave special tokens out of the output text.
+        include_stop_str_in_output: keep the stop string at the end of the output text.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams: {name} {why}, got {getattr(self, name)!r}")
+
+        for name in ("n", "max_tokens", "top_k"):
+            if not _is_int(getattr(self, name)):
+                raise TypeError(f"SamplingParams: {name} must be an int, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)):
+                raise TypeError(f"SamplingParams: {name} must be a number, got {getattr(self, name)!r}")
+            if getattr(self, name) != getattr(self, name):
+                raise bad(name, "must not be NaN")
+
+        if self.n < 1:
+            raise bad("n", "must be at least 1")
+        if self.max_tokens < 1:
+            raise bad("max_tokens", "must be at least 1")
+        if self.temperature < 0 or self.temperature == float("inf"):
+            raise bad("temperature", "must be finite and >= 0 (0 is greedy)")
+        if self.top_k < -1:
+            raise bad("top_k", "must be -1 or 0 (off) or a positive count")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise bad("repetition_penalty", "must be finite and > 0 (1 is off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "must be in [-2, 2]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise TypeError(f"SamplingParams: seed must be an int or None, got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise bad("logprobs", "must be None or an int >= 0")
+
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of token ids >= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Temperature 0: the argmax token, no randomness (top-k/top-p/min-p do not matter)."""
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
