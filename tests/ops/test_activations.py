@@ -1,0 +1,275 @@
+"""swiglu / geglu: the Triton kernels against the fp64 reference (DESIGN.md §3), strided and packed
+inputs, NaN/Inf, empty, bad input, compile."""
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import fuseformer
+import fuseformer.ops as F
+from fuseformer.ops import activations as A
+from fuseformer.testing import assert_close
+
+CPU_SHAPES = [(1, 1), (3, 123), (37, 769), (5, 5125), (2, 3, 64)]
+GPU_SHAPES = [(16384, 14336), (4096, 11008), (1000, 5125), (3, 70001), (8, 512, 1376), (1, 1)]
+# (public op, its kwargs, the reference's kwargs): one case per kernel activation.
+VARIANTS = {
+    "silu": (F.swiglu, {}, F.swiglu_ref),
+    "gelu_tanh": (F.geglu, {"approximate": "tanh"}, F.geglu_ref),
+    "gelu": (F.geglu, {"approximate": "none"}, F.geglu_ref),
+}
+
+
+def _randn(shape, dtype, device, scale=1.0, gapped=False):
+    """A random tensor; with ``gapped``, viewed out of a wider one whose gap columns hold NaN."""
+    values = (scale * torch.randn(shape, device=device)).to(dtype)
+    if not gapped:
+        return values
+    base = torch.full((*shape[:-1], shape[-1] + 5), float("nan"), dtype=dtype, device=device)
+    base[..., : shape[-1]] = values
+    return base[..., : shape[-1]]
+
+
+def _inputs(shape, dtype, device, layout):
+    """gate, up in ``layout``: "contiguous", "nan_gapped" or "packed" (the halves of one (..., 2I)).
+
+    Gate is scaled by 3 so that both tails and the bend of the activation are exercised.
+    """
+    if layout == "packed":
+        gate, up = _randn((*shape[:-1], 2 * shape[-1]), dtype, device, scale=2.0).chunk(2, dim=-1)
+        return gate, up
+    gapped = layout == "nan_gapped"
+    return _randn(shape, dtype, device, 3.0, gapped), _randn(shape, dtype, device, 1.0, gapped)
+
+
+def _check(activation, shape, dtype, device, layout="contiguous"):
+    op, kwargs, ref_fn = VARIANTS[activation]
+    gate, up = _inputs(shape, dtype, device, layout)
+    if layout != "contiguous":  # strided views; for nan_gapped, a kernel reading a gap yields NaN
+        assert not gate.is_contiguous() and not up.is_contiguous()
+        assert layout == "packed" or torch.isnan(gate._base).any()
+
+    def run(fn, cast, **kw):
+        args = [t.detach().to(cast).requires_grad_() for t in (gate, up)]
+        return fn(*args, **kwargs, **kw), args
+
+    with fuseformer.use_backend("triton"):
+        out, args = run(op, dtype)
+    ref, ref_args = run(ref_fn, torch.float64, upcast=True)
+    base, base_args = run(ref_fn, dtype, upcast=False)
+    assert out.dtype == dtype and out.shape == gate.shape and out.is_contiguous()
+    assert_close("y", out, ref, base)
+
+    dy = torch.randn(out.shape, dtype=dtype, device=device)
+    for res in (out, ref, base):
+        res.backward(dy.to(res.dtype))
+    for name, a, rf, b in zip(("dgate", "dup"), args, ref_args, base_args):
+        assert a.grad.dtype == dtype
+        assert_close(name, a.grad, rf.grad, b.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", CPU_SHAPES)
+@pytest.mark.parametrize("activation", list(VARIANTS))
+def test_glu_matches_reference(activation, shape, dtype, device):
+    _check(activation, shape, dtype, device)
+
+
+@pytest.mark.parametrize("layout", ["nan_gapped", "packed"])
+@pytest.mark.parametrize("activation", list(VARIANTS))
+def test_glu_strided_inputs(activation, layout, device):
+    _check(activation, (2, 7, 300), torch.float16, device, layout)
+
+
+def test_glu_column_strided_input(device):
+    """A transposed gate (column stride != 1) is copied, never read wrongly."""
+    gate = torch.randn(96, 10, device=device).t()
+    up = torch.randn(10, 96, device=device)
+    with fuseformer.use_backend("triton"):
+        y = F.swiglu(gate, up)
+    assert_close("y", y, F.swiglu_ref(gate.double(), up.double()), F.swiglu_ref(gate, up, upcast=False))
+
+
+@pytest.mark.parametrize("activation", list(VARIANTS))
+def test_glu_launchers_read_and_write_packed_halves_in_place(activation, device):
+    """The fused MLP's use: gate/up are halves of one (M, 2I) tensor and the gradients go into the two
+    halves of one (M, 2I) buffer, with no copy on either side."""
+    m, i = 9, 200
+    gu = torch.randn(m, 2 * i, device=device, dtype=torch.float16)
+    gate, up = gu.chunk(2, dim=-1)
+    y = A.glu_fwd(gate, up, activation)
+    torch.testing.assert_close(y, A.glu_ref(gate, up, activation), rtol=2e-3, atol=2e-3)
+
+    dy = torch.randn(m, i, device=device, dtype=torch.float16)
+    dgu = torch.full((m, 2 * i), float("nan"), device=device, dtype=torch.float16)
+    dgate, dup = dgu.chunk(2, dim=-1)
+    out = A.glu_bwd(dy, gate, up, activation, dgate=dgate, dup=dup)
+    assert out[0].data_ptr() == dgu.data_ptr() and out[1].data_ptr() == dgu[:, i:].data_ptr()
+    g, u = (t.detach().double().requires_grad_() for t in (gate, up))
+    A.glu_ref(g, u, activation).backward(dy.double())
+    torch.testing.assert_close(dgu, torch.cat([g.grad, u.grad], -1).half(), rtol=2e-3, atol=2e-3)
+
+
+def test_glu_row_broadcast_grad(device):
+    """An upstream gradient with row stride 0 (expanded) is read correctly."""
+    gate = torch.randn(6, 50, device=device, requires_grad=True)
+    up = torch.randn(6, 50, device=device, requires_grad=True)
+    w = torch.randn(50, device=device)
+    with fuseformer.use_backend("triton"):
+        (F.swiglu(gate, up) * w).sum().backward()
+    g, u = (t.detach().double().requires_grad_() for t in (gate, up))
+    (F.swiglu_ref(g, u) * w.double()).sum().backward()
+    torch.testing.assert_close(gate.grad.double(), g.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(up.grad.double(), u.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (4, 0), (2, 0, 8)])
+def test_glu_empty(shape, device):
+    gate = torch.randn(shape, device=device, requires_grad=True)
+    up = torch.randn(shape, device=device, requires_grad=True)
+    with fuseformer.use_backend("triton"):
+        y = F.geglu(gate, up)
+    assert y.shape == shape
+    y.sum().backward()
+    assert gate.grad.shape == shape and up.grad.shape == shape
+
+
+@pytest.mark.parametrize("activation", list(VARIANTS))
+def test_glu_nan_inf_propagate_like_torch(activation, device):
+    op, kwargs, ref_fn = VARIANTS[activation]
+    specials = [float("nan"), float("inf"), -float("inf"), 0.0, 30.0, -30.0, 1e30, -1e30]
+    gate = torch.randn(4, 33, device=device)
+    up = torch.randn(4, 33, device=device)
+    gate[0, : len(specials)] = torch.tensor(specials)
+    up[1, : len(specials)] = torch.tensor(specials)
+    up[2, :3] = float("inf")
+    gate[2, :3] = torch.tensor([0.0, -100.0, 2.0])  # act(gate) 0 (twice) and > 0 times inf
+    with fuseformer.use_backend("triton"):
+        args = [t.clone().requires_grad_() for t in (gate, up)]
+        y = op(*args, **kwargs)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+    # Torch itself (fp32 eager, the formula users run) decides where NaN and Inf land.
+    torch_args = [t.clone().requires_grad_() for t in (gate, up)]
+    act = TF.silu if activation == "silu" else lambda g: TF.gelu(g, **kwargs)
+    expected = act(torch_args[0]) * torch_args[1]
+    expected.backward(dy)
+    ref_args = [t.double().requires_grad_() for t in (gate, up)]
+    ref = ref_fn(*ref_args, **kwargs)
+    ref.backward(dy.double())
+    for name, o, e, r in [("y", y, expected, ref)] + [
+        (n, a.grad, t.grad, rr.grad) for n, a, t, rr in zip(("dgate", "dup"), args, torch_args, ref_args)
+    ]:
+        assert torch.equal(torch.isnan(o), torch.isnan(e)), name
+        assert torch.equal(torch.isinf(o), torch.isinf(e)) and torch.equal(o[o.isinf()], e[e.isinf()]), name
+        if name == "y":  # the cases above do produce both
+            assert torch.isnan(o).any() and torch.isinf(o).any()
+        finite = torch.isfinite(e) & torch.isfinite(r)
+        assert_close(name, o[finite], r[finite], e[finite])
+
+
+def test_glu_reference_backend_is_used_when_forced(device):
+    gate, up = torch.randn(3, 10, device=device), torch.randn(3, 10, device=device)
+    with fuseformer.use_backend("reference"):
+        torch.testing.assert_close(F.swiglu(gate, up), TF.silu(gate) * up)
+        torch.testing.assert_close(F.geglu(gate, up, "none"), TF.gelu(gate) * up)
+
+
+def test_glu_float64_runs_on_reference(device):
+    gate = torch.randn(3, 10, dtype=torch.float64, device=device)
+    up = torch.randn(3, 10, dtype=torch.float64, device=device)
+    torch.testing.assert_close(F.geglu(gate, up), TF.gelu(gate, approximate="tanh") * up)
+    torch.testing.assert_close(F.swiglu(gate, up), TF.silu(gate) * up)
+
+
+def test_glu_refs_upcast():
+    gate = torch.randn(3, 10, dtype=torch.float16)
+    up = torch.randn(3, 10, dtype=torch.float16)
+    for y in (F.swiglu_ref(gate, up), F.geglu_ref(gate, up, "none", upcast=False)):
+        assert y.dtype == torch.float16
+    expected = (TF.gelu(gate.float(), approximate="tanh") * up.float()).half()
+    assert torch.equal(F.geglu_ref(gate, up), expected)
+
+
+_BAD = [
+    (F.swiglu, dict(gate=torch.randint(0, 5, (3, 8)), up=torch.randn(3, 8)), "gate has dtype int64"),
+    (F.swiglu, dict(gate=torch.randn(3, 8), up=torch.randn(3, 9)), r"up has shape \(3, 9\)"),
+    (F.swiglu, dict(gate=torch.randn(3, 8), up=torch.randn(3, 8).half()), "up has dtype float16"),
+    (F.swiglu, dict(gate=torch.randn(3, 8), up=torch.randn(3, 8, device="meta")), "up is on meta but gate is on cpu"),
+    (F.swiglu, dict(gate=torch.randn(()), up=torch.randn(())), "gate must have at least 1 dim"),
+    (F.swiglu, dict(gate=torch.randn(3, 8), up=[1.0]), "up must be a torch.Tensor"),
+    (F.geglu, dict(gate=torch.randn(3, 8), up=torch.randn(3, 8), approximate="erf"), "approximate must be"),
+    (F.geglu, dict(gate=torch.randn(3, 8).half(), up=torch.randn(3, 8)), "up has dtype float32"),
+]
+
+
+@pytest.mark.parametrize("op, kwargs, match", _BAD)
+def test_glu_bad_input(op, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        op(**kwargs)
+
+
+def test_glu_bad_approximate_in_reference():
+    with pytest.raises(ValueError, match="approximate must be"):
+        F.geglu_ref(torch.randn(2), torch.randn(2), approximate=None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device mismatch needs a second device")
+def test_glu_device_mismatch():
+    with pytest.raises(ValueError, match="up is on cpu but gate is on cuda"):
+        F.swiglu(torch.randn(3, 8, device="cuda"), torch.randn(3, 8))
+
+
+def test_glu_compiles_fullgraph(device, compile_backend):
+    gu = torch.randn(2, 5, 128, device=device, requires_grad=True)
+
+    def fn(gu):
+        gate, up = gu.chunk(2, dim=-1)
+        return F.swiglu(gate, up) + F.geglu(gate * 2, up, "none") + F.geglu(up, gate)
+
+    with fuseformer.use_backend("triton"):
+        eager = fn(gu)
+        compiled = torch.compile(fn, fullgraph=True, backend=compile_backend)(gu)
+        torch.testing.assert_close(compiled, eager)
+        (g_eager,) = torch.autograd.grad(eager.sum(), gu)
+        (g_compiled,) = torch.autograd.grad(compiled.sum(), gu)
+    torch.testing.assert_close(g_compiled, g_eager)
+    assert g_compiled.abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("activation", list(VARIANTS))
+def test_glu_gpu(activation, shape, dtype):
+    _check(activation, shape, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["packed", "nan_gapped"])
+@pytest.mark.parametrize("shape", [(8192, 14336), (777, 5125)])
+@pytest.mark.parametrize("activation", list(VARIANTS))
+def test_glu_gpu_strided(activation, shape, layout, dtype):
+    _check(activation, shape, dtype, "cuda", layout)
+
+
+@pytest.mark.gpu
+def test_glu_gpu_int64_offsets():
+    """Row offsets past 2^31 elements (a (2^31/I + 3, I) bf16 tensor, 4 GiB)."""
+    i = 16384
+    m = 2**31 // i + 3
+    gate = torch.randn(m, i, device="cuda", dtype=torch.bfloat16)
+    up = torch.randn(m, i, device="cuda", dtype=torch.bfloat16)
+    y = F.swiglu(gate, up)
+    tail = slice(m - 4, m)
+    assert_close("y", y[tail], F.swiglu_ref(gate[tail].double(), up[tail].double()),
+                 F.swiglu_ref(gate[tail], up[tail], upcast=False))  # fmt: skip
+    dgate, dup = A.glu_bwd(torch.ones_like(y), gate, up, "silu")
+    for cast, upcast in ((torch.float64, True), (torch.bfloat16, False)):
+        g, u = (t[tail].to(cast).requires_grad_() for t in (gate, up))
+        F.swiglu_ref(g, u, upcast=upcast).sum().backward()
+        if upcast:
+            ref_dgate, ref_dup = g.grad, u.grad
+    assert_close("dgate", dgate[tail], ref_dgate, g.grad)
+    assert_close("dup", dup[tail], ref_dup, u.grad)
