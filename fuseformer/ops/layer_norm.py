@@ -100,8 +100,12 @@ def _layer_norm_fwd_kernel(
         h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-            h += r.to(tl.float32)
-            tl.store(H + rows[:, None] * stride_h + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
+            # Normalize h as stored (rounded to x's dtype): the backward re-reads the stored h, and
+            # mean/rstd from the unrounded sum would not match it (with N = 1, h - mean would be a
+            # rounding error times rstd = eps^-1/2, instead of 0).
+            h = (h + r.to(tl.float32)).to(H.dtype.element_ty)
+            tl.store(H + rows[:, None] * stride_h + cols[None, :], h, mask=mask)
+            h = h.to(tl.float32)
         mean = tl.sum(h, axis=1) / N
         xc = tl.where(mask, h - mean[:, None], 0.0)
         rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
@@ -129,8 +133,10 @@ def _layer_norm_fwd_kernel(
             h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-                h += r.to(tl.float32)
-                tl.store(H + rows[:, None] * stride_h + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
+                # Normalize h as stored (rounded to x's dtype), as in the single pass.
+                h = (h + r.to(tl.float32)).to(H.dtype.element_ty)
+                tl.store(H + rows[:, None] * stride_h + cols[None, :], h, mask=mask)
+                h = h.to(tl.float32)
             n_b = tl.sum(col_mask.to(tl.float32), axis=0)  # elements in this chunk (>= 1)
             mean_b = tl.sum(h, axis=1) / n_b
             xc = tl.where(mask, h - mean_b[:, None], 0.0)
