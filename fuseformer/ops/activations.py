@@ -83,10 +83,11 @@ def swiglu_ref(gate: torch.Tensor, up: torch.Tensor, upcast: bool = True) -> tor
 
 def geglu_ref(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", upcast: bool = True) -> torch.Tensor:
     """gelu(gate, approximate) * up in pure PyTorch; fp32 (fp64 stays fp64) when ``upcast``."""
-    return glu_ref(gate, up, _gelu_activation("geglu_ref", approximate), upcast)
+    return glu_ref(gate, up, gelu_activation("geglu_ref", approximate), upcast)
 
 
-def _gelu_activation(op: str, approximate: object) -> str:
+def gelu_activation(op: str, approximate: object) -> str:
+    """The kernel activation for torch's gelu ``approximate`` ("tanh" or "none"); ValueError naming it otherwise."""
     if approximate not in _GELU_ACTIVATION:
         raise ValueError(f"{op}: approximate must be 'tanh' or 'none', got {approximate!r}")
     return _GELU_ACTIVATION[approximate]
@@ -345,4 +346,4 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> to
     Returns:
         y (..., I), contiguous, in gate's dtype.
     """
-    return _glu("geglu", gate, up, _gelu_activation("geglu", approximate))
+    return _glu("geglu", gate, up, gelu_activation("geglu", approximate))
