@@ -1,0 +1,65 @@
+"""SamplingParams: defaults, normalisation, and every bad value raising with the field's name."""
+
+import pytest
+
+from fuseformer.engine.sampling_params import SamplingParams
+
+
+def test_defaults_and_normalisation():
+    p = SamplingParams()
+    assert (p.n, p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p) == (1, 16, 1.0, -1, 1.0, 0.0)
+    assert p.stop == [] and p.stop_token_ids == [] and p.logprobs is None and not p.is_greedy
+    assert not p.needs_penalties
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(frequency_penalty=0.5).needs_penalties
+    assert SamplingParams(repetition_penalty=1.2).needs_penalties
+    # Edges that are valid.
+    SamplingParams(top_p=1.0, min_p=1.0, top_k=0, presence_penalty=-2, frequency_penalty=2, logprobs=0, seed=0)
+
+
+def test_keyword_only_and_slots():
+    with pytest.raises(TypeError):
+        SamplingParams(1)  # positional
+    with pytest.raises(AttributeError):
+        SamplingParams().not_a_field = 1
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("n", 0),
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("temperature", -0.1),
+        ("temperature", float("inf")),
+        ("temperature", float("nan")),
+        ("top_k", -2),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", -0.5),
+        ("min_p", -0.01),
+        ("min_p", 1.01),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.01),
+        ("logprobs", -1),
+        ("stop", ""),
+        ("stop", ["ok", ""]),
+        ("stop_token_ids", [1, -5]),
+    ],
+)
+def test_bad_value_names_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field,value", [("n", 1.5), ("max_tokens", "16"), ("top_k", True), ("temperature", "hot"), ("seed", 1.0)]
+)
+def test_bad_type_names_field(field, value):
+    with pytest.raises(TypeError, match=field):
+        SamplingParams(**{field: value})
