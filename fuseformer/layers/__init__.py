@@ -1,5 +1,6 @@
 """nn.Modules built on the fused ops: they hold parameters and call the op, nothing more."""
 
 from fuseformer.layers.activations import GeGLU, SwiGLU
+from fuseformer.layers.norms import LayerNorm, RMSNorm
 
-__all__ = ["GeGLU", "SwiGLU"]
+__all__ = ["GeGLU", "LayerNorm", "RMSNorm", "SwiGLU"]
