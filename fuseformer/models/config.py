@@ -1,0 +1,216 @@
+"""ModelConfig: the fields of a Hugging Face ``config.json`` that the Llama-family model uses.
+
+One dataclass for the four architectures models/llama.py implements. ``from_hf`` reads both the
+transformers 5.x format (``rope_parameters`` holding ``rope_theta``, ``layer_types``, ``dtype``) and
+the older one (top-level ``rope_theta``, ``rope_scaling``, ``torch_dtype``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+# Keys each rope type needs beyond rope_type itself.
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """A Llama-family decoder: Llama (1-3), Mistral, Qwen2, Qwen3.
+
+    ``rope_scaling`` is None for plain RoPE or a dict with ``rope_type`` in ROPE_TYPES and its keys
+    (HF format). ``layer_types`` has one "full_attention" or "sliding_attention" per layer; the latter
+    attend to the last ``sliding_window`` positions only.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None  # default hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2: always)
+    o_proj_bias: bool = False  # bias on o_proj (Llama/Qwen3 attention_bias covers it; Qwen2 has none)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = field(default=())
+    torch_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"ModelConfig: architecture {self.architecture!r} is not supported; expected one of {ARCHITECTURES}"
+            )
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig: {name} must be a positive int, got {value!r}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"ModelConfig: head_dim is not given and hidden_size {self.hidden_size} is not divisible by "
+                    f"num_attention_heads {self.num_attention_heads}"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"ModelConfig: head_dim must be a positive even int (rotary pairs), got {self.head_dim!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"ModelConfig: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps >= 0):
+            raise ValueError(f"ModelConfig: rms_norm_eps must be a non-negative float, got {self.rms_norm_eps!r}")
+        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"ModelConfig: rope_theta must be a positive float, got {self.rope_theta!r}")
+        self._check_rope_scaling()
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ValueError(f"ModelConfig: sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if not self.layer_types:
+            kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
+            self.layer_types = (kind,) * self.num_hidden_layers
+        self.layer_types = tuple(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"ModelConfig: layer_types has {len(self.layer_types)} entries; expected num_hidden_layers "
+                f"{self.num_hidden_layers}"
+            )
+        for kind in self.layer_types:
+            if kind not in ("full_attention", "sliding_attention"):
+                raise ValueError(f"ModelConfig: layer_types entry {kind!r} is not full_attention or sliding_attention")
+            if kind == "sliding_attention" and self.sliding_window is None:
+                raise ValueError("ModelConfig: layer_types has sliding_attention but sliding_window is None")
+        if self.torch_dtype is not None and self.torch_dtype not in _DTYPES.values():
+            raise ValueError(f"ModelConfig: torch_dtype must be float32, float16 or bfloat16, got {self.torch_dtype}")
+
+    def _check_rope_scaling(self) -> None:
+        rs = self.rope_scaling
+        if rs is None:
+            return
+        if not isinstance(rs, dict):
+            raise ValueError(f"ModelConfig: rope_scaling must be a dict or None, got {type(rs).__name__}")
+        rope_type = rs.get("rope_type", rs.get("type"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"ModelConfig: rope_scaling rope_type {rope_type!r} is not supported; expected one of {ROPE_TYPES}"
+            )
+        missing = [k for k in _ROPE_KEYS[rope_type] if k not in rs]
+        if missing:
+            raise ValueError(f"ModelConfig: rope_scaling of type {rope_type!r} lacks {', '.join(missing)}")
+        if float(rs.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("ModelConfig: rope_scaling partial_rotary_factor != 1 is not supported")
+        self.rope_scaling = {**rs, "rope_type": rope_type}
+        self.rope_scaling.pop("type", None)
+
+    def window(self, layer: int) -> int:
+        """The attention window of ``layer``: -1 for full attention, else sliding_window."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else -1
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from the dict of a Hugging Face config.json."""
+        archs = hf.get("architectures") or []
+        if len(archs) != 1:
+            raise ValueError(f"ModelConfig: config.json must name one architecture, got architectures={archs!r}")
+        arch = archs[0]
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"ModelConfig: architecture {arch!r} is not supported; expected one of {ARCHITECTURES}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"ModelConfig: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        if hf.get("mlp_bias", False):
+            raise ValueError("ModelConfig: mlp_bias=true is not supported")
+
+        # RoPE: 5.x keeps theta and the scaling in rope_parameters; older configs use rope_theta and
+        # rope_scaling. rope_type "default" means no scaling.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "llama3":
+            rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        rope_scaling = None if rope_type == "default" else rope
+
+        # Sliding windows: Mistral uses sliding_window in every layer when it is set; Qwen2/Qwen3 only
+        # with use_sliding_window, in the layers HF's layer_types (or max_window_layers) marks.
+        window = hf.get("sliding_window")
+        layer_types: tuple[str, ...] = ()
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            window = window if hf.get("use_sliding_window", False) else None
+            if window is not None:
+                n, first = hf["num_hidden_layers"], hf.get("max_window_layers", hf["num_hidden_layers"])
+                default = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+                layer_types = tuple(hf.get("layer_types") or default)
+        elif arch == "LlamaForCausalLM":
+            window = None
+        bias = bool(hf.get("attention_bias", False))
+        dtype_name = hf.get("dtype", hf.get("torch_dtype"))
+        if dtype_name is not None and dtype_name not in _DTYPES:
+            raise ValueError(f"ModelConfig: dtype {dtype_name!r} is not one of {tuple(_DTYPES)}")
+        return cls(
+            architecture=arch,
+            vocab_size=hf.get("vocab_size"),
+            hidden_size=hf.get("hidden_size"),
+            intermediate_size=hf.get("intermediate_size"),
+            num_hidden_layers=hf.get("num_hidden_layers"),
+            num_attention_heads=hf.get("num_attention_heads"),
+            num_key_value_heads=hf.get("num_key_value_heads") or hf.get("num_attention_heads"),
+            head_dim=hf.get("head_dim"),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=True if arch == "Qwen2ForCausalLM" else bias,
+            o_proj_bias=False if arch == "Qwen2ForCausalLM" else bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            layer_types=layer_types,
+            torch_dtype=_DTYPES[dtype_name] if dtype_name is not None else None,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        """Read a config.json (or the directory holding one); errors name the file."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"ModelConfig: {path} does not exist")
+        try:
+            hf = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"ModelConfig: {path} is not valid JSON: {exc}") from exc
+        if not isinstance(hf, dict):
+            raise ValueError(f"ModelConfig: {path} must hold a JSON object, got {type(hf).__name__}")
+        try:
+            return cls.from_hf(hf)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: {exc}") from exc

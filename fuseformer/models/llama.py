@@ -1,0 +1,243 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): one plain model for the four architectures.
+
+The forward takes a flattened varlen batch, the engine's step: input_ids (T,), positions (T,) and an
+``AttentionMetadata``. Q/K/V and gate/up are packed into one Linear each (models/loader.py packs the
+checkpoint's weights). Parameter names follow Hugging Face's, except the packed ``qkv_proj`` and
+``gate_up_proj``. Fusion, compile and parallelism are applied from outside (STYLE.md §4).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as TF
+from torch import nn
+
+import fuseformer.ops as F
+from fuseformer.models.config import ModelConfig
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What attention needs to know about a step of T new tokens from B sequences.
+
+    cu_seqlens_q: (B+1,) int32, prefix sums of the new tokens per sequence.
+    max_seqlen_q: the largest new-token count (host int; sizes the kernel grid without a sync).
+    kv_caches: one (k_cache, v_cache) per layer, each (num_blocks, block_size, Hkv, D); or None for a
+        plain causal varlen forward over the new tokens only (prefill without cache, training).
+    context_lens: (B,) int32, cached + new tokens per sequence (with kv_caches).
+    slot_mapping: (T,) int64, flat slot block * block_size + offset where each new token's K/V is
+        written; -1 skips (with kv_caches).
+    block_tables: (B, max_blocks) int32, each sequence's blocks in order (with kv_caches).
+    """
+
+    cu_seqlens_q: torch.Tensor
+    max_seqlen_q: int
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    context_lens: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+
+    @classmethod
+    def varlen(cls, seqlens: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
+        """Metadata for plain causal attention over packed sequences of ``seqlens`` tokens, no cache."""
+        cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        return cls(cu_seqlens_q=cu, max_seqlen_q=max(seqlens, default=0))
+
+
+def rope_inv_freq(config: ModelConfig, seq_len: torch.Tensor | None = None) -> torch.Tensor:
+    """(D/2,) fp32 inverse frequencies, computed as transformers' ``modeling_rope_utils`` does.
+
+    Types: default, linear, llama3, dynamic (NTK; ``seq_len``, a 0-dim tensor = max position + 1,
+    rescales the base once it passes max_position_embeddings, like HF's update in the forward).
+    """
+    dim, base, rs = config.head_dim, config.rope_theta, config.rope_scaling or {"rope_type": "default"}
+    rope_type = rs["rope_type"]
+    device = seq_len.device if seq_len is not None else None
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    if rope_type == "dynamic" and seq_len is not None:
+        max_pos = config.max_position_embeddings
+        seq_len = torch.clamp(seq_len.float(), min=max_pos)
+        factor = rs["factor"]
+        scaled_base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (scaled_base**exponents)
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "linear":
+        inv_freq = inv_freq / rs["factor"]
+    elif rope_type == "llama3":
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old_len = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return F.rms_norm(x, self.weight, self.eps, residual=residual)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (T, H, D), cos/sin (T, D/2) per token: seen as one sequence of T tokens at offset 0.
+    return F.apply_rotary(x.unsqueeze(0), cos, sin).squeeze(0)
+
+
+def _varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """Causal attention within each packed sequence, no cache: q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D).
+
+    Plain PyTorch (SDPA per sequence) until fuseformer.ops.flash_attention lands.
+    """
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    cu = cu_seqlens.tolist()
+    for start, end in zip(cu[:-1], cu[1:]):
+        if end == start:
+            continue
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # (H, S, D)
+        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+        pos = torch.arange(end - start, device=q.device)
+        mask = pos[None, :] <= pos[:, None]
+        if window > 0:
+            mask &= pos[None, :] > pos[:, None] - window
+        o = TF.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.window = layer, config.window(layer)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.scale = self.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)  # (T, Hq*D), (T, Hkv*D) x2: strided views
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head's D before rotary
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+        if meta.kv_caches is None:
+            o = _varlen_causal_attention(q, k, v, meta.cu_seqlens_q, self.scale, self.window)
+        else:
+            k_cache, v_cache = meta.kv_caches[self.layer]
+            F.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = F.paged_attention(
+                q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                self.scale, causal=True, window=self.window, max_seqlen_q=meta.max_seqlen_q,
+            )  # fmt: skip
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        # rows [0, I) gate, [I, 2I) up
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.swiglu(gate, up))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, hidden, residual, cos, sin, meta):
+        # The residual add before each norm is fused into it: (norm(h + r), h + r).
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # Keep the rotary frequencies fp32 and computed, whatever .to(dtype) or to_empty did to the buffer.
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        return self
+
+    def rotary_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T,) positions -> cos, sin (T, D/2) fp32, as HF computes them (position * inv_freq in fp32)."""
+        inv_freq = self.inv_freq
+        rs = self.config.rope_scaling
+        if rs is not None and rs["rope_type"] == "dynamic" and positions.numel():
+            inv_freq = rope_inv_freq(self.config, positions.max() + 1)
+        freqs = positions[:, None].float() * inv_freq.float()[None, :]
+        return freqs.cos(), freqs.sin()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # (T, H)
+        cos, sin = self.rotary_cos_sin(positions)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions (T,) int64 of a flattened varlen batch -> hidden states (T, H)."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (N, V) of the rows ``indices`` (N,) of hidden (T, H) (e.g. each sequence's last
+        token), or of every row when None."""
+        if indices is not None:
+            hidden = hidden[indices]
+        return self.lm_head(hidden)

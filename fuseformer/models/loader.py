@@ -1,0 +1,159 @@
+"""Load a Llama-family model from a local Hugging Face directory (nothing is downloaded).
+
+The mapping from checkpoint names to our parameters is data (STYLE.md §5): ``PACKED_MODULES`` says
+which checkpoint modules are packed, in order, into one of ours (q/k/v -> qkv_proj, gate/up ->
+gate_up_proj), ``IGNORED_SUFFIXES`` lists tensors that carry nothing we use. One generic loader reads
+it: every checkpoint tensor maps to (parameter, row range), its shape is checked, and every row of
+every parameter must be written exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from fuseformer.models.config import ModelConfig
+from fuseformer.models.llama import LlamaForCausalLM
+
+# Our packed module -> the checkpoint modules stacked along dim 0 of its weight (and bias), in order.
+PACKED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+# Checkpoint tensors that are not parameters of ours (old checkpoints saved the rotary buffer).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+def _shard_rows(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Rows each checkpoint module takes in its packed parameter, per packed module."""
+    d = config.head_dim
+    return {
+        "qkv_proj": (config.num_attention_heads * d, config.num_key_value_heads * d, config.num_key_value_heads * d),
+        "gate_up_proj": (config.intermediate_size, config.intermediate_size),
+    }
+
+
+def _targets(model: torch.nn.Module, config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint name -> (our parameter name, first row, row count); row count -1 = the whole tensor."""
+    rows = _shard_rows(config)
+    targets = {}
+    for name, _ in model.named_parameters():  # tied lm_head.weight is listed once, as the embedding
+        parts = name.split(".")
+        packed = next((i for i, p in enumerate(parts) if p in PACKED_MODULES), None)
+        if packed is None:
+            targets[name] = (name, 0, -1)
+            continue
+        start = 0
+        for sub, n in zip(PACKED_MODULES[parts[packed]], rows[parts[packed]]):
+            targets[".".join([*parts[:packed], sub, *parts[packed + 1 :]])] = (name, start, n)
+            start += n
+    return targets
+
+
+def _checkpoint_files(path: Path) -> dict[Path, list[str] | None]:
+    """Safetensors files of the checkpoint -> the tensor names the index assigns them (None: all)."""
+    index = path / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"load_model: {index} is malformed ({type(exc).__name__}: {exc})") from exc
+        files: dict[Path, list[str] | None] = {}
+        for name, file in weight_map.items():
+            files.setdefault(path / file, []).append(name)
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"load_model: {file} (listed in {index}) does not exist")
+        return files
+    single = path / _SINGLE
+    if single.is_file():
+        return {single: None}
+    raise FileNotFoundError(f"load_model: {path} holds neither {_SINGLE} nor {_INDEX}")
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    strict: bool = True,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model of the HF directory ``path`` and load its safetensors weights.
+
+    Args:
+        path: directory with config.json and model.safetensors, or model.safetensors.index.json and
+            its shards.
+        dtype: float32, float16 or bfloat16; default the checkpoint's (config ``dtype``/``torch_dtype``),
+            else float32.
+        device: where the parameters live.
+        strict: raise on checkpoint tensors the model has no place for (else ignore them). Missing
+            tensors always raise.
+
+    Returns:
+        (model in eval mode, its ModelConfig).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"load_model: {path} is not a directory")
+    config = ModelConfig.from_file(path / "config.json")
+    dtype = dtype if dtype is not None else (config.torch_dtype or torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"load_model: dtype must be one of float32, float16, bfloat16, got {dtype}")
+    files = _checkpoint_files(path)
+
+    # Parameters are allocated (not initialized) on the target device; every row is then loaded.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    params = dict(model.named_parameters())
+    targets = _targets(model, config)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    ignored = IGNORED_SUFFIXES + (("lm_head.weight",) if config.tie_word_embeddings else ())
+
+    for file, listed in files.items():
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error types for a corrupt header
+            raise ValueError(f"load_model: cannot read {file}: {exc}") from exc
+        with handle as f:
+            names = list(f.keys())
+            if listed is not None:
+                absent = sorted(set(listed) - set(names))
+                if absent:
+                    raise ValueError(f"load_model: {file} lacks {absent[:5]}, which the index assigns to it")
+            for name in names:
+                if name.endswith(ignored):
+                    continue
+                if name not in targets:
+                    unexpected.append(f"{name} (in {file.name})")
+                    continue
+                param_name, start, n = targets[name]
+                param = params[param_name]
+                expected = tuple(param.shape) if n < 0 else (n, *param.shape[1:])
+                tensor = f.get_slice(name)
+                shape = tuple(tensor.get_shape())
+                if shape != expected:
+                    raise ValueError(f"load_model: {file} tensor {name} has shape {shape}; expected {expected}")
+                dest = param.data if n < 0 else param.data[start : start + n]
+                with torch.no_grad():
+                    dest.copy_(f.get_tensor(name))
+                loaded.add(name)
+
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        raise ValueError(f"load_model: {path} is missing tensors {missing[:10]}{more}")
+    if unexpected and strict:
+        more = f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""
+        raise ValueError(f"load_model: {path} has tensors the model does not use: {unexpected[:10]}{more}")
+    return model.eval(), config
