@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -112,3 +113,48 @@ def poison_outputs() -> Iterator[None]:
         yield
     finally:
         _POISON = previous
+
+
+def autograd_function(
+    name: str,
+    forward: Callable[..., Any],
+    setup_context: Callable[..., None],
+    backward: Callable[..., Any],
+) -> type[torch.autograd.Function]:
+    """An autograd.Function from the same three pieces a custom op's ``register_autograd`` takes.
+
+    Eager calls go through it instead of the custom op: a custom op with autograd costs several
+    times the host time of an autograd.Function per call, which dominates small shapes (measured on
+    the H200 host: fuseformer rms_norm 4096x1024 fwd 178 us through the custom op vs 9 us kernel).
+    """
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+        },
+    )
+
+
+def dispatch(
+    op: Callable[..., Any], function: type[torch.autograd.Function], impl: Callable[..., Any], *args: Any
+) -> Any:
+    """Run one fused op the cheapest correct way.
+
+    - Under torch.compile: the registered custom op (opaque to the compiler, with its fake and
+      autograd), so graphs have no breaks.
+    - Eager with a gradient to track: the autograd.Function built from the same pieces.
+    - Otherwise (inference, no_grad): the implementation itself, with no autograd bookkeeping.
+    """
+    if torch.compiler.is_compiling():
+        return op(*args)
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return function.apply(*args)
+    return impl(*args)
+
+
+def in_compile() -> bool:
+    """True while torch.compile traces (then backward passes call custom ops, not launchers)."""
+    return torch.compiler.is_compiling()

@@ -25,10 +25,13 @@ import triton.language as tl
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
+    autograd_function,
     check_shape,
     check_tensor,
+    dispatch,
     empty,
     float_dtype_of,
+    in_compile,
     next_pow2,
     rows_2d,
     sm_count,
@@ -213,36 +216,39 @@ def _rms_norm_bwd_kernel(
 # Launch configuration
 # --------------------------------------------------------------------------------------------
 def _fwd_config(n: int) -> dict:
-    """Block sizes and warps for a row length ``n``.
+    """Block sizes and warps for a row length ``n`` (H200 sweep, 2026-11-30, docs/perf-notes.md).
 
-    Rows up to _SINGLE_PASS_MAX go in one pass; short rows are packed BLOCK_M to a program so a
-    program still moves >= 8 KiB (BLOCK_M * BLOCK_N >= 4096 elements).
+    Short rows are packed BLOCK_M to a program: 32768x4096 bf16 ran 4.03 TB/s with 4 rows and 8
+    warps against 3.4 with 1 row; 16384x8192 4.02 with 2 rows and 8 warps.
     """
     if n <= _SINGLE_PASS_MAX:
         block_n = next_pow2(n)
-        block_m = max(1, min(16, 4096 // block_n))
+        block_m = max(1, min(16, (8192 if block_n <= 2048 else 16384) // block_n))
         single = True
     else:
         block_n, block_m, single = 4096, 1, False
     elems = block_m * block_n
-    num_warps = 4 if elems <= 2048 else 8 if elems <= 8192 else 16
+    num_warps = 16 if block_n >= 16384 else 4 if elems <= 8192 else 8
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps)
 
 
-def _bwd_config(n: int) -> dict:
+# Backward launch table by row length (BLOCK_M rows per step, warps, persistent programs per SM),
+# from the H200 sweep of 2026-11-30: 32768x4096 ran 3.85 TB/s at (2, 8, 2) against 2.74 at the first
+# guess (1, 8, 4); 16384x8192 3.76 at (1, 4, 2); 4096x1024 (launch-bound) best at (2, 4, 8).
+_BWD_TABLE = {1024: (2, 4, 8), 2048: (2, 4, 4), 4096: (2, 8, 2), 8192: (1, 4, 2)}
+
+
+def _bwd_config(n: int) -> tuple[dict, int]:
+    """(kernel config, programs per SM) for a row length ``n``."""
     if n <= _BWD_SINGLE_PASS_MAX:
         block_n = next_pow2(n)
-        block_m = max(1, min(16, 2048 // block_n))
+        block_m, num_warps, per_sm = _BWD_TABLE.get(max(1024, block_n), (1, 8, 2))
+        if block_n < 1024:
+            block_m = min(16, block_m * (1024 // block_n))
         single = True
     else:
-        block_n, block_m, single = 2048, 1, False
-    elems = block_m * block_n
-    num_warps = 4 if elems <= 1024 else 8 if elems <= 4096 else 16
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps)
-
-
-# Persistent backward: programs per SM (more hides latency; each adds an N-float partial to sum).
-_BWD_PROGRAMS_PER_SM = 4
+        block_n, block_m, num_warps, per_sm, single = 2048, 1, 8, 2, False
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps), per_sm
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,8 +311,9 @@ def rms_norm_bwd(
         dw = torch.zeros_like(weight) if weight is not None else None
         return dx, dw
     assert x.stride(1) == 1 and dy.stride(1) == 1 and (dh is None or dh.stride(1) == 1)
-    cfg = config or _bwd_config(n)
-    per_sm = programs_per_sm or _BWD_PROGRAMS_PER_SM
+    default_cfg, default_per_sm = _bwd_config(n)
+    cfg = config or default_cfg
+    per_sm = programs_per_sm or default_per_sm
     programs = max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), sm_count(x) * per_sm))
     dw_partial = empty((programs, n), dtype=torch.float32, device=x.device) if weight is not None else rstd
     _rms_norm_bwd_kernel[(programs,)](
@@ -320,10 +327,10 @@ def rms_norm_bwd(
 
 
 # --------------------------------------------------------------------------------------------
-# torch.library registration: opaque to torch.compile, differentiable through register_autograd
+# Registration: a custom op for torch.compile (opaque, with fake and autograd), and the same
+# pieces as an autograd.Function for eager calls (far less host overhead); see _utils.dispatch.
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("fuseformer::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd_op(
+def _fwd_impl(
     x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     y, h, rstd = rms_norm_fwd(x, weight, residual, eps)
@@ -331,19 +338,22 @@ def _rms_norm_fwd_op(
     return y, (h if h is not None else x.new_empty(0)), rstd
 
 
+def _bwd_impl(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, dh: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = rms_norm_bwd(dy, x, weight, rstd, dh)
+    return dx, (dw if dw is not None else x.new_empty(0))
+
+
+_rms_norm_fwd_op = torch.library.custom_op("fuseformer::rms_norm_fwd", mutates_args=())(_fwd_impl)
+_rms_norm_bwd_op = torch.library.custom_op("fuseformer::rms_norm_bwd", mutates_args=())(_bwd_impl)
+
+
 @_rms_norm_fwd_op.register_fake
 def _(x, weight, residual, eps):
     m, n = x.shape
     h = x.new_empty((m, n)) if residual is not None else x.new_empty(0)
     return x.new_empty((m, n)), h, x.new_empty((m,), dtype=torch.float32)
-
-
-@torch.library.custom_op("fuseformer::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, dh: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = rms_norm_bwd(dy, x, weight, rstd, dh)
-    return dx, (dw if dw is not None else x.new_empty(0))
 
 
 @_rms_norm_bwd_op.register_fake
@@ -362,11 +372,13 @@ def _backward(ctx, dy, dh, _drstd):
     xn, weight, rstd = ctx.saved_tensors
     dy = dy.contiguous()
     dh = dh.contiguous() if (ctx.has_residual and dh is not None) else None
-    dx, dw = _rms_norm_bwd_op(dy, xn, weight, rstd, dh)
+    bwd = _rms_norm_bwd_op if in_compile() else _bwd_impl
+    dx, dw = bwd(dy, xn, weight, rstd, dh)
     return dx, (dw if weight is not None else None), (dx if ctx.has_residual else None), None
 
 
 _rms_norm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_RMSNormFunction = autograd_function("_RMSNormFunction", _fwd_impl, _setup_context, _backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -411,6 +423,6 @@ def rms_norm(
     x2 = rows_2d(x)
     r2 = rows_2d(residual) if residual is not None else None
     w = weight.contiguous() if weight is not None else None
-    y, h, _ = _rms_norm_fwd_op(x2, w, r2, float(eps))
+    y, h, _ = dispatch(_rms_norm_fwd_op, _RMSNormFunction, _fwd_impl, x2, w, r2, float(eps))
     y = y.view(shape)
     return (y, h.view(shape)) if residual is not None else y
