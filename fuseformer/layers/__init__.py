@@ -2,5 +2,6 @@
 
 from fuseformer.layers.activations import GeGLU, SwiGLU
 from fuseformer.layers.norms import LayerNorm, RMSNorm
+from fuseformer.layers.rotary import RotaryEmbedding
 
-__all__ = ["GeGLU", "LayerNorm", "RMSNorm", "SwiGLU"]
+__all__ = ["GeGLU", "LayerNorm", "RMSNorm", "RotaryEmbedding", "SwiGLU"]
