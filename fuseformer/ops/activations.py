@@ -46,11 +46,12 @@ ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 # geglu's ``approximate`` (torch's names) -> kernel activation.
 _GELU_ACTIVATION = {"tanh": "gelu_tanh", "none": "gelu"}
 
-_LOG2E: tl.constexpr = 1.4426950408889634
-_SQRT_2_OVER_PI: tl.constexpr = 0.7978845608028654  # sqrt(2 / pi), GELU tanh form
-_GELU_C: tl.constexpr = 0.044715
-_INV_SQRT2: tl.constexpr = 0.7071067811865476
-_INV_SQRT_2PI: tl.constexpr = 0.3989422804014327
+# Globals a kernel reads must be tl.constexpr instances (an annotation is not enough when compiled).
+_LOG2E = tl.constexpr(1.4426950408889634)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi), GELU tanh form
+_GELU_C = tl.constexpr(0.044715)
+_INV_SQRT2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
 # --------------------------------------------------------------------------------------------
