@@ -15,7 +15,7 @@ rn = importlib.import_module("fuseformer.ops.rms_norm")
 def sweep_rms_norm() -> list[dict]:
     """rms_norm fwd and bwd over BLOCK_M, num_warps and backward programs per SM."""
     out = []
-    for m, n in ((32768, 4096), (4096, 1024), (16384, 8192)):
+    for m, n in ((32768, 4096), (4096, 1024), (16384, 8192), (131072, 1024)):
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
@@ -33,7 +33,7 @@ def sweep_rms_norm() -> list[dict]:
                     out.append(dict(kind="rms_norm_fwd", shape=[m, n], **cfg, ms=ms, tb_s=tb))
                 except Exception as exc:
                     out.append(dict(kind="rms_norm_fwd", shape=[m, n], **cfg, error=str(exc)[:200]))
-        for block_m in (1, 2, 4):
+        for block_m in (1, 2, 4, 8, 16):
             for warps in (4, 8, 16):
                 for per_sm in (1, 2, 4, 8):
                     if block_m * bn > 16384:

@@ -234,8 +234,9 @@ def _fwd_config(n: int) -> dict:
 
 # Backward launch table by row length (BLOCK_M rows per step, warps, persistent programs per SM),
 # from the H200 sweep of 2026-11-30: 32768x4096 ran 3.85 TB/s at (2, 8, 2) against 2.74 at the first
-# guess (1, 8, 4); 16384x8192 3.76 at (1, 4, 2); 4096x1024 (launch-bound) best at (2, 4, 8).
-_BWD_TABLE = {1024: (2, 4, 8), 2048: (2, 4, 4), 4096: (2, 8, 2), 8192: (1, 4, 2)}
+# guess (1, 8, 4); 16384x8192 3.76 at (1, 4, 2). Short rows: 131072x1024 ran only 1.16 TB/s at
+# (2, 4, 4) (too little in flight per loop step), so they take ~8K elements a step (unmeasured yet).
+_BWD_TABLE = {1024: (8, 8, 4), 2048: (4, 8, 2), 4096: (2, 8, 2), 8192: (1, 4, 2)}
 
 
 def _bwd_config(n: int) -> tuple[dict, int]:
