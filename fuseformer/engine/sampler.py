@@ -35,6 +35,7 @@ class SamplingMetadata:
 
     Attributes:
         temperature: (N,) fp32, 0 for greedy rows.
+        vocab_size: V, the logits' last dimension (token ids are padded with it).
         top_k: (N,) int64, vocab size where off.
         top_p: (N,) fp32, 1 where off.
         min_p: (N,) fp32, 0 where off.
@@ -46,6 +47,7 @@ class SamplingMetadata:
     """
 
     temperature: torch.Tensor
+    vocab_size: int
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None = None
@@ -80,6 +82,7 @@ class SamplingMetadata:
         greedy = [p.is_greedy for p in params]
         md = cls(
             temperature=col([p.temperature for p in params]),
+            vocab_size=vocab_size,
             all_greedy=all(greedy),
             all_random=not any(greedy),
         )
@@ -179,9 +182,10 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits: (N, V) logits of each row's last position; any float dtype (computed in fp32).
         md: the rows' sampling parameters (``SamplingMetadata.build``).
     """
-    if logits.dim() != 2 or logits.shape[0] != md.temperature.shape[0]:
+    if logits.dim() != 2 or tuple(logits.shape) != (md.temperature.shape[0], md.vocab_size):
         raise ValueError(
-            f"sample: logits must be (num_seqs={md.temperature.shape[0]}, vocab), got {tuple(logits.shape)}"
+            f"sample: logits must be (num_seqs, vocab_size) = ({md.temperature.shape[0]}, {md.vocab_size}), "
+            f"got {tuple(logits.shape)}"
         )
     logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None

@@ -134,10 +134,9 @@ def _seeded_run(seed_params, others, steps_logits, device="cpu"):
         n_other = len(others)
         params = others[: n_other // 2] + [seed_params] + others[n_other // 2 :]
         gens = [None] * len(params)
-        gens[n_other // 2] = gen
-        rows = torch.cat(
-            [_logits(n_other // 2, device=device), step_logits[None], _logits(n_other - n_other // 2, device=device)]
-        )
+        gens[n_other // 2] = gen  # the others are unseeded: they draw from the global RNG
+        v, half = step_logits.numel(), n_other // 2
+        rows = torch.cat([_logits(half, v, device), step_logits[None], _logits(n_other - half, v, device)])
         out = sample(rows, _md(params, device=device, generators=gens, vocab=step_logits.numel()))
         tokens.append(out.sampled_token_ids[n_other // 2].item())
     return tokens
@@ -190,6 +189,8 @@ def test_bad_logits_shape():
         sample(torch.randn(2, V), md)
     with pytest.raises(ValueError, match="logits"):
         sample(torch.randn(3, 2, V), md)
+    with pytest.raises(ValueError, match="logits"):
+        sample(torch.randn(3, V + 1), md)  # a vocab other than the metadata's
 
 
 @pytest.mark.gpu
