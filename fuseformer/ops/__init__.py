@@ -5,6 +5,7 @@ y, h = F.rms_norm(x, weight, eps=1e-6, residual=r)
 """
 
 from fuseformer.ops.activations import geglu, geglu_ref, swiglu, swiglu_ref
+from fuseformer.ops.attention import flash_attention, flash_attention_ref
 from fuseformer.ops.layer_norm import layer_norm, layer_norm_ref
 from fuseformer.ops.paged_attention import (
     paged_attention,
@@ -16,12 +17,23 @@ from fuseformer.ops.rms_norm import rms_norm, rms_norm_ref
 from fuseformer.ops.rotary import apply_rotary, apply_rotary_ref
 
 # Every public op, in the order ``fuseformer info`` lists them.
-OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "reshape_and_cache", "paged_attention", "apply_rotary")
+OPS = (
+    "rms_norm",
+    "layer_norm",
+    "swiglu",
+    "geglu",
+    "reshape_and_cache",
+    "paged_attention",
+    "apply_rotary",
+    "flash_attention",
+)
 
 __all__ = [
     "OPS",
     "apply_rotary",
     "apply_rotary_ref",
+    "flash_attention",
+    "flash_attention_ref",
     "geglu",
     "geglu_ref",
     "layer_norm",

@@ -1,0 +1,517 @@
+"""Flash attention backward (FlashAttention-2) in Triton: kernels, launcher and registration.
+
+With p = exp(scale * q k^T - lse) recomputed tile by tile (never stored):
+
+    delta = rowsum(o * do)                       (preprocess kernel; minus dlse when lse has a gradient)
+    dv = p^T do        dp = do v^T        ds = p * (dp - delta)
+    dk = scale * ds^T q                   dq = scale * ds k
+
+The dk/dv kernel owns BLOCK_N key rows of one kv head and streams the q tiles that see them, for
+every q head of its GQA group in turn, so the group sum of dk/dv stays in registers (no atomics).
+dq comes from a second kernel that owns BLOCK_M q rows and streams key tiles (as the forward does):
+deterministic, at the cost of recomputing q k^T and do v^T. Or, with ``DQ_MODE = "atomic"``, the dk/dv
+kernel adds each tile's ds k into an fp32 buffer with atomics (5 matmuls per tile pair instead of 7;
+not deterministic). Deterministic mode (``DETERMINISTIC``, ``FUSEFORMER_DETERMINISTIC=1`` or
+``torch.use_deterministic_algorithms(True)``) always takes the separate kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from fuseformer.ops._utils import empty, next_pow2
+from fuseformer.ops.attention import _kv_bounds, _load_tile, _seq_strides, _unit_last, kernel_config, launch
+
+# "separate" (dq kernel) or "atomic" (fp32 atomics in the dk/dv kernel); the lead's sweep decides.
+DQ_MODE = "separate"
+# Force the deterministic path (same as FUSEFORMER_DETERMINISTIC=1).
+DETERMINISTIC = False
+
+
+def deterministic() -> bool:
+    """Whether the backward must avoid atomics."""
+    env = os.environ.get("FUSEFORMER_DETERMINISTIC", "0").strip().lower() in ("1", "true", "yes")
+    return DETERMINISTIC or env or torch.are_deterministic_algorithms_enabled()
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _flash_attention_bwd_preprocess_kernel(
+    OUT, DO, DELTA, CU_Q,
+    stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
+    seqlen_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """delta[b, h, i] = sum_d o * do in fp32; grid (cdiv(max Sq, BLOCK_M), Hq, B)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + b)
+        sq = tl.load(CU_Q + b + 1) - q_start
+        o_off = q_start.to(tl.int64) * stride_os
+        do_off = q_start.to(tl.int64) * stride_dos
+        l_off = q_start.to(tl.int64)
+    else:
+        sq = seqlen_q
+        o_off = b.to(tl.int64) * stride_ob
+        do_off = b.to(tl.int64) * stride_dob
+        l_off = b.to(tl.int64) * stride_lb
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < sq
+    rows64 = rows.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    mask = row_ok[:, None] & d_ok[None, :]
+    o = tl.load(OUT + o_off + h * stride_oh + rows64[:, None] * stride_os + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + do_off + h * stride_doh + rows64[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + l_off + h * stride_lh + rows64, delta, mask=row_ok)
+
+
+@triton.jit
+def _load_row_stats(lse_ptrs, delta_ptrs, row_ok, MASK: tl.constexpr):
+    """lse in log2 units (rows that saw no key: +inf, so p = 0 there) and delta, for BLOCK_M rows."""
+    if MASK:
+        lse = tl.load(lse_ptrs, mask=row_ok, other=float("inf"))
+        delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)
+    else:
+        lse = tl.load(lse_ptrs)
+        delta = tl.load(delta_ptrs)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    return lse2, delta
+
+
+@triton.jit
+def _dkdv_loop(
+    dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+    cols, sq, sk, sm_scale, qk_scale, window_left, window_right, start, end,
+    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Accumulate dk, dv (BLOCK_N, BLOCK_D) fp32 over the q tiles [start, end) of one q head."""
+    offs_m = tl.arange(0, BLOCK_M)
+    d_ok = tl.arange(0, BLOCK_D) < HEAD_DIM
+    diag = sk - sq
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < sq
+        m64 = tl.cast(start_m, tl.int64)
+        # Loads inline (not through helpers): each nested jit call costs ms under the interpreter.
+        if MASK or HEAD_DIM != BLOCK_D:
+            q = tl.load(q_ptrs + m64 * stride_qs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+            do = tl.load(do_ptrs + m64 * stride_dos, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            q = tl.load(q_ptrs + m64 * stride_qs)
+            do = tl.load(do_ptrs + m64 * stride_dos)
+        if MASK:  # rows past the end: lse +inf, so p = 0
+            lse = tl.load(lse_ptrs + m64, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_ptrs + m64, mask=row_ok, other=0.0)
+        else:
+            lse = tl.load(lse_ptrs + m64)
+            delta = tl.load(delta_ptrs + m64)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # rows that saw no key: p = 0
+        qk_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
+        if MASK:
+            valid = (cols[:, None] < sk) & row_ok[None, :]
+            if HAS_RIGHT:
+                valid = valid & (cols[:, None] <= rows[None, :] + (diag + window_right))
+            if HAS_LEFT:
+                valid = valid & (cols[:, None] >= rows[None, :] + (diag - window_left))
+            qk_t = tl.where(valid, qk_t, float("-inf"))
+        p_t = tl.math.exp2(qk_t - lse2[None, :])
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dp_t = tl.dot(v, tl.trans(do))  # (BLOCK_N, BLOCK_M)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk)
+        if DQ_ATOMIC:
+            dq = tl.dot(tl.trans(ds_t), k) * sm_scale  # (BLOCK_M, BLOCK_D)
+            tl.atomic_add(dq_ptrs + m64 * stride_dqs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _flash_attention_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, CU_Q, CU_K,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, group_size, sm_scale, qk_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+):  # fmt: skip
+    # Grid (cdiv(max Sk, BLOCK_N), Hkv, B).
+    pid_n = tl.program_id(0)
+    kv_h = tl.program_id(1)
+    b = tl.program_id(2)
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + b)
+        sq = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        sk = tl.load(CU_K + b + 1) - k_start
+        q_off = q_start.to(tl.int64) * stride_qs
+        do_off = q_start.to(tl.int64) * stride_dos
+        dq_off = q_start.to(tl.int64) * stride_dqs
+        l_off = q_start.to(tl.int64)
+        k_off = k_start.to(tl.int64) * stride_ks
+        v_off = k_start.to(tl.int64) * stride_vs
+        dk_off = k_start.to(tl.int64) * stride_dks
+        dv_off = k_start.to(tl.int64) * stride_dvs
+    else:
+        sq = seqlen_q
+        sk = seqlen_k
+        q_off = b.to(tl.int64) * stride_qb
+        do_off = b.to(tl.int64) * stride_dob
+        dq_off = b.to(tl.int64) * stride_dqb
+        l_off = b.to(tl.int64) * stride_lb
+        k_off = b.to(tl.int64) * stride_kb
+        v_off = b.to(tl.int64) * stride_vb
+        dk_off = b.to(tl.int64) * stride_dkb
+        dv_off = b.to(tl.int64) * stride_dvb
+    n0 = pid_n * BLOCK_N
+    if n0 >= sk:
+        return
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < sk
+    cols64 = cols.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    k = _load_tile(
+        K + k_off + kv_h * stride_kh + cols64[:, None] * stride_ks + offs_d[None, :], col_ok, d_ok, True, EVEN_D
+    )
+    v = _load_tile(
+        V + v_off + kv_h * stride_vh + cols64[:, None] * stride_vs + offs_d[None, :], col_ok, d_ok, True, EVEN_D
+    )
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query tiles that see this key block, by symmetry with _kv_bounds: lo <= full_lo <= full_hi <= hi.
+    diag = sk - sq
+    n_last = n0 + BLOCK_N - 1
+    lo = 0
+    hi = sq
+    full_lo = 0
+    full_hi = (sq // BLOCK_M) * BLOCK_M
+    if HAS_RIGHT:  # row i sees key j only if i >= j - diag - right
+        lo = (tl.maximum(n0 - diag - window_right, 0) // BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(n_last - diag - window_right, 0), BLOCK_M) * BLOCK_M
+    if HAS_LEFT:  # ... and only if i <= j - diag + left
+        hi = tl.minimum(hi, tl.maximum(n_last - diag + window_left + 1, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(n0 - diag + window_left + 1, 0) // BLOCK_M) * BLOCK_M)
+    no_full = (full_hi <= full_lo) | (n0 + BLOCK_N > sk)  # a key block past the end is masked throughout
+    full_lo = tl.where(no_full, lo, full_lo)
+    full_hi = tl.where(no_full, lo, full_hi)
+
+    for g in range(0, group_size):
+        h = kv_h * group_size + g
+        q_ptrs = Q + q_off + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+        do_ptrs = DO + do_off + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :]
+        dq_ptrs = DQ_ACC + dq_off + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
+        lse_ptrs = LSE + l_off + h * stride_lh + offs_m
+        delta_ptrs = DELTA + l_off + h * stride_lh + offs_m
+        if HAS_RIGHT:  # partly visible tiles along the causal diagonal / right window edge
+            dk, dv = _dkdv_loop(
+                dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+                cols, sq, sk, sm_scale, qk_scale, window_left, window_right, lo, full_lo,
+                True, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M,
+            )  # fmt: skip
+        dk, dv = _dkdv_loop(
+            dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+            cols, sq, sk, sm_scale, qk_scale, window_left, window_right, full_lo, full_hi,
+            False, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M,
+        )  # fmt: skip
+        dk, dv = _dkdv_loop(
+            dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+            cols, sq, sk, sm_scale, qk_scale, window_left, window_right, full_hi, hi,
+            True, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M,
+        )  # fmt: skip
+
+    mask = col_ok[:, None] & d_ok[None, :]
+    dk_ptrs = DK + dk_off + kv_h * stride_dkh + cols64[:, None] * stride_dks + offs_d[None, :]
+    dv_ptrs = DV + dv_off + kv_h * stride_dvh + cols64[:, None] * stride_dvs + offs_d[None, :]
+    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dq_loop(
+    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows, sq, sk,
+    qk_scale, window_left, window_right, start, end,
+    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Accumulate dq (BLOCK_M, BLOCK_D) fp32 (without the scale) over the key blocks [start, end)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = tl.arange(0, BLOCK_D) < HEAD_DIM
+    diag = sk - sq
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < sk
+        n64 = tl.cast(start_n, tl.int64)
+        if MASK or HEAD_DIM != BLOCK_D:
+            k = tl.load(k_ptrs + n64 * stride_ks, mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+            v = tl.load(v_ptrs + n64 * stride_vs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs + n64 * stride_ks)
+            v = tl.load(v_ptrs + n64 * stride_vs)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N)
+        if MASK:
+            valid = col_ok[None, :]
+            if HAS_RIGHT:
+                valid = valid & (cols[None, :] <= rows[:, None] + (diag + window_right))
+            if HAS_LEFT:
+                valid = valid & (cols[None, :] >= rows[:, None] + (diag - window_left))
+            qk = tl.where(valid, qk, float("-inf"))
+        p = tl.math.exp2(qk - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dq = tl.dot(ds, k, dq)
+    return dq
+
+
+@triton.jit
+def _flash_attention_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, group_size, sm_scale, qk_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):  # fmt: skip
+    # Grid (cdiv(max Sq, BLOCK_M), Hq, B), heaviest blocks first when causal (as the forward).
+    pid_m = tl.program_id(0)
+    if HAS_RIGHT:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + b)
+        sq = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        sk = tl.load(CU_K + b + 1) - k_start
+        q_off = q_start.to(tl.int64) * stride_qs
+        do_off = q_start.to(tl.int64) * stride_dos
+        dq_off = q_start.to(tl.int64) * stride_dqs
+        l_off = q_start.to(tl.int64)
+        k_off = k_start.to(tl.int64) * stride_ks
+        v_off = k_start.to(tl.int64) * stride_vs
+    else:
+        sq = seqlen_q
+        sk = seqlen_k
+        q_off = b.to(tl.int64) * stride_qb
+        do_off = b.to(tl.int64) * stride_dob
+        dq_off = b.to(tl.int64) * stride_dqb
+        l_off = b.to(tl.int64) * stride_lb
+        k_off = b.to(tl.int64) * stride_kb
+        v_off = b.to(tl.int64) * stride_vb
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    kv_h = h // group_size
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < sq
+    rows64 = rows.to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = _load_tile(
+        Q + q_off + h * stride_qh + rows64[:, None] * stride_qs + offs_d[None, :], row_ok, d_ok, True, EVEN_D
+    )
+    do = _load_tile(
+        DO + do_off + h * stride_doh + rows64[:, None] * stride_dos + offs_d[None, :], row_ok, d_ok, True, EVEN_D
+    )
+    lse2, delta = _load_row_stats(
+        LSE + l_off + h * stride_lh + rows64, DELTA + l_off + h * stride_lh + rows64, row_ok, True
+    )
+    k_ptrs = K + k_off + kv_h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = V + v_off + kv_h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _kv_bounds(m0, sq, sk, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if HAS_LEFT:
+        dq = _dq_loop(
+            dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows, sq, sk,
+            qk_scale, window_left, window_right, lo, full_lo,
+            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N,
+        )  # fmt: skip
+    dq = _dq_loop(
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows, sq, sk,
+        qk_scale, window_left, window_right, full_lo, full_hi,
+        False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N,
+    )  # fmt: skip
+    dq = _dq_loop(
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows, sq, sk,
+        qk_scale, window_left, window_right, full_hi, hi,
+        True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N,
+    )  # fmt: skip
+    dq_ptrs = DQ + dq_off + h * stride_dqh + rows64[:, None] * stride_dqs + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+def flash_attention_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    dq_mode: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward launcher. dout, out like q; lse from the forward; dlse (lse's gradient) or None.
+
+    Returns dq, dk, dv shaped like q, k, v (contiguous). ``dq_mode`` "separate" or "atomic"
+    (default ``DQ_MODE``; "separate" whenever :func:`deterministic`).
+    """
+    varlen = cu_seqlens_q is not None
+    dout, q, k, v, out = (_unit_last(t) for t in (dout, q, k, v, out))
+    d = q.shape[-1]
+    hq, hkv = q.shape[-2], k.shape[-2]
+    dq = empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = empty(v.shape, dtype=v.dtype, device=v.device)
+    if varlen:
+        batch, seqlen_q, seqlen_k = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
+        lse_strides = (0, lse.stride(0))
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        lse_strides = (lse.stride(0), lse.stride(1))
+    if batch == 0 or q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    block_d = max(16, next_pow2(d))
+    cu_q = cu_seqlens_q if varlen else lse
+    cu_k = cu_seqlens_k if varlen else lse
+    flags = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_VARLEN=varlen)
+    window = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0)
+
+    delta = empty(lse.shape, dtype=torch.float32, device=q.device)
+    pre_block = max(16, min(128, 8192 // block_d))
+    _flash_attention_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, pre_block), hq, batch)](
+        out, dout, delta, cu_q,
+        *_seq_strides(out, varlen), *_seq_strides(dout, varlen), *lse_strides,
+        seqlen_q, **flags, BLOCK_M=pre_block, num_warps=4,
+    )  # fmt: skip
+    if dlse is not None:
+        # d lse / d s = p, so lse's gradient enters ds = p * (dp - delta) as delta - dlse.
+        delta = delta - dlse.float()
+
+    mode = dq_mode or DQ_MODE
+    if mode not in ("separate", "atomic"):
+        raise ValueError(f"flash_attention_bwd: dq_mode must be 'separate' or 'atomic', got {mode!r}")
+    atomic = mode == "atomic" and not deterministic()
+    # The atomic path accumulates dq in fp32 (zeroed workspace, not an output), cast at the end.
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
+    qk_scale = softmax_scale * 1.4426950408889634
+    common = (seqlen_q, seqlen_k, hq // hkv, softmax_scale, qk_scale, window_left, window_right)
+    launch(
+        _flash_attention_bwd_dkdv_kernel,
+        lambda c: (triton.cdiv(seqlen_k, c.BLOCK_N), hkv, batch),
+        kernel_config("bwd_dkdv", block_d),
+        (
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dk,
+            dv,
+            dq_acc,
+            cu_q,
+            cu_k,
+            *_seq_strides(q, varlen),
+            *_seq_strides(k, varlen),
+            *_seq_strides(v, varlen),
+            *_seq_strides(dout, varlen),
+            *_seq_strides(dk, varlen),
+            *_seq_strides(dv, varlen),
+            *_seq_strides(dq_acc, varlen),
+            *lse_strides,
+            *common,
+        ),  # fmt: skip
+        dict(**flags, **window, DQ_ATOMIC=atomic),
+        key=(q.dtype, d, varlen, atomic, tuple(window.items())),
+    )
+    if atomic:
+        dq.copy_(dq_acc)
+        return dq, dk, dv
+    launch(
+        _flash_attention_bwd_dq_kernel,
+        lambda c: (triton.cdiv(seqlen_q, c.BLOCK_M), hq, batch),
+        kernel_config("bwd_dq", block_d),
+        (
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dq,
+            cu_q,
+            cu_k,
+            *_seq_strides(q, varlen),
+            *_seq_strides(k, varlen),
+            *_seq_strides(v, varlen),
+            *_seq_strides(dout, varlen),
+            *_seq_strides(dq, varlen),
+            *lse_strides,
+            *common,
+        ),  # fmt: skip
+        dict(**flags, **window),
+        key=(q.dtype, d, varlen, tuple(window.items())),
+    )
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library registration (the forward's autograd calls this op)
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("fuseformer::flash_attention_bwd", mutates_args=())
+def flash_attention_bwd_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return flash_attention_bwd(
+        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+    )  # fmt: skip
+
+
+@flash_attention_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right):
+    fmt = torch.contiguous_format
+    return (
+        torch.empty_like(q, memory_format=fmt),
+        torch.empty_like(k, memory_format=fmt),
+        torch.empty_like(v, memory_format=fmt),
+    )

@@ -1,0 +1,356 @@
+"""flash_attention: the Triton kernels against the fp64 reference (DESIGN.md §3), bad input, compile.
+
+On the CPU the kernels run under the interpreter, which is slow: shapes stay small and the kernel
+configs (fuseformer.ops.attention._INTERPRET_CONFIGS) are small and unequal (BLOCK_M 32 / BLOCK_N 16
+forward, 16 / 32 for dk/dv) so that these shapes still cross several blocks and every mask edge.
+"""
+
+import pytest
+import torch
+
+import fuseformer
+import fuseformer.ops as F
+from fuseformer.ops import attention as attn_mod
+from fuseformer.ops import attention_bwd as bwd_mod
+from fuseformer.testing import assert_close
+
+
+def _nan_gapped(shape, dtype, device):
+    """Random values viewed out of a buffer whose head dim is wider by 3 NaN columns."""
+    base = torch.full((*shape[:-1], shape[-1] + 3), float("nan"), dtype=dtype, device=device)
+    base[..., : shape[-1]] = torch.randn(shape, dtype=dtype, device=device)
+    return base[..., : shape[-1]]
+
+
+def _heads_major(shape, dtype, device):
+    """Random (..., S, H, D) values viewed out of a (..., H, S, D) buffer (non-contiguous seq/head)."""
+    *lead, s, h, d = shape
+    return torch.randn((*lead, h, s, d), dtype=dtype, device=device).transpose(-3, -2)
+
+
+def _inputs(b, sq, sk, hq, hkv, d, dtype, device, lens_q=None, lens_k=None, noncontig=False):
+    if lens_q is not None:
+        qs, ks = (sum(lens_q), hq, d), (sum(lens_k), hkv, d)
+    else:
+        qs, ks = (b, sq, hq, d), (b, sk, hkv, d)
+    if noncontig:
+        q = _nan_gapped(qs, dtype, device)
+        k = _heads_major(ks, dtype, device)
+        v = _nan_gapped(ks, dtype, device)
+    else:
+        q, k, v = (torch.randn(s, dtype=dtype, device=device) for s in (qs, ks, ks))
+    return q, k, v
+
+
+def _cu(lens, device):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+
+
+def _check(
+    b, sq, sk, hq, hkv, d, device, *, causal=False, window=(-1, -1), dtype=torch.float16,
+    lens_q=None, lens_k=None, noncontig=False, scale=None, lse_grad=False,
+):  # fmt: skip
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, dtype, device, lens_q, lens_k, noncontig)
+    kw = dict(causal=causal, window_size=window, softmax_scale=scale, return_lse=True)
+    if lens_q is not None:
+        kw.update(
+            cu_seqlens_q=_cu(lens_q, device),
+            cu_seqlens_k=_cu(lens_k, device),
+            max_seqlen_q=max(lens_q),
+            max_seqlen_k=max(lens_k),
+        )
+
+    def run(fn, cast, **extra):
+        args = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*args, **kw, **extra)
+        return out, lse, args
+
+    with fuseformer.use_backend("triton"):
+        out, lse, args = run(F.flash_attention, dtype)
+    ref, ref_lse, ref_args = run(F.flash_attention_ref, torch.float64)
+    base, base_lse, base_args = run(F.flash_attention_ref, dtype, upcast=False)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close("out", out, ref, base)
+    assert_close("lse", lse, ref_lse, base_lse)
+
+    g = torch.randn(out.shape, dtype=dtype, device=device)
+    g_lse = torch.randn(lse.shape, dtype=torch.float32, device=device) if lse_grad else None
+    for o, lse_, cast in ((out, lse, dtype), (ref, ref_lse, torch.float64), (base, base_lse, dtype)):
+        loss = (o * g.to(cast)).sum()
+        if lse_grad:
+            loss = loss + (lse_ * g_lse.to(lse_.dtype)).sum()
+        loss.backward()
+    for name, a, r, bs in zip(("dq", "dk", "dv"), args, ref_args, base_args):
+        assert a.grad.dtype == dtype
+        assert_close(name, a.grad, r.grad, bs.grad)
+    return out, lse, args
+
+
+# (b, sq, sk, hq, hkv, d, causal, window)
+DENSE_CASES = [
+    (2, 17, 17, 2, 2, 32, False, (-1, -1)),
+    (1, 65, 65, 4, 2, 32, True, (-1, -1)),  # GQA 4/2, several blocks along both axes
+    (2, 33, 65, 4, 1, 40, True, (-1, -1)),  # MQA, padded head dim, causal with Sq < Sk
+    (1, 65, 33, 2, 2, 32, True, (-1, -1)),  # causal with Sq > Sk: the first 32 rows see no key
+    (1, 1, 17, 2, 1, 59, True, (-1, -1)),  # one query
+    (1, 17, 1, 2, 2, 32, False, (-1, -1)),  # one key
+    (1, 65, 65, 2, 2, 32, True, (8, -1)),  # sliding window (causal)
+    (1, 33, 65, 2, 1, 59, False, (5, 3)),  # two-sided window, Sq < Sk
+    (1, 33, 33, 2, 2, 32, False, (0, -1)),  # left bound only
+    (1, 33, 17, 2, 2, 32, False, (2, 1)),  # window with Sq > Sk: rows that see nothing
+]
+
+
+@pytest.mark.parametrize("b, sq, sk, hq, hkv, d, causal, window", DENSE_CASES)
+def test_flash_attention_matches_reference(b, sq, sk, hq, hkv, d, causal, window, device):
+    _check(b, sq, sk, hq, hkv, d, device, causal=causal, window=window)
+
+
+# (lens_q, lens_k, hq, hkv, d, causal, window)
+VARLEN_CASES = [
+    ([1, 17, 33], [1, 17, 33], 4, 2, 32, True, (-1, -1)),
+    ([1, 5, 17], [3, 20, 17], 2, 1, 40, True, (-1, -1)),  # per-sequence bottom-right alignment
+    ([17, 1, 33], [17, 4, 33], 2, 2, 32, False, (4, 2)),
+    ([9, 0, 20], [9, 3, 20], 2, 2, 32, False, (-1, -1)),  # an empty query sequence
+]
+
+
+@pytest.mark.parametrize("lens_q, lens_k, hq, hkv, d, causal, window", VARLEN_CASES)
+def test_flash_attention_varlen_matches_reference(lens_q, lens_k, hq, hkv, d, causal, window, device):
+    _check(None, None, None, hq, hkv, d, device, causal=causal, window=window, lens_q=lens_q, lens_k=lens_k)
+
+
+def test_flash_attention_noncontiguous_with_nan_gaps(device):
+    _check(2, 33, 40, 4, 2, 32, device, causal=True, noncontig=True)
+
+
+def test_flash_attention_varlen_noncontiguous(device):
+    _check(None, None, None, 2, 1, 32, device, lens_q=[5, 30], lens_k=[5, 30], causal=True, noncontig=True)
+
+
+def test_flash_attention_scale_and_lse_gradient(device):
+    _check(1, 33, 33, 2, 2, 32, device, causal=False, scale=0.3, lse_grad=True)
+
+
+def test_flash_attention_other_block_sizes(device, monkeypatch):
+    """BLOCK_N > BLOCK_M in the forward and dq kernels, BLOCK_M > BLOCK_N in dk/dv."""
+    monkeypatch.setitem(attn_mod.CONFIG_OVERRIDES, "fwd", {"BLOCK_M": 16, "BLOCK_N": 32})
+    monkeypatch.setitem(attn_mod.CONFIG_OVERRIDES, "bwd_dq", {"BLOCK_M": 16, "BLOCK_N": 32})
+    monkeypatch.setitem(attn_mod.CONFIG_OVERRIDES, "bwd_dkdv", {"BLOCK_M": 32, "BLOCK_N": 16})
+    _check(1, 50, 70, 2, 1, 32, device, causal=True, window=(20, -1))
+
+
+def test_flash_attention_atomic_dq(device, monkeypatch):
+    monkeypatch.setattr(bwd_mod, "DQ_MODE", "atomic")
+    monkeypatch.delenv("FUSEFORMER_DETERMINISTIC", raising=False)
+    _check(1, 40, 50, 4, 2, 32, device, causal=True, window=(12, -1))
+
+
+def test_flash_attention_deterministic_mode_is_bitwise_repeatable(device, monkeypatch):
+    monkeypatch.setattr(bwd_mod, "DQ_MODE", "atomic")
+    monkeypatch.setenv("FUSEFORMER_DETERMINISTIC", "1")
+    assert bwd_mod.deterministic()
+    q, k, v = _inputs(1, 33, 33, 2, 1, 32, torch.float16, device)
+    g = torch.randn_like(q)
+    grads = []
+    for _ in range(2):
+        args = [t.clone().requires_grad_() for t in (q, k, v)]
+        with fuseformer.use_backend("triton"):
+            F.flash_attention(*args, causal=True).backward(g)
+        grads.append([a.grad for a in args])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_flash_attention_rows_that_see_no_key_are_zero(device):
+    # Causal, Sq 40 > Sk 16: query rows 0..23 see no key. Window (0, 0) with Sq > Sk likewise.
+    out, lse, args = _check(1, 40, 16, 2, 2, 32, device, causal=True)
+    assert torch.equal(out[:, :24], torch.zeros_like(out[:, :24]))
+    assert torch.isneginf(lse[:, :, :24]).all() and torch.isfinite(lse[:, :, 24:]).all()
+    assert all(torch.isfinite(a.grad).all() for a in args)
+    assert torch.equal(args[0].grad[:, :24], torch.zeros_like(args[0].grad[:, :24]))
+
+
+def test_flash_attention_empty_key_sequence(device):
+    lens_q, lens_k = [4, 6], [0, 6]
+    q, k, v = _inputs(None, None, None, 2, 2, 32, torch.float16, device, lens_q, lens_k)
+    with fuseformer.use_backend("triton"):
+        out, lse = F.flash_attention(
+            q, k, v, cu_seqlens_q=_cu(lens_q, device), cu_seqlens_k=_cu(lens_k, device), return_lse=True
+        )
+    assert torch.equal(out[:4], torch.zeros_like(out[:4])) and torch.isneginf(lse[:, :4]).all()
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_nan_inf_propagate_like_reference(causal, device):
+    q, k, v = _inputs(1, 33, 33, 2, 2, 32, torch.float16, device)
+    q[0, 3, 1, 5] = float("nan")
+    q[0, 20, 0, 2] = float("inf")
+    k[0, 10, 1, 7] = float("nan")  # with causal, rows before 10 never see it
+    with fuseformer.use_backend("triton"):
+        out = F.flash_attention(q, k, v, causal=causal)
+    ref = F.flash_attention_ref(q.double(), k.double(), v.double(), causal=causal)
+    assert torch.isnan(ref).any() and not torch.isnan(ref).all()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert_close("out", out, ref, F.flash_attention_ref(q, k, v, causal=causal, upcast=False))
+
+
+def test_flash_attention_empty_batch(device):
+    q = torch.randn(0, 8, 2, 32, dtype=torch.float16, device=device, requires_grad=True)
+    k = torch.randn(0, 8, 2, 32, dtype=torch.float16, device=device, requires_grad=True)
+    with fuseformer.use_backend("triton"):
+        out = F.flash_attention(q, k, k)
+    out.sum().backward()
+    assert out.shape == q.shape and q.grad.shape == q.shape
+
+
+def test_flash_attention_float32_runs_on_reference(device):
+    q, k, v = (torch.randn(1, 9, 2, 16, device=device) for _ in range(3))
+    torch.testing.assert_close(F.flash_attention(q, k, v, causal=True), F.flash_attention_ref(q, k, v, causal=True))
+
+
+def test_flash_attention_reference_backend_is_used_when_forced(device):
+    q, k, v = (torch.randn(1, 9, 2, 16, dtype=torch.float16, device=device) for _ in range(3))
+    with fuseformer.use_backend("reference"):
+        out = F.flash_attention(q, k, v, window_size=(2, 2))
+    torch.testing.assert_close(out, F.flash_attention_ref(q, k, v, window_size=(2, 2)))
+
+
+def _t(*shape, dtype=torch.float16):
+    return torch.randn(*shape, dtype=dtype)
+
+
+CU = torch.tensor([0, 3, 8], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((_t(1, 4, 2, 32), _t(1, 4, 2, 16), _t(1, 4, 2, 16)), {}, "k has head_dim 16 but q has 32"),
+        ((_t(1, 4, 2, 32), _t(1, 4, 2, 32), _t(1, 4, 2, 16)), {}, "v has head_dim 16"),
+        ((_t(1, 4, 3, 32), _t(1, 4, 2, 32), _t(1, 4, 2, 32)), {}, "q has 3 heads, not a multiple of k's 2"),
+        ((_t(1, 4, 2, 300), _t(1, 4, 2, 300), _t(1, 4, 2, 300)), {}, "head_dim 300 is outside"),
+        ((_t(1, 4, 2, 32), _t(1, 4, 2, 32, dtype=torch.bfloat16), _t(1, 4, 2, 32)), {}, "k has dtype"),
+        ((_t(1, 4, 2, 32), _t(1, 4, 2, 32), _t(1, 4, 2, 32, dtype=torch.float32)), {}, "v has dtype"),
+        ((_t(1, 4, 2, 32), _t(2, 4, 2, 32), _t(2, 4, 2, 32)), {}, "k has batch 2"),
+        ((_t(4, 2, 32), _t(4, 2, 32), _t(4, 2, 32)), {}, "q must be"),
+        ((_t(1, 4, 2, 32),) * 3, {"window_size": (-2, 0)}, "window_size"),
+        (
+            (_t(8, 2, 32),) * 3,
+            {"cu_seqlens_q": CU.long(), "cu_seqlens_k": CU},
+            "cu_seqlens_q has dtype int64",
+        ),
+        ((_t(8, 2, 32),) * 3, {"cu_seqlens_q": CU}, "cu_seqlens_k is None"),
+        (
+            (_t(8, 2, 32),) * 3,
+            {"cu_seqlens_q": CU, "cu_seqlens_k": torch.tensor([0, 5, 3], dtype=torch.int32)},
+            "cu_seqlens_k must start at 0 and be non-decreasing",
+        ),
+        (
+            (_t(8, 2, 32),) * 3,
+            {"cu_seqlens_q": torch.tensor([0, 3, 9], dtype=torch.int32), "cu_seqlens_k": CU},
+            "cu_seqlens_q ends at 9",
+        ),
+        (
+            (_t(8, 2, 32),) * 3,
+            {"cu_seqlens_q": CU, "cu_seqlens_k": CU, "max_seqlen_q": 2},
+            "max_seqlen_q=2 is below",
+        ),
+        ((_t(1, 4, 2, 32), "k", _t(1, 4, 2, 32)), {}, "k must be a torch.Tensor"),
+    ],
+)
+def test_flash_attention_bad_input(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        F.flash_attention(*args, **kwargs)
+
+
+def test_flash_attention_compiles_fullgraph(device, compile_backend):
+    q, k, v = _inputs(1, 20, 20, 2, 1, 32, torch.float16, device)
+    lens = [7, 13]
+    cu = _cu(lens, device)
+
+    def fn(q, k, v):
+        dense = F.flash_attention(q, k, v, causal=True)
+        packed = F.flash_attention(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=13, max_seqlen_k=13)
+        return dense.float().sum() + packed.float().square().sum()
+
+    leaves = [[t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2)]
+    with fuseformer.use_backend("triton"):
+        eager = fn(*leaves[0])
+        compiled = torch.compile(fn, fullgraph=True, backend=compile_backend)(*leaves[1])
+        eager.backward()
+        compiled.backward()
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(*leaves):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: real sizes, bf16 and fp16 (the lead runs these on the H200)
+# --------------------------------------------------------------------------------------------
+GPU_DENSE = [
+    # (b, sq, sk, hq, hkv, d, causal, window)
+    (2, 1, 1, 8, 8, 64, False, (-1, -1)),
+    (2, 17, 17, 8, 2, 59, True, (-1, -1)),
+    (1, 97, 257, 8, 1, 80, True, (-1, -1)),
+    (2, 128, 128, 8, 8, 128, True, (-1, -1)),
+    (2, 257, 97, 8, 2, 128, True, (-1, -1)),
+    (1, 1025, 1025, 8, 2, 128, False, (-1, -1)),
+    (1, 1025, 1025, 8, 1, 128, True, (256, -1)),
+    (1, 257, 1025, 8, 8, 256, False, (64, 32)),
+    (1, 1025, 1025, 8, 2, 256, True, (-1, -1)),
+    (2, 257, 257, 8, 8, 64, True, (-1, -1)),
+    (1, 1025, 1025, 8, 1, 64, True, (-1, -1)),
+    (1, 128, 128, 8, 2, 192, True, (-1, -1)),
+    (1, 257, 257, 8, 2, 96, False, (16, 0)),
+    (1, 1025, 257, 8, 8, 32, True, (-1, -1)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b, sq, sk, hq, hkv, d, causal, window", GPU_DENSE)
+def test_flash_attention_gpu(b, sq, sk, hq, hkv, d, causal, window, dtype):
+    _check(b, sq, sk, hq, hkv, d, "cuda", causal=causal, window=window, dtype=dtype)
+
+
+GPU_VARLEN = [
+    ([1, 17, 97, 128, 257, 1025], [1, 17, 97, 128, 257, 1025], 8, 2, 128, True, (-1, -1)),
+    ([1, 17, 97, 1025], [33, 17, 257, 1025], 8, 1, 64, True, (-1, -1)),
+    ([257, 1, 1025], [257, 5, 1025], 8, 8, 80, False, (128, 64)),
+    ([128, 1025, 3], [128, 1025, 3], 8, 2, 256, True, (-1, -1)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens_q, lens_k, hq, hkv, d, causal, window", GPU_VARLEN)
+def test_flash_attention_varlen_gpu(lens_q, lens_k, hq, hkv, d, causal, window, dtype):
+    kw = dict(causal=causal, window=window, dtype=dtype, lens_q=lens_q, lens_k=lens_k)
+    _check(None, None, None, hq, hkv, d, "cuda", **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+def test_flash_attention_gpu_dq_modes_and_noncontiguous(dq_mode, monkeypatch):
+    monkeypatch.setattr(bwd_mod, "DQ_MODE", dq_mode)
+    monkeypatch.delenv("FUSEFORMER_DETERMINISTIC", raising=False)
+    _check(2, 1025, 1025, 8, 2, 128, "cuda", causal=True, dtype=torch.bfloat16, noncontig=True)
+
+
+@pytest.mark.gpu
+def test_flash_attention_gpu_large_offsets():
+    """A packed batch whose element offsets pass 2^31 (int64 indexing): compare the last sequence."""
+    hq, d = 16, 128
+    lens = [131072, 1024]  # 132096 tokens * 16 heads * 128 = 2.7e8 elements per tensor; x 16 via stride
+    t = sum(lens)
+    # q, k, v views with a head stride of 16*d (of a 16x wider buffer): offsets reach 2^31+.
+    buf = torch.randn(t, hq * 16, d, dtype=torch.bfloat16, device="cuda")
+    q = buf[:, :hq]
+    cu = _cu(lens, "cuda")
+    out = F.flash_attention(q, q, q, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    tail = q[lens[0] :]
+    ref = F.flash_attention_ref(tail[None].double(), tail[None].double(), tail[None].double(), causal=True)[0]
+    base = F.flash_attention_ref(tail[None], tail[None], tail[None], causal=True, upcast=False)[0]
+    assert_close("out", out[lens[0] :], ref, base)
