@@ -9,7 +9,7 @@ import fuseformer.ops as F
 from fuseformer.ops.layer_norm import layer_norm_fwd
 from fuseformer.testing import assert_close
 
-# (4, 20000) takes the chunked forward (> 16384) and backward (> 8192); (18, 9000) the single-pass
+# (4, 20000) takes the chunked forward (> 16384) and backward (> 8192); (17, 8200) the single-pass
 # forward and the chunked backward with more rows than the interpreter's 16 persistent programs.
 CPU_SHAPES = [(1, 1), (3, 123), (37, 769), (5, 5125), (2, 3, 64), (4, 20000)]
 GPU_SHAPES = [(1, 1), (37, 769), (4096, 1024), (8192, 4096), (1000, 5125), (64, 65536), (3, 70001)]
@@ -83,8 +83,14 @@ def test_layer_norm_affine_variants(shape, weight, bias, device):
     _check(shape, torch.float16, device, residual=True, weight=weight, bias=bias)
 
 
+@pytest.mark.parametrize("shape", [(37, 769), (4, 20000)])
+def test_layer_norm_bfloat16(shape, device):
+    # No tl.dot here, so the interpreter's bf16 problem (DESIGN.md §3) does not apply.
+    _check(shape, torch.bfloat16, device, residual=True)
+
+
 def test_layer_norm_chunked_backward_many_rows(device):
-    _check((18, 9000), torch.float32, device, residual=False)
+    _check((17, 8200), torch.float32, device, residual=False)
 
 
 @pytest.mark.parametrize("shape", [(6, 300), (2, 20000)])
@@ -96,6 +102,20 @@ def test_layer_norm_large_mean_small_spread(shape, device):
 @pytest.mark.parametrize("shape", [(7, 300), (2, 20000)])
 def test_layer_norm_noncontiguous_with_nan_gaps(shape, residual, device):
     _check(shape, torch.float32, device, residual=residual, noncontig=True)
+
+
+def test_layer_norm_transposed_3d_input(device):
+    # (S, B, N) viewed as (B, S, N): rows cannot be collapsed without a copy.
+    x = torch.randn(5, 3, 64, device=device).transpose(0, 1)
+    r = torch.randn(5, 3, 64, device=device).transpose(0, 1)
+    w, b = torch.randn(64, device=device), torch.randn(64, device=device)
+    with fuseformer.use_backend("triton"):
+        y, h = F.layer_norm(x, w, b, residual=r)
+    y_ref, h_ref = F.layer_norm_ref(x.double(), w.double(), b.double(), residual=r.double())
+    y_base, h_base = F.layer_norm_ref(x, w, b, residual=r, upcast=False)
+    assert y.shape == h.shape == (3, 5, 64)
+    assert_close("y", y, y_ref, y_base)
+    assert_close("h", h, h_ref, h_base)
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -138,16 +158,17 @@ def test_layer_norm_fwd_launcher_saves_mean_and_rstd(n, device):
 
 
 @pytest.mark.parametrize("residual", [False, True])
-def test_layer_norm_empty_rows(residual, device):
-    x = torch.randn(0, 64, device=device, requires_grad=True)
-    r = torch.randn(0, 64, device=device, requires_grad=True) if residual else None
-    w = torch.randn(64, device=device, requires_grad=True)
-    b = torch.randn(64, device=device, requires_grad=True)
+@pytest.mark.parametrize("shape", [(0, 64), (3, 0)])
+def test_layer_norm_empty(shape, residual, device):
+    x = torch.randn(shape, device=device, requires_grad=True)
+    r = torch.randn(shape, device=device, requires_grad=True) if residual else None
+    w = torch.randn(shape[-1], device=device, requires_grad=True)
+    b = torch.randn(shape[-1], device=device, requires_grad=True)
     with fuseformer.use_backend("triton"):
-        out = F.layer_norm(x, w, b, residual=r)
+        out = F.layer_norm(x, w, b, eps=0.0, residual=r)
     y = out[0] if residual else out
     (y.sum() + (out[1].sum() if residual else 0)).backward()
-    assert y.shape == (0, 64) and x.grad.shape == (0, 64)
+    assert y.shape == shape and x.grad.shape == shape
     assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
 
 
