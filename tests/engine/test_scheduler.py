@@ -183,6 +183,29 @@ def test_preempts_newest_and_recomputes_same_tokens():
     assert sched.kv.num_free_blocks == 6
 
 
+def test_several_preempted_in_one_step_keep_their_order():
+    # 8 usable blocks; four 7-token prompts take 2 each; at the 9th token each needs a third: a gets
+    # d's, b gets one of them, c finds none and, being the newest left, preempts itself.
+    cfg = _config(num_blocks=9, block_size=4, max_model_len=32, max_num_batched_tokens=64)
+    sched, model = Scheduler(cfg), FakeModel(cfg)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompts = {rid: [random.randrange(VOCAB) for _ in range(7)] for rid in "abcd"}
+    for rid, prompt in prompts.items():
+        sched.add_request(Request(rid, prompt, params))
+    reqs = dict(sched.requests)
+    for _ in range(2):
+        out = sched.schedule()
+        sched.update_from_output(out, model.step(out))
+    out = sched.schedule()
+    assert out.preempted_request_ids == ["d", "c"] and [s.request_id for s in out.scheduled] == ["a", "b"]
+    assert [r.request_id for r in sched.waiting] == ["c", "d"]  # the older one readmitted first
+    sched.update_from_output(out, model.step(out))
+    finished, _ = _run(sched, model)
+    assert set(finished) == set("abcd")
+    for rid, prompt in prompts.items():
+        assert reqs[rid].output_token_ids == reference(prompt, params)[0], rid
+
+
 def test_abort_frees_at_once():
     sched = Scheduler(_config())
     p = SamplingParams(max_tokens=50, ignore_eos=True)
