@@ -182,6 +182,8 @@ def _config(n: int, element_size: int, backward: bool) -> dict:
     20 KiB backward), BLOCK_N at most 1024 columns and short rows packed BLOCK_M to a tile. With 4
     warps forward each thread issues two 16-byte loads per input; backward (three inputs, more live
     values) takes 8 warps, one 16-byte load per input per thread, to keep registers and occupancy.
+    Compiled offline for sm_90 (bf16, I = 14336): 32-46 registers, no spills, ld/st.global.v4 when
+    rows are 16-byte aligned (scalar b16 accesses otherwise, e.g. odd I). Not yet swept on the H200.
     """
     tile = 4096 // element_size
     block_n = min(next_pow2(n), 1024, tile)
