@@ -84,29 +84,36 @@ class KVCacheManager:
         blocks (possibly none), or None, changing nothing, when the pool has too few free blocks.
         """
         rid = request.request_id
-        held = self._blocks.get(rid, [])
-        if computed.blocks and (held or request.num_computed_tokens):
-            raise ValueError(f"allocate_slots: request {rid!r} already has blocks; a prefix hit is for a new one")
+        held = self._blocks.get(rid)
         num_computed = request.num_computed_tokens + computed.num_tokens
-        num_needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(computed.blocks)
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(computed.blocks)
+        if held is not None:
+            if computed.blocks:
+                raise ValueError(f"allocate_slots: request {rid!r} already has blocks; a prefix hit is for a new one")
+            num_needed -= len(held)
+            if num_needed <= 0:  # the common decode step: room left in the last block
+                self._cache_computed_blocks(request)
+                return []
         num_needed = max(num_needed, 0)
         # Hit blocks with no other user sit in the free queue; referencing them takes them out of it.
-        num_hits_free = sum(1 for b in computed.blocks if b.ref_cnt == 0)
+        num_hits_free = sum(1 for b in computed.blocks if b.ref_cnt == 0) if computed.blocks else 0
         if num_needed + num_hits_free > self.pool.num_free_blocks:
             return None
 
-        if self.enable_prefix_caching and not held and request.num_computed_tokens == 0:
+        if self.enable_prefix_caching and held is None and request.num_computed_tokens == 0:
             self.pool.prefix_stats.record(request.num_tokens, computed.num_tokens)  # admission
         self.pool.touch(computed.blocks)
         new_blocks = self.pool.allocate(num_needed)
-        blocks = self._blocks.setdefault(rid, held)
-        blocks.extend(computed.blocks)
-        blocks.extend(new_blocks)
+        if held is None:
+            held = self._blocks[rid] = []
+            self._num_cached_blocks[rid] = len(computed.blocks)
+        held.extend(computed.blocks)
+        held.extend(new_blocks)
         request.block_ids.extend(b.block_id for b in computed.blocks)
-        request.block_ids.extend(b.block_id for b in new_blocks)
-        self._num_cached_blocks[rid] = self._num_cached_blocks.get(rid, 0) + len(computed.blocks)
+        new_ids = [b.block_id for b in new_blocks]
+        request.block_ids.extend(new_ids)
         self._cache_computed_blocks(request)
-        return [b.block_id for b in new_blocks]
+        return new_ids
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (its computed full blocks stay findable until evicted)."""
@@ -128,13 +135,13 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
+        start = self._num_cached_blocks.get(rid, 0)
+        if request.num_computed_tokens // self.block_size <= start:
+            return
         blocks = self._blocks.get(rid)
         if not blocks:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
-        start = self._num_cached_blocks.get(rid, 0)
-        if num_full <= start:
-            return
         self._update_block_hashes(request, num_full)
         self.pool.cache_full_blocks(blocks[start:num_full], request.block_hashes[start:num_full])
         self._num_cached_blocks[rid] = num_full

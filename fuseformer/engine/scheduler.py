@@ -70,7 +70,7 @@ class SchedulerConfig:
             )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~3x, and 256 are made per step
 class ScheduledRequest:
     """One request's share of a step.
 
@@ -265,30 +265,35 @@ class Scheduler:
         Returns: an update for every request that appended tokens or finished.
         """
         updates = []
+        running = RequestStatus.RUNNING
         for s in scheduler_output.scheduled:
             req = s.request
-            if req.status is not RequestStatus.RUNNING or self.requests.get(req.request_id) is not req:
+            if req.status is not running or self.requests.get(req.request_id) is not req:
                 continue  # finished or aborted since the step was scheduled
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += len(s.token_ids)
             if not s.sample:
                 continue
-            new_tokens = list(sampled_token_ids.get(req.request_id, ()))
+            new_tokens = sampled_token_ids.get(req.request_id)
             if not new_tokens:
                 raise ValueError(f"update_from_output: no sampled token for request {req.request_id!r}")
             lps = logprobs.get(req.request_id) if logprobs else None
-            appended = []
+            status = None
             for j, tok in enumerate(new_tokens):
-                req.append_output_token_ids(tok)
-                appended.append(tok)
+                req.output_token_ids.append(tok)
+                req.all_token_ids.append(tok)
                 if lps is not None and req.logprobs is not None:
                     req.logprobs.append(lps[j])
                     req.cumulative_logprob += lps[j][tok]
-                status = self._check_stop(req)
+                status = self._check_stop(req, tok)
                 if status is not None:
+                    new_tokens = new_tokens[: j + 1]
                     self.running.remove(req)
                     self._finish(req, status)
                     break
-            updates.append(RequestUpdate(req.request_id, appended, req.is_finished, req.finish_reason, req.stop_reason))
+            finish_reason = None if status is None else status.value
+            updates.append(
+                RequestUpdate(req.request_id, list(new_tokens), status is not None, finish_reason, req.stop_reason)
+            )
         return updates
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -317,9 +322,9 @@ class Scheduler:
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 
-    def _check_stop(self, req: Request) -> RequestStatus | None:
+    def _check_stop(self, req: Request, last: int) -> RequestStatus | None:
+        """The status ``req`` finishes with now that ``last`` was appended, or None."""
         params = req.sampling_params
-        last = req.output_token_ids[-1]
         if last in params.stop_token_ids:
             req.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
