@@ -32,10 +32,13 @@ import triton.language as tl
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
+    autograd_function,
     check_shape,
     check_tensor,
+    dispatch,
     empty,
     float_dtype_of,
+    in_compile,
     next_pow2,
     rows_2d,
 )
@@ -267,23 +270,26 @@ def glu_bwd(
 
 
 # --------------------------------------------------------------------------------------------
-# torch.library registration: opaque to torch.compile, differentiable through register_autograd
+# Registration: a custom op for torch.compile (opaque, with fake and autograd), and the same
+# pieces as an autograd.Function for eager calls (far less host overhead); see _utils.dispatch.
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("fuseformer::glu_fwd", mutates_args=())
-def _glu_fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+def _fwd_impl(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     return glu_fwd(gate, up, activation)
+
+
+def _bwd_impl(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return glu_bwd(dy, gate, up, activation)
+
+
+_glu_fwd_op = torch.library.custom_op("fuseformer::glu_fwd", mutates_args=())(_fwd_impl)
+_glu_bwd_op = torch.library.custom_op("fuseformer::glu_bwd", mutates_args=())(_bwd_impl)
 
 
 @_glu_fwd_op.register_fake
 def _(gate, up, activation):
     return gate.new_empty(gate.shape)
-
-
-@torch.library.custom_op("fuseformer::glu_bwd", mutates_args=())
-def _glu_bwd_op(
-    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return glu_bwd(dy, gate, up, activation)
 
 
 @_glu_bwd_op.register_fake
@@ -299,11 +305,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy):
     gate, up = ctx.saved_tensors
-    dgate, dup = _glu_bwd_op(rows_2d(dy), gate, up, ctx.activation)
+    bwd = _glu_bwd_op if in_compile() else _bwd_impl
+    dgate, dup = bwd(rows_2d(dy), gate, up, ctx.activation)
     return dgate, dup, None
 
 
 _glu_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_GLUFunction = autograd_function("_GLUFunction", _fwd_impl, _setup_context, _backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,7 +326,7 @@ def _glu(op: str, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torc
     backend = choose_backend(op, gate.device, gate.dtype in KERNEL_DTYPES, "float64 runs on the reference")
     if backend == "reference":
         return glu_ref(gate, up, activation)
-    y = _glu_fwd_op(rows_2d(gate), rows_2d(up), activation)
+    y = dispatch(_glu_fwd_op, _GLUFunction, _fwd_impl, rows_2d(gate), rows_2d(up), activation)
     return y.view(gate.shape)
 
 
