@@ -27,15 +27,27 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseformer.ops._utils import FLOAT_DTYPES, KERNEL_DTYPES, check_tensor, empty, float_dtype_of, next_pow2
+from fuseformer.ops._utils import (
+    FLOAT_DTYPES,
+    KERNEL_DTYPES,
+    autograd_function,
+    check_tensor,
+    dispatch,
+    empty,
+    float_dtype_of,
+    in_compile,
+    next_pow2,
+)
 from fuseformer.runtime.backend import choose_backend
 
 _OP = "apply_rotary"
 _MAX_HEAD_DIM = 256
 # CUDA caps grid dims y and z at 65535; the batch (sequences) goes on y.
 _MAX_BATCH = 65535
-# Rotary pairs a program handles: 2048 pairs = 8 KiB of bf16 read and 8 KiB written per program.
-_PAIRS_PER_PROGRAM = 2048
+# Rotary pairs a program handles: 4096 pairs = 16 KiB of bf16 read and 16 KiB written per program
+# (2 tokens of a 32-head q, 8 tokens of an 8-head k at D 128). A guess from rms_norm's H200 sweep,
+# where 16-32 KiB per program with 8 warps beat 8 KiB with 4 (4.03 vs 3.4 TB/s); not yet swept here.
+_PAIRS_PER_PROGRAM = 4096
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,13 +191,13 @@ def _apply_rotary_kernel(
 # --------------------------------------------------------------------------------------------
 def _config(seqlen: int, nheads: int, half: int, passthrough: int) -> dict:
     """Tile sizes: all heads of a token in one program where they fit, several tokens per program
-    when a token's heads are few (GQA keys), so that each program moves about 8 KiB each way."""
+    when a token's heads are few (GQA keys), up to _PAIRS_PER_PROGRAM pairs a program."""
     block_k = next_pow2(half)
     block_h = min(next_pow2(nheads), max(1, _PAIRS_PER_PROGRAM // block_k))
     block_m = max(1, min(16, _PAIRS_PER_PROGRAM // (block_h * block_k), next_pow2(max(seqlen, 1))))
     block_p = next_pow2(passthrough) if passthrough > 0 else 1
-    elems = block_m * block_h * (2 * block_k + block_p)
-    num_warps = 2 if elems <= 1024 else 4 if elems <= 8192 else 8
+    pairs = block_m * block_h * block_k
+    num_warps = 2 if pairs <= 512 else 4 if pairs <= 2048 else 8
     return dict(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_P=block_p, num_warps=num_warps)
 
 
@@ -201,12 +213,15 @@ def apply_rotary_fwd(
     max_seqlen: int | None = None,
     interleaved: bool = False,
     conjugate: bool = False,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """x (B, S, H, D) or packed (T, H, D) with cu_seqlens (B + 1,) int32 and max_seqlen -> out, a new
     contiguous tensor of x's shape and dtype. ``conjugate`` rotates by -p (sin negated): the backward.
 
     cos, sin (S_max, rotary_dim / 2), contiguous in the last dim; seqlen_offsets an int or a (B,)
     int32/int64 tensor. Positions past S_max give NaN (no out-of-bounds read); nothing else is checked.
+    ``config`` overrides the launch configuration (BLOCK_M, BLOCK_H, BLOCK_K, BLOCK_P, num_warps);
+    for tuning sweeps.
     """
     out = empty(tuple(x.shape), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -228,7 +243,7 @@ def apply_rotary_fwd(
     if batch == 0 or seqlen == 0:
         return out
     offsets_is_tensor = isinstance(seqlen_offsets, torch.Tensor)
-    cfg = _config(seqlen, nheads, half, d - 2 * half)
+    cfg = config or _config(seqlen, nheads, half, d - 2 * half)
     grid = (triton.cdiv(seqlen, cfg["BLOCK_M"]), batch, triton.cdiv(nheads, cfg["BLOCK_H"]))
     _apply_rotary_kernel[grid](
         x, out, cos, sin,
@@ -258,10 +273,10 @@ def apply_rotary_bwd(
 
 
 # --------------------------------------------------------------------------------------------
-# torch.library registration: opaque to torch.compile, differentiable through register_autograd
+# Registration: a custom op for torch.compile (opaque, with fake and autograd), and the same
+# pieces as an autograd.Function for eager calls (far less host overhead); see _utils.dispatch.
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("fuseformer::apply_rotary", mutates_args=())
-def _apply_rotary_op(
+def _fwd_impl(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -275,6 +290,9 @@ def _apply_rotary_op(
     # A custom op's argument has one type: the int and the tensor form of seqlen_offsets come apart.
     seqlen_offsets = offsets if offsets is not None else offset
     return apply_rotary_fwd(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, conjugate)
+
+
+_apply_rotary_op = torch.library.custom_op("fuseformer::apply_rotary", mutates_args=())(_fwd_impl)
 
 
 @_apply_rotary_op.register_fake
@@ -293,12 +311,14 @@ def _backward(ctx, dout):
     offset, max_seqlen, interleaved, conjugate = ctx.args
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    dx = _apply_rotary_op(dout, cos, sin, offsets, offset, cu_seqlens, max_seqlen, interleaved, not conjugate)
+    fwd = _apply_rotary_op if in_compile() else _fwd_impl
+    dx = fwd(dout, cos, sin, offsets, offset, cu_seqlens, max_seqlen, interleaved, not conjugate)
     # No gradient for cos and sin (constant tables), nor for the integer arguments.
     return dx, None, None, None, None, None, None, None, None
 
 
 _apply_rotary_op.register_autograd(_backward, setup_context=_setup_context)
+_ApplyRotaryFunction = autograd_function("_ApplyRotaryFunction", _fwd_impl, _setup_context, _backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,7 +404,7 @@ def _check_inputs(x, cos, sin, interleaved, seqlen_offsets, cu_seqlens, max_seql
     if isinstance(seqlen_offsets, torch.Tensor):
         if not host or seqlen_offsets.numel() == 0:
             return max_seqlen
-        lo, hi = seqlen_offsets.min().item(), seqlen_offsets.max().item()
+        lo, hi = torch.stack(torch.aminmax(seqlen_offsets)).tolist()  # one sync for both
         if lo < 0:
             raise ValueError(f"{_OP}: seqlen_offsets must be >= 0, got a minimum of {lo}")
     else:
@@ -445,6 +465,6 @@ def apply_rotary(
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     offsets = seqlen_offsets if isinstance(seqlen_offsets, torch.Tensor) else None
     offset = 0 if offsets is not None else int(seqlen_offsets)
-    return _apply_rotary_op(
-        x, cos, sin, offsets, offset, cu_seqlens, int(max_seqlen) if max_seqlen is not None else 0, interleaved, False
-    )
+    max_seqlen = int(max_seqlen) if max_seqlen is not None else 0
+    args = (x, cos, sin, offsets, offset, cu_seqlens, max_seqlen, interleaved, False)
+    return dispatch(_apply_rotary_op, _ApplyRotaryFunction, _fwd_impl, *args)
