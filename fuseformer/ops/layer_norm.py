@@ -12,7 +12,9 @@ Shapes: x (..., N), weight (N,) or None, bias (N,) or None, residual like x. The
 are held in registers in one pass (mean, then the centred sum of squares, both from registers).
 Longer rows are streamed in chunks: pass 1 merges per-chunk (mean, M2) pairs with Chan's parallel
 update, so the variance never comes from sum(h^2) - N*mean^2 (which cancels catastrophically when
-|mean| >> std); pass 2 normalizes.
+|mean| >> std); pass 2 normalizes. With a residual, h is rounded to x's dtype (as stored and as the
+unfused ``F.layer_norm(x + residual)`` would see it) before its statistics are taken, so that the
+backward, which re-reads the stored h, sees the same h as the forward.
 
 Backward, with xhat = (h - mean) * rstd and g = dy * w:
     dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   (+ dh, the gradient reaching the h output)

@@ -89,6 +89,27 @@ def test_layer_norm_bfloat16(shape, device):
     _check(shape, torch.bfloat16, device, residual=True)
 
 
+def test_layer_norm_float32_params_with_half_input(device):
+    # Mixed precision: fp16 activations, fp32 parameters. y comes in x's dtype, dw/db in theirs.
+    x = torch.randn(6, 200, dtype=torch.float16, device=device, requires_grad=True)
+    w = (1 + 0.5 * torch.randn(200, device=device)).requires_grad_()
+    b = torch.randn(200, device=device, requires_grad=True)
+    dy = torch.randn(6, 200, dtype=torch.float16, device=device)
+    with fuseformer.use_backend("triton"):
+        y = F.layer_norm(x, w, b)
+    grads = torch.autograd.grad(y, (x, w, b), dy)
+    assert y.dtype == torch.float16 and [g.dtype for g in grads] == [torch.float16, torch.float32, torch.float32]
+    results = []
+    for cast, upcast in ((torch.float64, True), (None, False)):
+        args = [t.detach().to(cast or t.dtype).requires_grad_() for t in (x, w, b)]
+        yr = F.layer_norm_ref(*args, upcast=upcast)
+        results.append((yr, torch.autograd.grad(yr, args, dy.to(yr.dtype))))
+    (y_ref, g_ref), (y_base, g_base) = results
+    assert_close("y", y, y_ref, y_base)
+    for name, g, gr, gb in zip(["dx", "dw", "db"], grads, g_ref, g_base):
+        assert_close(name, g, gr, gb)
+
+
 def test_layer_norm_chunked_backward_many_rows(device):
     _check((17, 8200), torch.float32, device, residual=False)
 
@@ -270,10 +291,18 @@ def test_layer_norm_gpu_large_mean_small_spread(shape):
 
 @pytest.mark.gpu
 def test_layer_norm_gpu_row_offsets_past_2_31():
-    # 2^31 / 65536 = 32768 rows: the last rows' element offsets pass int32.
-    x = torch.randn(32769, 65536, dtype=torch.bfloat16, device="cuda")
+    # 2^31 / 65536 = 32768 rows: the last rows' element offsets pass int32. Each row's y and dx
+    # depend on that row alone, so the tail is checked against the reference run on the tail.
+    x = torch.randn(32769, 65536, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     w = torch.randn(65536, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(32769, 65536, dtype=torch.bfloat16, device="cuda")
     y = F.layer_norm(x, w, None)
-    tail = x[-2:]
-    ref = F.layer_norm_ref(tail.double(), w.double())
-    assert_close("y[-2:]", y[-2:], ref, F.layer_norm_ref(tail, w, upcast=False))
+    (dx,) = torch.autograd.grad(y, x, dy)
+    tails = []
+    for cast, upcast in ((torch.float64, True), (torch.bfloat16, False)):
+        xt = x.detach()[-2:].to(cast).requires_grad_()
+        yt = F.layer_norm_ref(xt, w.to(cast), upcast=upcast)
+        tails.append((yt, torch.autograd.grad(yt, xt, dy[-2:].to(cast))[0]))
+    (y_ref, dx_ref), (y_base, dx_base) = tails
+    assert_close("y[-2:]", y[-2:], y_ref, y_base)
+    assert_close("dx[-2:]", dx[-2:], dx_ref, dx_base)
