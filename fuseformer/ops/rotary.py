@@ -35,7 +35,6 @@ from fuseformer.ops._utils import (
     dispatch,
     empty,
     float_dtype_of,
-    in_compile,
     next_pow2,
 )
 from fuseformer.runtime.backend import choose_backend
@@ -306,19 +305,25 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (offset, max_seqlen, interleaved, conjugate)
 
 
-def _backward(ctx, dout):
-    cos, sin, offsets, cu_seqlens = ctx.saved_tensors
-    offset, max_seqlen, interleaved, conjugate = ctx.args
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    fwd = _apply_rotary_op if in_compile() else _fwd_impl
-    dx = fwd(dout, cos, sin, offsets, offset, cu_seqlens, max_seqlen, interleaved, not conjugate)
-    # No gradient for cos and sin (constant tables), nor for the integer arguments.
-    return dx, None, None, None, None, None, None, None, None
+def _backward_with(fwd):
+    """The backward, running the rotation by -p through ``fwd``: the custom op for the custom op's
+    autograd (so that any tracer, torch.compile's or aot_function's, sees an opaque op), the plain
+    implementation for the eager autograd.Function."""
+
+    def backward(ctx, dout):
+        cos, sin, offsets, cu_seqlens = ctx.saved_tensors
+        offset, max_seqlen, interleaved, conjugate = ctx.args
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dx = fwd(dout, cos, sin, offsets, offset, cu_seqlens, max_seqlen, interleaved, not conjugate)
+        # No gradient for cos and sin (constant tables), nor for the integer arguments.
+        return dx, None, None, None, None, None, None, None, None
+
+    return backward
 
 
-_apply_rotary_op.register_autograd(_backward, setup_context=_setup_context)
-_ApplyRotaryFunction = autograd_function("_ApplyRotaryFunction", _fwd_impl, _setup_context, _backward)
+_apply_rotary_op.register_autograd(_backward_with(_apply_rotary_op), setup_context=_setup_context)
+_ApplyRotaryFunction = autograd_function("_ApplyRotaryFunction", _fwd_impl, _setup_context, _backward_with(_fwd_impl))
 
 
 # --------------------------------------------------------------------------------------------

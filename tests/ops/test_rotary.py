@@ -332,6 +332,23 @@ def test_apply_rotary_compile_fullgraph(device, compile_backend):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_apply_rotary_custom_op_passes_opcheck(varlen, device):
+    """Schema, fake tensor, autograd registration and AOT dispatch of fuseformer::apply_rotary."""
+    from fuseformer.ops.rotary import _apply_rotary_op
+
+    cos, sin = _table(8, 8, device)
+    if varlen:
+        x = torch.randn(6, 2, 24, device=device, requires_grad=True)
+        cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
+        args = (x, cos, sin, torch.tensor([1, 3], device=device), 0, cu, 4, False, False)
+    else:
+        x = torch.randn(2, 3, 2, 24, device=device, requires_grad=True)
+        args = (x, cos, sin, None, 2, None, 0, True, False)
+    with fuseformer.use_backend("triton"):
+        torch.library.opcheck(_apply_rotary_op, args)
+
+
 # --------------------------------------------------------------------------------------------
 # GPU, real sizes
 # --------------------------------------------------------------------------------------------
