@@ -210,3 +210,17 @@ class _OnlyEps(nn.Module):
 def test_from_module_bad_modules(cls, module, match):
     with pytest.raises(ValueError, match=match):
         cls.from_module(module)
+
+
+def test_modules_compile_fullgraph(device, compile_backend):
+    rms, ln = RMSNorm(64).to(device), _randomize(LayerNorm(64)).to(device)
+    x, r = torch.randn(4, 64, device=device), torch.randn(4, 64, device=device)
+
+    def fn(x, r):
+        y, h = rms(x, residual=r)
+        return ln(y) + h
+
+    with fuseformer.use_backend("triton"):
+        eager = fn(x, r)
+        compiled = torch.compile(fn, fullgraph=True, backend=compile_backend)(x, r)
+    torch.testing.assert_close(compiled, eager)
