@@ -26,9 +26,7 @@ CHECKPOINTS = {
     # Dynamic NTK: max_position_embeddings 12, so sequences past 12 tokens rescale the base.
     "llama_dynamic": (
         transformers.LlamaConfig,
-        dict(
-            num_key_value_heads=1, max_position_embeddings=12, rope_scaling={"rope_type": "dynamic", "factor": 2.0}
-        ),
+        dict(num_key_value_heads=1, max_position_embeddings=12, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
     ),
     # Sliding window of 5 in every layer.
     "mistral": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=5)),
