@@ -165,17 +165,23 @@ def _apply_rotary_kernel(
     tile_mask = row_mask[:, None, None] & head_mask[None, :, None]
     mask = tile_mask & k_mask[None, None, :]
     if INTERLEAVED:
-        col1 = 2 * k
-        col2 = 2 * k + 1
+        # Pairs (2i, 2i+1): one contiguous load of the rotary dims, split into evens and odds in
+        # registers (two stride-2 loads compile to scalar 2-byte accesses instead of 16-byte ones).
+        cols = tl.arange(0, 2 * BLOCK_K)
+        mask2 = tile_mask & (cols < 2 * HALF)[None, None, :]
+        xx = tl.load(x_tile + cols[None, None, :], mask=mask2, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(xx, (BLOCK_M, BLOCK_H, BLOCK_K, 2)))
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        out = tl.reshape(tl.join(o1, o2), (BLOCK_M, BLOCK_H, 2 * BLOCK_K))
+        tl.store(o_tile + cols[None, None, :], out.to(OUT.dtype.element_ty), mask=mask2)
     else:
-        col1 = k
-        col2 = k + HALF
-    x1 = tl.load(x_tile + col1[None, None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_tile + col2[None, None, :], mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    tl.store(o_tile + col1[None, None, :], o1.to(OUT.dtype.element_ty), mask=mask)
-    tl.store(o_tile + col2[None, None, :], o2.to(OUT.dtype.element_ty), mask=mask)
+        x1 = tl.load(x_tile + k[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_tile + HALF + k[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        tl.store(o_tile + k[None, None, :], o1.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(o_tile + HALF + k[None, None, :], o2.to(OUT.dtype.element_ty), mask=mask)
 
     if PASS > 0:
         # Dims [2*HALF, 2*HALF + PASS) are copied unchanged.
