@@ -32,10 +32,13 @@ import triton.language as tl
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
+    autograd_function,
     check_shape,
     check_tensor,
+    dispatch,
     empty,
     float_dtype_of,
+    in_compile,
     next_pow2,
     rows_2d,
     sm_count,
@@ -388,10 +391,10 @@ def layer_norm_bwd(
 
 
 # --------------------------------------------------------------------------------------------
-# torch.library registration: opaque to torch.compile, differentiable through register_autograd
+# Registration: a custom op for torch.compile (opaque, with fake and autograd), and the same
+# pieces as an autograd.Function for eager calls (far less host overhead); see _utils.dispatch.
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("fuseformer::layer_norm_fwd", mutates_args=())
-def _layer_norm_fwd_op(
+def _fwd_impl(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, residual: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     y, h, mean, rstd = layer_norm_fwd(x, weight, bias, residual, eps)
@@ -399,16 +402,7 @@ def _layer_norm_fwd_op(
     return y, (h if h is not None else x.new_empty(0)), mean, rstd
 
 
-@_layer_norm_fwd_op.register_fake
-def _(x, weight, bias, residual, eps):
-    m, n = x.shape
-    h = x.new_empty((m, n)) if residual is not None else x.new_empty(0)
-    stat = x.new_empty((m,), dtype=torch.float32)
-    return x.new_empty((m, n)), h, stat, torch.empty_like(stat)
-
-
-@torch.library.custom_op("fuseformer::layer_norm_bwd", mutates_args=())
-def _layer_norm_bwd_op(
+def _bwd_impl(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -419,6 +413,18 @@ def _layer_norm_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd, dh)
     return dx, (dw if dw is not None else x.new_empty(0)), (db if db is not None else x.new_empty(0))
+
+
+_layer_norm_fwd_op = torch.library.custom_op("fuseformer::layer_norm_fwd", mutates_args=())(_fwd_impl)
+_layer_norm_bwd_op = torch.library.custom_op("fuseformer::layer_norm_bwd", mutates_args=())(_bwd_impl)
+
+
+@_layer_norm_fwd_op.register_fake
+def _(x, weight, bias, residual, eps):
+    m, n = x.shape
+    h = x.new_empty((m, n)) if residual is not None else x.new_empty(0)
+    stat = x.new_empty((m,), dtype=torch.float32)
+    return x.new_empty((m, n)), h, stat, torch.empty_like(stat)
 
 
 @_layer_norm_bwd_op.register_fake
@@ -439,7 +445,8 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     xn, weight, bias, mean, rstd = ctx.saved_tensors
     dy = dy.contiguous()
     dh = dh.contiguous() if (ctx.has_residual and dh is not None) else None
-    dx, dw, db = _layer_norm_bwd_op(dy, xn, weight, bias, mean, rstd, dh)
+    bwd = _layer_norm_bwd_op if in_compile() else _bwd_impl
+    dx, dw, db = bwd(dy, xn, weight, bias, mean, rstd, dh)
     return (
         dx,
         dw if weight is not None else None,
@@ -450,6 +457,7 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
 
 
 _layer_norm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_LayerNormFunction = autograd_function("_LayerNormFunction", _fwd_impl, _setup_context, _backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -501,6 +509,6 @@ def layer_norm(
     r2 = rows_2d(residual) if residual is not None else None
     w = weight.contiguous() if weight is not None else None
     b = bias.contiguous() if bias is not None else None
-    y, h, _, _ = _layer_norm_fwd_op(x2, w, b, r2, float(eps))
+    y, h, _, _ = dispatch(_layer_norm_fwd_op, _LayerNormFunction, _fwd_impl, x2, w, b, r2, float(eps))
     y = y.view(shape)
     return (y, h.view(shape)) if residual is not None else y

@@ -273,7 +273,7 @@ def rms_norm_fwd(
     rstd = empty((m,), dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         if n == 0:
-            rstd.fill_(eps**-0.5)
+            rstd.fill_(eps**-0.5 if eps > 0 else float("inf"))
         return y, h, rstd
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
     cfg = config or _fwd_config(n)

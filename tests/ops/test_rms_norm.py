@@ -148,3 +148,10 @@ def test_rms_norm_compiles_fullgraph(device, compile_backend):
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_gpu(shape, dtype, residual):
     _check(shape, dtype, "cuda", residual=residual)
+
+
+def test_rms_norm_empty_hidden_with_zero_eps(device):
+    x = torch.randn(3, 0, device=device)
+    with fuseformer.use_backend("triton"):
+        y = F.rms_norm(x, None, eps=0.0)
+    assert y.shape == (3, 0)
