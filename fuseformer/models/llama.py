@@ -140,7 +140,10 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head's D before rotary
-            q, k = self.q_norm(q), self.k_norm(k)
+            # As (rows, D): a copy out of the strided qkv views (rows_2d's view-or-copy fallback
+            # breaks torch.compile's fullgraph).
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
         if meta.kv_caches is None:
             o = _varlen_causal_attention(q, k, v, meta.cu_seqlens_q, self.scale, self.window)

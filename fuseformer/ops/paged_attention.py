@@ -240,12 +240,18 @@ def reshape_and_cache_fwd(
     )  # fmt: skip
 
 
-def _attn_config(max_seqlen_q: int, head_dim: int) -> dict:
+def _attn_config(max_seqlen_q: int, head_dim: int, element_size: int) -> dict:
     # Untuned defaults (tuning is a later issue): BLOCK_M 16 for decode-heavy steps, 64 for prefill.
+    # Wide tiles (fp32, or head dim > 128) take smaller blocks and one stage to stay within shared
+    # memory (fp32 D=256: K and V tiles 32x256x4 B = 32 KiB each).
     block_m = 16 if max_seqlen_q <= 16 else 64
-    block_n = 64 if head_dim <= 128 else 32
-    num_warps = 4 if block_m == 16 else 8 if head_dim > 128 else 4
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=2)
+    block_n, num_stages = 64, 2
+    if head_dim > 128 or element_size == 4:
+        block_n = 32
+    if head_dim > 128 and element_size == 4:
+        block_m, num_stages = min(block_m, 32), 1
+    num_warps = 8 if block_m == 64 and head_dim > 128 else 4
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 def paged_attention_fwd(
@@ -267,7 +273,7 @@ def paged_attention_fwd(
     if t == 0 or batch == 0 or max_seqlen_q == 0:
         return out
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    cfg = _attn_config(max_seqlen_q, d)
+    cfg = _attn_config(max_seqlen_q, d, q.element_size())
     grid = (batch, triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), hq)
     _paged_attention_fwd_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,

@@ -1,6 +1,7 @@
 """The Llama-family model against transformers: logits within the DESIGN.md §3 criterion (reference:
 the HF model in fp64; baseline: the HF model in fp32) and greedy decoding over a paged KV cache."""
 
+import copy
 import random
 
 import pytest
@@ -123,9 +124,9 @@ def _greedy_paged(model, prompts, steps, *, block_size=4, chunk=4, num_blocks=24
     return outputs
 
 
-# The Triton kernels run interpreted on the CPU (~1 s a step): one architecture takes them (GQA,
-# bias, tied embeddings and a sliding window in layer 1 only), all take the references.
-GREEDY_CASES = [(name, "reference") for name in ARCHS] + [("qwen2", "triton")]
+# The Triton kernels run interpreted on the CPU (~1 s a step): two architectures take them (GQA with
+# Llama-3 rope; bias, tied embeddings and a sliding window in layer 1 only), all take the references.
+GREEDY_CASES = [(name, "reference") for name in ARCHS] + [("llama3", "triton"), ("qwen2", "triton")]
 
 
 @pytest.mark.parametrize("name, backend", GREEDY_CASES)
@@ -141,6 +142,65 @@ def test_greedy_decoding_with_paged_cache_matches_generate(name, backend, hf_che
         with torch.no_grad():
             out = hf.generate(prompt[None], max_new_tokens=steps, do_sample=False, pad_token_id=0)
         assert got == out[0, len(prompt) :].tolist(), f"{name}: prompt {prompt.tolist()}"
+
+
+def _hf_grads(hf, ids, target):
+    """Gradients of the mean cross-entropy over the HF model's parameters, named as ours are (q/k/v and
+    gate/up concatenated into the packed parameters)."""
+    hf.zero_grad()
+    loss = torch.nn.functional.cross_entropy(hf(ids[None]).logits[0], target)
+    loss.backward()
+    grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    for n in [n for n in grads if ".q_proj." in n]:
+        parts = [grads.pop(n.replace("q_proj", x)) for x in ("q_proj", "k_proj", "v_proj")]
+        grads[n.replace("q_proj", "qkv_proj")] = torch.cat(parts)
+    for n in [n for n in grads if ".gate_proj." in n]:
+        grads[n.replace("gate_proj", "gate_up_proj")] = torch.cat([grads.pop(n), grads.pop(n.replace("gate", "up"))])
+    return grads
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
+def test_gradients_match_transformers(name, hf_checkpoint):
+    """Training path (no cache): every parameter's gradient of a cross-entropy loss, §3 criterion."""
+    path, hf = hf_checkpoint(name)
+    model, config = load_model(path)
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (11,))
+    target = torch.randint(0, config.vocab_size, (11,))
+    hidden = model(ids, torch.arange(11), AttentionMetadata.varlen([11]))
+    torch.nn.functional.cross_entropy(model.compute_logits(hidden), target).backward()
+    base = _hf_grads(hf, ids, target)
+    ref = _hf_grads(copy.deepcopy(hf).double(), ids, target)
+    hf.zero_grad()
+    ours = {n: p.grad for n, p in model.named_parameters()}
+    assert set(ours) == set(base), set(ours) ^ set(base)
+    for n, g in ours.items():
+        assert_close(f"{name} grad {n}", g, ref[n], base[n])
+
+
+def test_paged_step_compiles_fullgraph(hf_checkpoint, compile_backend):
+    """A step over the paged cache (prefill chunk + decode) traces whole: what CUDA graphs need."""
+    path, _ = hf_checkpoint("qwen3")
+    model, config = load_model(path)
+    shape = (8, 4, config.num_key_value_heads, config.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)]
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, 3, 4], dtype=torch.int32),
+        max_seqlen_q=3,
+        kv_caches=caches,
+        context_lens=torch.tensor([3, 5], dtype=torch.int32),
+        slot_mapping=torch.tensor([0, 1, 2, 20]),
+        block_tables=torch.tensor([[0, 1], [4, 5]], dtype=torch.int32),
+    )
+    ids, positions = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 4])
+
+    def step(ids, positions, meta):
+        return model.compute_logits(model(ids, positions, meta), torch.tensor([2, 3]))
+
+    with torch.no_grad():
+        eager = step(ids, positions, meta)
+        compiled = torch.compile(step, fullgraph=True, backend=compile_backend)(ids, positions, meta)
+    torch.testing.assert_close(compiled, eager)
 
 
 def test_reference_backend_gives_the_same_logits(hf_checkpoint):
