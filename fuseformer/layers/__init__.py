@@ -1,7 +1,8 @@
 """nn.Modules built on the fused ops: they hold parameters and call the op, nothing more."""
 
 from fuseformer.layers.activations import GeGLU, SwiGLU
+from fuseformer.layers.attention import Attention
 from fuseformer.layers.norms import LayerNorm, RMSNorm
 from fuseformer.layers.rotary import RotaryEmbedding
 
-__all__ = ["GeGLU", "LayerNorm", "RMSNorm", "RotaryEmbedding", "SwiGLU"]
+__all__ = ["Attention", "GeGLU", "LayerNorm", "RMSNorm", "RotaryEmbedding", "SwiGLU"]

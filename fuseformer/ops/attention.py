@@ -321,25 +321,28 @@ class KernelConfig:
     num_stages: int
 
 
-# Starting points for the H100/H200 (sm_90), keyed by the padded head dim (BLOCK_D); not yet swept
-# on the H200 (bench/attention.py has ``sweep_attention_configs`` for that).
-# fwd: BLOCK_M 128 x BLOCK_N 64..128, 8 warps (the usual FA2 Hopper choice for hd 128).
+# Starting points for the H100/H200 (sm_90), keyed by the padded head dim (BLOCK_D); not yet timed
+# on the H200 (bench/attention.py has ``sweep_attention_configs`` for that). Chosen so that ptxas
+# (Triton 3.6, sm_90a, bf16, offline compile) reports no register spills:
+# fwd hd 128: 128x64 / 8 warps / 3 stages: 182 regs (causal), 128 KiB smem; 128x128 / 2 stages hit
+# 255 regs with small spills. hd 256: 255 regs, spills only in the varlen+window variant.
 _FWD_TABLE = {
     16: KernelConfig(128, 64, 4, 3),
     32: KernelConfig(128, 64, 4, 3),
     64: KernelConfig(128, 128, 8, 3),
-    128: KernelConfig(128, 128, 8, 2),
+    128: KernelConfig(128, 64, 8, 3),
     256: KernelConfig(128, 64, 8, 2),
 }
 # dk/dv: BLOCK_N key rows accumulate dk, dv (2 x BLOCK_N x BLOCK_D fp32) while BLOCK_M q rows stream.
+# ptxas: hd 64 64x128: 234 regs; hd 128 32x128: 254 regs (64x128 spills 108 B); hd 256 32x64: 40 B spill.
 _BWD_DKDV_TABLE = {
     16: KernelConfig(64, 128, 8, 2),
     32: KernelConfig(64, 128, 8, 2),
     64: KernelConfig(64, 128, 8, 2),
-    128: KernelConfig(64, 128, 8, 2),
+    128: KernelConfig(32, 128, 8, 2),
     256: KernelConfig(32, 64, 8, 2),
 }
-# dq: BLOCK_M q rows accumulate dq while BLOCK_N key rows stream.
+# dq: BLOCK_M q rows accumulate dq while BLOCK_N key rows stream. ptxas: hd 128 198-230 regs.
 _BWD_DQ_TABLE = {
     16: KernelConfig(128, 64, 8, 2),
     32: KernelConfig(128, 64, 8, 2),

@@ -90,12 +90,15 @@ def _load_row_stats(lse_ptrs, delta_ptrs, row_ok, MASK: tl.constexpr):
 
 @triton.jit
 def _dkdv_loop(
-    dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+    dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, q_offs, stride_qs,
     cols, sq, sk, sm_scale, qk_scale, window_left, window_right, start, end,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """Accumulate dk, dv (BLOCK_N, BLOCK_D) fp32 over the q tiles [start, end) of one q head."""
+    """Accumulate dk, dv (BLOCK_N, BLOCK_D) fp32 over the q tiles [start, end) of one q head.
+
+    q, do and dq share one layout (the launcher makes them contiguous), so one int32 offset tile
+    q_offs (BLOCK_M, BLOCK_D) serves all three: fewer live registers in a kernel that spills easily."""
     offs_m = tl.arange(0, BLOCK_M)
     d_ok = tl.arange(0, BLOCK_D) < HEAD_DIM
     diag = sk - sq
@@ -103,19 +106,22 @@ def _dkdv_loop(
         rows = start_m + offs_m
         row_ok = rows < sq
         m64 = tl.cast(start_m, tl.int64)
+        row_step = m64 * stride_qs
         # Loads inline (not through helpers): each nested jit call costs ms under the interpreter.
         if MASK or HEAD_DIM != BLOCK_D:
-            q = tl.load(q_ptrs + m64 * stride_qs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-            do = tl.load(do_ptrs + m64 * stride_dos, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            q = tl.load(
+                q_base + row_step + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0
+            )  # (BLOCK_M, BLOCK_D)
+            do = tl.load(do_base + row_step + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         else:
-            q = tl.load(q_ptrs + m64 * stride_qs)
-            do = tl.load(do_ptrs + m64 * stride_dos)
+            q = tl.load(q_base + row_step + q_offs)
+            do = tl.load(do_base + row_step + q_offs)
         if MASK:  # rows past the end: lse +inf, so p = 0
-            lse = tl.load(lse_ptrs + m64, mask=row_ok, other=float("inf"))
-            delta = tl.load(delta_ptrs + m64, mask=row_ok, other=0.0)
+            lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
         else:
-            lse = tl.load(lse_ptrs + m64)
-            delta = tl.load(delta_ptrs + m64)
+            lse = tl.load(lse_base + rows)
+            delta = tl.load(delta_base + rows)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # rows that saw no key: p = 0
         qk_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
         if MASK:
@@ -132,16 +138,14 @@ def _dkdv_loop(
         dk = tl.dot(ds_t, q, dk)
         if DQ_ATOMIC:
             dq = tl.dot(tl.trans(ds_t), k) * sm_scale  # (BLOCK_M, BLOCK_D)
-            tl.atomic_add(dq_ptrs + m64 * stride_dqs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+            tl.atomic_add(dq_base + row_step + q_offs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _flash_attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, CU_Q, CU_K,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-    stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, group_size, sm_scale, qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
@@ -156,89 +160,56 @@ def _flash_attention_bwd_dkdv_kernel(
         k_start = tl.load(CU_K + b)
         sk = tl.load(CU_K + b + 1) - k_start
         q_off = q_start.to(tl.int64) * stride_qs
-        do_off = q_start.to(tl.int64) * stride_dos
-        dq_off = q_start.to(tl.int64) * stride_dqs
         l_off = q_start.to(tl.int64)
         k_off = k_start.to(tl.int64) * stride_ks
-        v_off = k_start.to(tl.int64) * stride_vs
-        dk_off = k_start.to(tl.int64) * stride_dks
-        dv_off = k_start.to(tl.int64) * stride_dvs
     else:
         sq = seqlen_q
         sk = seqlen_k
         q_off = b.to(tl.int64) * stride_qb
-        do_off = b.to(tl.int64) * stride_dob
-        dq_off = b.to(tl.int64) * stride_dqb
         l_off = b.to(tl.int64) * stride_lb
         k_off = b.to(tl.int64) * stride_kb
-        v_off = b.to(tl.int64) * stride_vb
-        dk_off = b.to(tl.int64) * stride_dkb
-        dv_off = b.to(tl.int64) * stride_dvb
     n0 = pid_n * BLOCK_N
     if n0 >= sk:
         return
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < sk
-    cols64 = cols.to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    k = _load_tile(
-        K + k_off + kv_h * stride_kh + cols64[:, None] * stride_ks + offs_d[None, :], col_ok, d_ok, True, EVEN_D
-    )
-    v = _load_tile(
-        V + v_off + kv_h * stride_vh + cols64[:, None] * stride_vs + offs_d[None, :], col_ok, d_ok, True, EVEN_D
-    )
+    # k, v, dk, dv share one layout, as do q, do, dq (the launcher makes them so).
+    kv_offs = k_off + kv_h * stride_kh + cols.to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
+    k = _load_tile(K + kv_offs, col_ok, d_ok, True, EVEN_D)
+    v = _load_tile(V + kv_offs, col_ok, d_ok, True, EVEN_D)
+    q_offs = tl.arange(0, BLOCK_M)[:, None] * stride_qs + offs_d[None, :]  # int32 (BLOCK_M, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query tiles that see this key block, by symmetry with _kv_bounds: lo <= full_lo <= full_hi <= hi.
+    # Query rows that see some key of this block: i >= j - diag - right and i <= j - diag + left.
     diag = sk - sq
-    n_last = n0 + BLOCK_N - 1
     lo = 0
     hi = sq
-    full_lo = 0
-    full_hi = (sq // BLOCK_M) * BLOCK_M
-    if HAS_RIGHT:  # row i sees key j only if i >= j - diag - right
+    if HAS_RIGHT:
         lo = (tl.maximum(n0 - diag - window_right, 0) // BLOCK_M) * BLOCK_M
-        full_lo = tl.cdiv(tl.maximum(n_last - diag - window_right, 0), BLOCK_M) * BLOCK_M
-    if HAS_LEFT:  # ... and only if i <= j - diag + left
-        hi = tl.minimum(hi, tl.maximum(n_last - diag + window_left + 1, 0))
-        full_hi = tl.minimum(full_hi, (tl.maximum(n0 - diag + window_left + 1, 0) // BLOCK_M) * BLOCK_M)
-    no_full = (full_hi <= full_lo) | (n0 + BLOCK_N > sk)  # a key block past the end is masked throughout
-    full_lo = tl.where(no_full, lo, full_lo)
-    full_hi = tl.where(no_full, lo, full_hi)
+    if HAS_LEFT:
+        hi = tl.minimum(hi, tl.maximum(n0 + BLOCK_N - 1 - diag + window_left + 1, 0))
 
     for g in range(0, group_size):
         h = kv_h * group_size + g
-        q_ptrs = Q + q_off + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
-        do_ptrs = DO + do_off + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :]
-        dq_ptrs = DQ_ACC + dq_off + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
-        lse_ptrs = LSE + l_off + h * stride_lh + offs_m
-        delta_ptrs = DELTA + l_off + h * stride_lh + offs_m
-        if HAS_RIGHT:  # partly visible tiles along the causal diagonal / right window edge
-            dk, dv = _dkdv_loop(
-                dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
-                cols, sq, sk, sm_scale, qk_scale, window_left, window_right, lo, full_lo,
-                True, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M,
-            )  # fmt: skip
+        head_off = q_off + h * stride_qh
+        lse_base = LSE + l_off + h * stride_lh
+        delta_base = DELTA + l_off + h * stride_lh
+        # One masked loop over every visible q tile. Splitting off the unmasked middle (as the
+        # forward does) spilled registers on sm_90 (ptxas: 500+ bytes at BLOCK 64x128, hd 128);
+        # the mask costs ~16 ALU ops per thread per tile next to 4 wgmmas.
         dk, dv = _dkdv_loop(
-            dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
-            cols, sq, sk, sm_scale, qk_scale, window_left, window_right, full_lo, full_hi,
-            False, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M,
-        )  # fmt: skip
-        dk, dv = _dkdv_loop(
-            dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
-            cols, sq, sk, sm_scale, qk_scale, window_left, window_right, full_hi, hi,
+            dk, dv, k, v, Q + head_off, DO + head_off, DQ_ACC + head_off, lse_base, delta_base, q_offs, stride_qs,
+            cols, sq, sk, sm_scale, qk_scale, window_left, window_right, lo, hi,
             True, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M,
         )  # fmt: skip
 
     mask = col_ok[:, None] & d_ok[None, :]
-    dk_ptrs = DK + dk_off + kv_h * stride_dkh + cols64[:, None] * stride_dks + offs_d[None, :]
-    dv_ptrs = DV + dv_off + kv_h * stride_dvh + cols64[:, None] * stride_dvs + offs_d[None, :]
-    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+    tl.store(DK + kv_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV + kv_offs, dv.to(DV.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -382,7 +353,10 @@ def flash_attention_bwd(
     (default ``DQ_MODE``; "separate" whenever :func:`deterministic`).
     """
     varlen = cu_seqlens_q is not None
-    dout, q, k, v, out = (_unit_last(t) for t in (dout, q, k, v, out))
+    # The dk/dv kernel reads q, do (and writes dq) with one set of strides, and k, v (dk, dv) with
+    # another: contiguous copies where needed (one pass of bytes, small next to the backward).
+    dout, q, k, v = (t.contiguous() for t in (dout, q, k, v))
+    out = _unit_last(out)
     d = q.shape[-1]
     hq, hkv = q.shape[-2], k.shape[-2]
     dq = empty(q.shape, dtype=q.dtype, device=q.device)
@@ -439,11 +413,6 @@ def flash_attention_bwd(
             cu_k,
             *_seq_strides(q, varlen),
             *_seq_strides(k, varlen),
-            *_seq_strides(v, varlen),
-            *_seq_strides(dout, varlen),
-            *_seq_strides(dk, varlen),
-            *_seq_strides(dv, varlen),
-            *_seq_strides(dq_acc, varlen),
             *lse_strides,
             *common,
         ),  # fmt: skip
