@@ -153,8 +153,3 @@ def dispatch(
     if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return function.apply(*args)
     return impl(*args)
-
-
-def in_compile() -> bool:
-    """True while torch.compile traces (then backward passes call custom ops, not launchers)."""
-    return torch.compiler.is_compiling()

@@ -38,7 +38,6 @@ from fuseformer.ops._utils import (
     dispatch,
     empty,
     float_dtype_of,
-    in_compile,
     next_pow2,
     rows_2d,
 )
@@ -303,15 +302,20 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(gate, up)
 
 
-def _backward(ctx, dy):
-    gate, up = ctx.saved_tensors
-    bwd = _glu_bwd_op if in_compile() else _bwd_impl
-    dgate, dup = bwd(rows_2d(dy), gate, up, ctx.activation)
-    return dgate, dup, None
+def _backward_with(bwd):
+    """The backward calling ``bwd``: the custom op under compile/export (so traces stay
+    opaque, also under aot_function), the plain implementation in the eager autograd.Function."""
+
+    def _backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dgate, dup = bwd(rows_2d(dy), gate, up, ctx.activation)
+        return dgate, dup, None
+
+    return _backward
 
 
-_glu_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-_GLUFunction = autograd_function("_GLUFunction", _fwd_impl, _setup_context, _backward)
+_glu_fwd_op.register_autograd(_backward_with(_glu_bwd_op), setup_context=_setup_context)
+_GLUFunction = autograd_function("_GLUFunction", _fwd_impl, _setup_context, _backward_with(_bwd_impl))
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,7 +38,6 @@ from fuseformer.ops._utils import (
     dispatch,
     empty,
     float_dtype_of,
-    in_compile,
     next_pow2,
     rows_2d,
     sm_count,
@@ -441,23 +440,28 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(h if residual is not None else x, weight, bias, mean, rstd)
 
 
-def _backward(ctx, dy, dh, _dmean, _drstd):
-    xn, weight, bias, mean, rstd = ctx.saved_tensors
-    dy = dy.contiguous()
-    dh = dh.contiguous() if (ctx.has_residual and dh is not None) else None
-    bwd = _layer_norm_bwd_op if in_compile() else _bwd_impl
-    dx, dw, db = bwd(dy, xn, weight, bias, mean, rstd, dh)
-    return (
-        dx,
-        dw if weight is not None else None,
-        db if bias is not None else None,
-        dx if ctx.has_residual else None,
-        None,
-    )
+def _backward_with(bwd):
+    """The backward calling ``bwd``: the custom op under compile/export (so traces stay
+    opaque, also under aot_function), the plain implementation in the eager autograd.Function."""
+
+    def _backward(ctx, dy, dh, _dmean, _drstd):
+        xn, weight, bias, mean, rstd = ctx.saved_tensors
+        dy = dy.contiguous()
+        dh = dh.contiguous() if (ctx.has_residual and dh is not None) else None
+        dx, dw, db = bwd(dy, xn, weight, bias, mean, rstd, dh)
+        return (
+            dx,
+            dw if weight is not None else None,
+            db if bias is not None else None,
+            dx if ctx.has_residual else None,
+            None,
+        )
+
+    return _backward
 
 
-_layer_norm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-_LayerNormFunction = autograd_function("_LayerNormFunction", _fwd_impl, _setup_context, _backward)
+_layer_norm_fwd_op.register_autograd(_backward_with(_layer_norm_bwd_op), setup_context=_setup_context)
+_LayerNormFunction = autograd_function("_LayerNormFunction", _fwd_impl, _setup_context, _backward_with(_bwd_impl))
 
 
 # --------------------------------------------------------------------------------------------

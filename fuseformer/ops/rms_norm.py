@@ -31,7 +31,6 @@ from fuseformer.ops._utils import (
     dispatch,
     empty,
     float_dtype_of,
-    in_compile,
     next_pow2,
     rows_2d,
     sm_count,
@@ -369,17 +368,22 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(h if residual is not None else x, weight, rstd)
 
 
-def _backward(ctx, dy, dh, _drstd):
-    xn, weight, rstd = ctx.saved_tensors
-    dy = dy.contiguous()
-    dh = dh.contiguous() if (ctx.has_residual and dh is not None) else None
-    bwd = _rms_norm_bwd_op if in_compile() else _bwd_impl
-    dx, dw = bwd(dy, xn, weight, rstd, dh)
-    return dx, (dw if weight is not None else None), (dx if ctx.has_residual else None), None
+def _backward_with(bwd):
+    """The backward calling ``bwd``: the custom op under compile/export (so traces stay
+    opaque, also under aot_function), the plain implementation in the eager autograd.Function."""
+
+    def _backward(ctx, dy, dh, _drstd):
+        xn, weight, rstd = ctx.saved_tensors
+        dy = dy.contiguous()
+        dh = dh.contiguous() if (ctx.has_residual and dh is not None) else None
+        dx, dw = bwd(dy, xn, weight, rstd, dh)
+        return dx, (dw if weight is not None else None), (dx if ctx.has_residual else None), None
+
+    return _backward
 
 
-_rms_norm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-_RMSNormFunction = autograd_function("_RMSNormFunction", _fwd_impl, _setup_context, _backward)
+_rms_norm_fwd_op.register_autograd(_backward_with(_rms_norm_bwd_op), setup_context=_setup_context)
+_RMSNormFunction = autograd_function("_RMSNormFunction", _fwd_impl, _setup_context, _backward_with(_bwd_impl))
 
 
 # --------------------------------------------------------------------------------------------

@@ -273,3 +273,14 @@ def test_glu_gpu_int64_offsets():
             ref_dgate, ref_dup = g.grad, u.grad
     assert_close("dgate", dgate[tail], ref_dgate, g.grad)
     assert_close("dup", dup[tail], ref_dup, u.grad)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
+def test_glu_custom_op_passes_opcheck(activation, device):
+    """Schema, fake tensors, autograd registration and AOT dispatch of fuseformer::glu_fwd."""
+    from fuseformer.ops.activations import _glu_fwd_op
+
+    g = torch.randn(5, 40, device=device, requires_grad=True)
+    u = torch.randn(5, 40, device=device, requires_grad=True)
+    with fuseformer.use_backend("triton"):
+        torch.library.opcheck(_glu_fwd_op, (g, u, activation))

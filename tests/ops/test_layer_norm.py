@@ -306,3 +306,16 @@ def test_layer_norm_gpu_row_offsets_past_2_31():
     (y_ref, dx_ref), (y_base, dx_base) = tails
     assert_close("y[-2:]", y[-2:], y_ref, y_base)
     assert_close("dx[-2:]", dx[-2:], dx_ref, dx_base)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_layer_norm_custom_op_passes_opcheck(residual, device):
+    """Schema, fake tensors, autograd registration and AOT dispatch of fuseformer::layer_norm_fwd."""
+    from fuseformer.ops.layer_norm import _layer_norm_fwd_op
+
+    x = torch.randn(5, 40, device=device, requires_grad=True)
+    w = torch.randn(40, device=device, requires_grad=True)
+    b = torch.randn(40, device=device, requires_grad=True)
+    r = torch.randn(5, 40, device=device, requires_grad=True) if residual else None
+    with fuseformer.use_backend("triton"):
+        torch.library.opcheck(_layer_norm_fwd_op, (x, w, b, r, 1e-5))

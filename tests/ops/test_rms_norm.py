@@ -155,3 +155,19 @@ def test_rms_norm_empty_hidden_with_zero_eps(device):
     with fuseformer.use_backend("triton"):
         y = F.rms_norm(x, None, eps=0.0)
     assert y.shape == (3, 0)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_custom_ops_pass_opcheck(residual, device):
+    """Schema, fake tensors, autograd registration and AOT dispatch of the registered ops."""
+    from fuseformer.ops.rms_norm import _rms_norm_bwd_op, _rms_norm_fwd_op
+
+    x = torch.randn(5, 40, device=device, requires_grad=True)
+    w = torch.randn(40, device=device, requires_grad=True)
+    r = torch.randn(5, 40, device=device, requires_grad=True) if residual else None
+    _, h, rstd = _rms_norm_fwd_op(x.detach(), w.detach(), None if r is None else r.detach(), 1e-6)
+    xn = h if residual else x.detach()
+    dh = torch.randn(5, 40, device=device) if residual else None
+    with fuseformer.use_backend("triton"):
+        torch.library.opcheck(_rms_norm_fwd_op, (x, w, r, 1e-6))
+        torch.library.opcheck(_rms_norm_bwd_op, (torch.randn(5, 40, device=device), xn, w.detach(), rstd, dh))
