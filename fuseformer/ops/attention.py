@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fuseformer.ops._utils import FLOAT_DTYPES, check_tensor, empty, float_dtype_of, next_pow2
 from fuseformer.runtime.backend import INTERPRET, choose_backend
@@ -178,10 +179,10 @@ def _kv_bounds(
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_loop(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, rows, sq, sk,
+    acc, l_i, m_i, q, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
     qk_scale, window_left, window_right, start, end,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_DESC: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks [start, end). acc (BLOCK_M, BLOCK_D) fp32; l_i, m_i (BLOCK_M,)
     running sum and max of the scores in log2 units. MASK: apply the causal/window/length mask."""
@@ -193,8 +194,10 @@ def _fwd_loop(
         col_ok = cols < sk
         n64 = tl.cast(start_n, tl.int64)
         # Loads inline (not through _load_tile): each nested jit call costs ms under the interpreter.
-        if MASK or HEAD_DIM != BLOCK_D:
-            k = tl.load(k_ptrs + n64 * stride_ks, mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        if KV_DESC:  # TMA: rows past this sequence are masked below (K) or meet p = 0 (V)
+            k = K.load([kv_row0 + start_n, kv_col])  # (BLOCK_N, BLOCK_D)
+        elif MASK or HEAD_DIM != BLOCK_D:
+            k = tl.load(k_ptrs + n64 * stride_ks, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs + n64 * stride_ks)
         qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
@@ -214,7 +217,9 @@ def _fwd_loop(
         p = tl.math.exp2(qk - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASK or HEAD_DIM != BLOCK_D:
+        if KV_DESC:
+            v = V.load([kv_row0 + start_n, kv_col])
+        elif MASK or HEAD_DIM != BLOCK_D:
             v = tl.load(v_ptrs + n64 * stride_vs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs + n64 * stride_vs)
@@ -233,8 +238,9 @@ def _flash_attention_fwd_kernel(
     stride_lb, stride_lh,
     seqlen_q, seqlen_k, group_size, qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KV_DESC: tl.constexpr,
 ):  # fmt: skip
+    # K, V: pointers, or with KV_DESC TMA descriptors over (rows, Hkv * D) views (rows B * Sk, or Tk).
     # Grid (cdiv(max Sq, BLOCK_M), Hq, B). With a right bound (causal) the heaviest query blocks
     # (the last ones) start first, so the short ones fill the tail of the wave.
     pid_m = tl.program_id(0)
@@ -247,6 +253,7 @@ def _flash_attention_fwd_kernel(
         sq = tl.load(CU_Q + b + 1) - q_start
         k_start = tl.load(CU_K + b)
         sk = tl.load(CU_K + b + 1) - k_start
+        kv_row0 = k_start
         q_off = q_start.to(tl.int64) * stride_qs
         k_off = k_start.to(tl.int64) * stride_ks
         v_off = k_start.to(tl.int64) * stride_vs
@@ -255,6 +262,7 @@ def _flash_attention_fwd_kernel(
     else:
         sq = seqlen_q
         sk = seqlen_k
+        kv_row0 = b * seqlen_k
         q_off = b.to(tl.int64) * stride_qb
         k_off = b.to(tl.int64) * stride_kb
         v_off = b.to(tl.int64) * stride_vb
@@ -275,8 +283,13 @@ def _flash_attention_fwd_kernel(
 
     q_ptrs = Q + q_off + h * stride_qh + rows64[:, None] * stride_qs + offs_d[None, :]
     q = _load_tile(q_ptrs, row_ok, d_ok, True, EVEN_D)  # (BLOCK_M, BLOCK_D)
-    k_ptrs = K + k_off + kv_h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = V + v_off + kv_h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    if KV_DESC:
+        k_ptrs = 0
+        v_ptrs = 0
+    else:
+        k_ptrs = K + k_off + kv_h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+        v_ptrs = V + v_off + kv_h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    kv_col = kv_h * HEAD_DIM
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -284,19 +297,19 @@ def _flash_attention_fwd_kernel(
     lo, full_lo, full_hi, hi = _kv_bounds(m0, sq, sk, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if HAS_LEFT:  # partly visible blocks at the window's left edge
         acc, l_i, m_i = _fwd_loop(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, rows, sq, sk,
+            acc, l_i, m_i, q, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
             qk_scale, window_left, window_right, lo, full_lo,
-            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N,
+            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_loop(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, rows, sq, sk,
+        acc, l_i, m_i, q, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
         qk_scale, window_left, window_right, full_lo, full_hi,
-        False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N,
+        False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_loop(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, rows, sq, sk,
+        acc, l_i, m_i, q, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
         qk_scale, window_left, window_right, full_hi, hi,
-        True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N,
+        True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC,
     )  # fmt: skip
 
     # Rows that saw no key: l = 0, acc = 0 -> out 0, lse -inf.
@@ -324,13 +337,14 @@ class KernelConfig:
 # Starting points for the H100/H200 (sm_90), keyed by the padded head dim (BLOCK_D); not yet timed
 # on the H200 (bench/attention.py has ``sweep_attention_configs`` for that). Chosen so that ptxas
 # (Triton 3.6, sm_90a, bf16, offline compile) reports no register spills:
-# fwd hd 128: 128x64 / 8 warps / 3 stages: 182 regs (causal), 128 KiB smem; 128x128 / 2 stages hit
-# 255 regs with small spills. hd 256: 255 regs, spills only in the varlen+window variant.
+# fwd with TMA K/V: hd 64 128x128/3 stages 171 regs; hd 128 128x128/2 stages 206 regs, 161 KiB smem
+# (3 stages: 225 KiB, just fits); hd 256 128x64/2 stages 232 regs. Pointer loads (no TMA) need more:
+# hd 128 128x128 reaches 255 regs with a few bytes of spill, 128x64/3 stages 182 regs.
 _FWD_TABLE = {
     16: KernelConfig(128, 64, 4, 3),
     32: KernelConfig(128, 64, 4, 3),
     64: KernelConfig(128, 128, 8, 3),
-    128: KernelConfig(128, 64, 8, 3),
+    128: KernelConfig(128, 128, 8, 2),
     256: KernelConfig(128, 64, 8, 2),
 }
 # dk/dv: BLOCK_N key rows accumulate dk, dv (2 x BLOCK_N x BLOCK_D fp32) while BLOCK_M q rows stream.
@@ -404,15 +418,23 @@ def _fallbacks(cfg: KernelConfig):
 _FITTED: dict[tuple, KernelConfig] = {}
 
 
-def launch(kernel, grid_fn, cfg: KernelConfig, args: tuple, consts: dict, key: tuple) -> KernelConfig:
-    """Launch ``kernel`` with ``cfg``; if it does not fit (OutOfResources), with the next fallback."""
+def launch(kernel, grid_fn, cfg: KernelConfig, args, consts: dict, key: tuple) -> KernelConfig:
+    """Launch ``kernel`` with ``cfg``; if it does not fit (OutOfResources), with the next fallback.
+
+    ``args``: the positional arguments, or a function of the config returning them (descriptors
+    carry the block shape)."""
     full_key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), cfg, key)
     candidates = [_FITTED[full_key]] if full_key in _FITTED else _fallbacks(cfg)
     error = None
     for c in candidates:
         try:
             kernel[grid_fn(c)](
-                *args, **consts, BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, num_warps=c.num_warps, num_stages=c.num_stages
+                *(args(c) if callable(args) else args),
+                **consts,
+                BLOCK_M=c.BLOCK_M,
+                BLOCK_N=c.BLOCK_N,
+                num_warps=c.num_warps,
+                num_stages=c.num_stages,
             )
         except OutOfResources as exc:
             error = exc
@@ -434,6 +456,43 @@ def _seq_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# The forward streams K and V through TMA descriptors (sm_90+, and the interpreter) when their
+# layout allows: one async bulk copy per tile instead of per-thread address math and loads.
+# FUSEFORMER_ATTN_TMA=0, or USE_TMA = False, keeps the pointer loads.
+USE_TMA = True
+
+
+def _use_tma(t: torch.Tensor) -> bool:
+    if not USE_TMA or os.environ.get("FUSEFORMER_ATTN_TMA", "1") == "0":
+        return False
+    if t.is_cuda:
+        return torch.cuda.get_device_capability(t.device)[0] >= 9
+    return INTERPRET
+
+
+def _rows_view(t: torch.Tensor, varlen: bool) -> torch.Tensor | None:
+    """(B, S, H, D) or (T, H, D) as a (rows, H * D) matrix view (row b * S + s, or t), when the layout
+    allows one and a TMA descriptor (16-byte aligned base and row stride); else None."""
+    h, d = t.shape[-2], t.shape[-1]
+    if t.numel() == 0 or t.stride(-1) != 1 or (h > 1 and t.stride(-2) != d):
+        return None
+    if varlen:
+        rows, row_stride = t.shape[0], t.stride(0)
+    elif t.shape[1] == 1:
+        rows, row_stride = t.shape[0], t.stride(0)
+    elif t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1):
+        rows, row_stride = t.shape[0] * t.shape[1], t.stride(1)
+    else:
+        return None
+    if (row_stride * t.element_size()) % 16 or t.data_ptr() % 16:
+        return None
+    return t.as_strided((rows, h * d), (row_stride, 1))
+
+
+def _descriptor(view: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor:
+    return TensorDescriptor(view, list(view.shape), [view.stride(0), 1], [block_rows, block_d])
 
 
 def flash_attention_fwd(
@@ -475,13 +534,29 @@ def flash_attention_fwd(
     cfg = kernel_config("fwd", block_d)
     cu_q = cu_seqlens_q if varlen else lse  # unused pointer when not varlen
     cu_k = cu_seqlens_k if varlen else lse
-    args = (
-        q, k, v, out, lse, cu_q, cu_k,
+    k_view = _rows_view(k, varlen) if _use_tma(k) else None
+    v_view = _rows_view(v, varlen) if k_view is not None else None
+    kv_desc = v_view is not None
+    rest = (
+        out, lse, cu_q, cu_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
         *lse_strides,
         seqlen_q, seqlen_k, hq // hkv, softmax_scale * 1.4426950408889634, window_left, window_right,
     )  # fmt: skip
-    consts = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_VARLEN=varlen, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0)
+
+    def args(c: KernelConfig) -> tuple:
+        if kv_desc:
+            return (q, _descriptor(k_view, c.BLOCK_N, block_d), _descriptor(v_view, c.BLOCK_N, block_d), *rest)
+        return (q, k, v, *rest)
+
+    consts = dict(
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        IS_VARLEN=varlen,
+        HAS_LEFT=window_left >= 0,
+        HAS_RIGHT=window_right >= 0,
+        KV_DESC=kv_desc,
+    )
     launch(
         _flash_attention_fwd_kernel,
         lambda c: (triton.cdiv(seqlen_q, c.BLOCK_M), hq, batch),

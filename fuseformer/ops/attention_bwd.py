@@ -24,7 +24,18 @@ import triton
 import triton.language as tl
 
 from fuseformer.ops._utils import empty, next_pow2
-from fuseformer.ops.attention import _kv_bounds, _load_tile, _seq_strides, _unit_last, kernel_config, launch
+from fuseformer.ops.attention import (
+    KernelConfig,
+    _descriptor,
+    _kv_bounds,
+    _load_tile,
+    _rows_view,
+    _seq_strides,
+    _unit_last,
+    _use_tma,
+    kernel_config,
+    launch,
+)
 
 # "separate" (dq kernel) or "atomic" (fp32 atomics in the dk/dv kernel); the lead's sweep decides.
 DQ_MODE = "separate"
@@ -90,10 +101,10 @@ def _load_row_stats(lse_ptrs, delta_ptrs, row_ok, MASK: tl.constexpr):
 
 @triton.jit
 def _dkdv_loop(
-    dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, q_offs, stride_qs,
+    dk, dv, k, v, Q, DO, q_base, do_base, dq_base, lse_base, delta_base, q_offs, stride_qs, q_row0, q_col,
     cols, sq, sk, sm_scale, qk_scale, window_left, window_right, start, end,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, QD_DESC: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dk, dv (BLOCK_N, BLOCK_D) fp32 over the q tiles [start, end) of one q head.
 
@@ -108,10 +119,11 @@ def _dkdv_loop(
         m64 = tl.cast(start_m, tl.int64)
         row_step = m64 * stride_qs
         # Loads inline (not through helpers): each nested jit call costs ms under the interpreter.
-        if MASK or HEAD_DIM != BLOCK_D:
-            q = tl.load(
-                q_base + row_step + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0
-            )  # (BLOCK_M, BLOCK_D)
+        if QD_DESC:  # TMA; rows past this sequence get p = 0 from the mask
+            q = Q.load([q_row0 + start_m, q_col])  # (BLOCK_M, BLOCK_D)
+            do = DO.load([q_row0 + start_m, q_col])
+        elif MASK or HEAD_DIM != BLOCK_D:
+            q = tl.load(q_base + row_step + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             do = tl.load(do_base + row_step + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         else:
             q = tl.load(q_base + row_step + q_offs)
@@ -149,14 +161,17 @@ def _flash_attention_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, group_size, sm_scale, qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    QD_DESC: tl.constexpr,
 ):  # fmt: skip
-    # Grid (cdiv(max Sk, BLOCK_N), Hkv, B).
+    # Grid (cdiv(max Sk, BLOCK_N), Hkv, B). Q, DO: pointers, or with QD_DESC TMA descriptors over
+    # (rows, Hq * D) views (rows B * Sq, or Tq).
     pid_n = tl.program_id(0)
     kv_h = tl.program_id(1)
     b = tl.program_id(2)
     if IS_VARLEN:
         q_start = tl.load(CU_Q + b)
         sq = tl.load(CU_Q + b + 1) - q_start
+        q_row0 = q_start
         k_start = tl.load(CU_K + b)
         sk = tl.load(CU_K + b + 1) - k_start
         q_off = q_start.to(tl.int64) * stride_qs
@@ -165,6 +180,7 @@ def _flash_attention_bwd_dkdv_kernel(
     else:
         sq = seqlen_q
         sk = seqlen_k
+        q_row0 = b * seqlen_q
         q_off = b.to(tl.int64) * stride_qb
         l_off = b.to(tl.int64) * stride_lb
         k_off = b.to(tl.int64) * stride_kb
@@ -196,15 +212,22 @@ def _flash_attention_bwd_dkdv_kernel(
     for g in range(0, group_size):
         h = kv_h * group_size + g
         head_off = q_off + h * stride_qh
+        if QD_DESC:
+            q_base = 0
+            do_base = 0
+        else:
+            q_base = Q + head_off
+            do_base = DO + head_off
         lse_base = LSE + l_off + h * stride_lh
         delta_base = DELTA + l_off + h * stride_lh
         # One masked loop over every visible q tile. Splitting off the unmasked middle (as the
         # forward does) spilled registers on sm_90 (ptxas: 500+ bytes at BLOCK 64x128, hd 128);
         # the mask costs ~16 ALU ops per thread per tile next to 4 wgmmas.
         dk, dv = _dkdv_loop(
-            dk, dv, k, v, Q + head_off, DO + head_off, DQ_ACC + head_off, lse_base, delta_base, q_offs, stride_qs,
+            dk, dv, k, v, Q, DO, q_base, do_base, DQ_ACC + head_off, lse_base, delta_base, q_offs, stride_qs,
+            q_row0, h * HEAD_DIM,
             cols, sq, sk, sm_scale, qk_scale, window_left, window_right, lo, hi,
-            True, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M,
+            True, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, QD_DESC,
         )  # fmt: skip
 
     mask = col_ok[:, None] & d_ok[None, :]
@@ -214,10 +237,10 @@ def _flash_attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_loop(
-    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows, sq, sk,
+    dq, q, do, lse2, delta, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
     qk_scale, window_left, window_right, start, end,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_DESC: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dq (BLOCK_M, BLOCK_D) fp32 (without the scale) over the key blocks [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -227,8 +250,11 @@ def _dq_loop(
         cols = start_n + offs_n
         col_ok = cols < sk
         n64 = tl.cast(start_n, tl.int64)
-        if MASK or HEAD_DIM != BLOCK_D:
-            k = tl.load(k_ptrs + n64 * stride_ks, mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        if KV_DESC:  # TMA; rows past this sequence are masked (K) or meet p = 0 (V)
+            k = K.load([kv_row0 + start_n, kv_col])  # (BLOCK_N, BLOCK_D)
+            v = V.load([kv_row0 + start_n, kv_col])
+        elif MASK or HEAD_DIM != BLOCK_D:
+            k = tl.load(k_ptrs + n64 * stride_ks, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_ptrs + n64 * stride_vs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs + n64 * stride_ks)
@@ -255,7 +281,7 @@ def _flash_attention_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, group_size, sm_scale, qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KV_DESC: tl.constexpr,
 ):  # fmt: skip
     # Grid (cdiv(max Sq, BLOCK_M), Hq, B), heaviest blocks first when causal (as the forward).
     pid_m = tl.program_id(0)
@@ -268,6 +294,7 @@ def _flash_attention_bwd_dq_kernel(
         sq = tl.load(CU_Q + b + 1) - q_start
         k_start = tl.load(CU_K + b)
         sk = tl.load(CU_K + b + 1) - k_start
+        kv_row0 = k_start
         q_off = q_start.to(tl.int64) * stride_qs
         do_off = q_start.to(tl.int64) * stride_dos
         dq_off = q_start.to(tl.int64) * stride_dqs
@@ -277,6 +304,7 @@ def _flash_attention_bwd_dq_kernel(
     else:
         sq = seqlen_q
         sk = seqlen_k
+        kv_row0 = b * seqlen_k
         q_off = b.to(tl.int64) * stride_qb
         do_off = b.to(tl.int64) * stride_dob
         dq_off = b.to(tl.int64) * stride_dqb
@@ -303,25 +331,29 @@ def _flash_attention_bwd_dq_kernel(
     lse2, delta = _load_row_stats(
         LSE + l_off + h * stride_lh + rows64, DELTA + l_off + h * stride_lh + rows64, row_ok, True
     )
-    k_ptrs = K + k_off + kv_h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = V + v_off + kv_h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    if KV_DESC:
+        k_ptrs = 0
+        v_ptrs = 0
+    else:
+        k_ptrs = K + k_off + kv_h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+        v_ptrs = V + v_off + kv_h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _kv_bounds(m0, sq, sk, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if HAS_LEFT:
         dq = _dq_loop(
-            dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows, sq, sk,
+            dq, q, do, lse2, delta, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_h * HEAD_DIM, rows, sq, sk,
             qk_scale, window_left, window_right, lo, full_lo,
-            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N,
+            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC,
         )  # fmt: skip
     dq = _dq_loop(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows, sq, sk,
+        dq, q, do, lse2, delta, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_h * HEAD_DIM, rows, sq, sk,
         qk_scale, window_left, window_right, full_lo, full_hi,
-        False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N,
+        False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC,
     )  # fmt: skip
     dq = _dq_loop(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows, sq, sk,
+        dq, q, do, lse2, delta, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_h * HEAD_DIM, rows, sq, sk,
         qk_scale, window_left, window_right, full_hi, hi,
-        True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N,
+        True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC,
     )  # fmt: skip
     dq_ptrs = DQ + dq_off + h * stride_dqh + rows64[:, None] * stride_dqs + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -395,57 +427,50 @@ def flash_attention_bwd(
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
     qk_scale = softmax_scale * 1.4426950408889634
     common = (seqlen_q, seqlen_k, hq // hkv, softmax_scale, qk_scale, window_left, window_right)
+    # TMA descriptors (see attention.USE_TMA): q, do streamed by the dk/dv kernel; k, v by the dq kernel.
+    tma = _use_tma(q)
+    q_view, do_view = (_rows_view(q, varlen), _rows_view(dout, varlen)) if tma else (None, None)
+    k_view, v_view = (_rows_view(k, varlen), _rows_view(v, varlen)) if tma else (None, None)
+    qd_desc = q_view is not None and do_view is not None
+    kv_desc = k_view is not None and v_view is not None
+    dkdv_rest = (
+        lse, delta, dk, dv, dq_acc, cu_q, cu_k, *_seq_strides(q, varlen), *_seq_strides(k, varlen), *lse_strides, *common,
+    )  # fmt: skip
+
+    def dkdv_args(c: KernelConfig) -> tuple:
+        if qd_desc:
+            return (_descriptor(q_view, c.BLOCK_M, block_d), k, v, _descriptor(do_view, c.BLOCK_M, block_d), *dkdv_rest)
+        return (q, k, v, dout, *dkdv_rest)
+
     launch(
         _flash_attention_bwd_dkdv_kernel,
         lambda c: (triton.cdiv(seqlen_k, c.BLOCK_N), hkv, batch),
         kernel_config("bwd_dkdv", block_d),
-        (
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            dk,
-            dv,
-            dq_acc,
-            cu_q,
-            cu_k,
-            *_seq_strides(q, varlen),
-            *_seq_strides(k, varlen),
-            *lse_strides,
-            *common,
-        ),  # fmt: skip
-        dict(**flags, **window, DQ_ATOMIC=atomic),
-        key=(q.dtype, d, varlen, atomic, tuple(window.items())),
+        dkdv_args,
+        dict(**flags, **window, DQ_ATOMIC=atomic, QD_DESC=qd_desc),
+        key=(q.dtype, d, varlen, atomic, qd_desc, tuple(window.items())),
     )
     if atomic:
         dq.copy_(dq_acc)
         return dq, dk, dv
+    dq_rest = (
+        dout, lse, delta, dq, cu_q, cu_k,
+        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
+        *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *lse_strides, *common,
+    )  # fmt: skip
+
+    def dq_args(c: KernelConfig) -> tuple:
+        if kv_desc:
+            return (q, _descriptor(k_view, c.BLOCK_N, block_d), _descriptor(v_view, c.BLOCK_N, block_d), *dq_rest)
+        return (q, k, v, *dq_rest)
+
     launch(
         _flash_attention_bwd_dq_kernel,
         lambda c: (triton.cdiv(seqlen_q, c.BLOCK_M), hq, batch),
         kernel_config("bwd_dq", block_d),
-        (
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            dq,
-            cu_q,
-            cu_k,
-            *_seq_strides(q, varlen),
-            *_seq_strides(k, varlen),
-            *_seq_strides(v, varlen),
-            *_seq_strides(dout, varlen),
-            *_seq_strides(dq, varlen),
-            *lse_strides,
-            *common,
-        ),  # fmt: skip
-        dict(**flags, **window),
-        key=(q.dtype, d, varlen, tuple(window.items())),
+        dq_args,
+        dict(**flags, **window, KV_DESC=kv_desc),
+        key=(q.dtype, d, varlen, kv_desc, tuple(window.items())),
     )
     return dq, dk, dv
 

@@ -140,6 +140,16 @@ def test_flash_attention_other_block_sizes(device, monkeypatch):
     _check(1, 50, 70, 2, 1, 32, device, causal=True, window=(20, -1))
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_flash_attention_pointer_loads_without_tma(varlen, device, monkeypatch):
+    """The non-TMA path of every kernel (taken where a layout cannot have a TMA descriptor)."""
+    monkeypatch.setattr(attn_mod, "USE_TMA", False)
+    if varlen:
+        _check(None, None, None, 4, 2, 32, device, lens_q=[20, 3], lens_k=[20, 9], causal=True, window=(6, -1))
+    else:
+        _check(1, 40, 50, 4, 1, 40, device, causal=True, window=(12, -1))
+
+
 def test_flash_attention_atomic_dq(device, monkeypatch):
     monkeypatch.setattr(bwd_mod, "DQ_MODE", "atomic")
     monkeypatch.delenv("FUSEFORMER_DETERMINISTIC", raising=False)
@@ -333,10 +343,15 @@ def test_flash_attention_varlen_gpu(lens_q, lens_k, hq, hkv, d, causal, window, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
-def test_flash_attention_gpu_dq_modes_and_noncontiguous(dq_mode, monkeypatch):
+@pytest.mark.parametrize("tma", [True, False])
+def test_flash_attention_gpu_dq_modes_tma_and_noncontiguous(dq_mode, tma, monkeypatch):
     monkeypatch.setattr(bwd_mod, "DQ_MODE", dq_mode)
+    monkeypatch.setattr(attn_mod, "USE_TMA", tma)
     monkeypatch.delenv("FUSEFORMER_DETERMINISTIC", raising=False)
+    _check(2, 1025, 1025, 8, 2, 128, "cuda", causal=True, dtype=torch.bfloat16)
     _check(2, 1025, 1025, 8, 2, 128, "cuda", causal=True, dtype=torch.bfloat16, noncontig=True)
+    lens = [1, 17, 97, 1025]
+    _check(None, None, None, 8, 2, 128, "cuda", lens_q=lens, lens_k=lens, causal=True, dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu
