@@ -6,6 +6,12 @@ y, h = F.rms_norm(x, weight, eps=1e-6, residual=r)
 
 from fuseformer.ops.activations import geglu, geglu_ref, swiglu, swiglu_ref
 from fuseformer.ops.attention import flash_attention, flash_attention_ref
+from fuseformer.ops.cross_entropy import (
+    cross_entropy,
+    cross_entropy_ref,
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_ref,
+)
 from fuseformer.ops.layer_norm import layer_norm, layer_norm_ref
 from fuseformer.ops.paged_attention import (
     paged_attention,
@@ -26,14 +32,20 @@ OPS = (
     "paged_attention",
     "apply_rotary",
     "flash_attention",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
 )
 
 __all__ = [
     "OPS",
     "apply_rotary",
     "apply_rotary_ref",
+    "cross_entropy",
+    "cross_entropy_ref",
     "flash_attention",
     "flash_attention_ref",
+    "fused_linear_cross_entropy",
+    "fused_linear_cross_entropy_ref",
     "geglu",
     "geglu_ref",
     "layer_norm",

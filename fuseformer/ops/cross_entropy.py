@@ -1,0 +1,668 @@
+"""Cross-entropy over a vocabulary, alone and fused with the linear layer (LM head) before it.
+
+    lse_i  = log sum_j exp(x_ij)
+    loss_i = lse_i - (1 - eps) x_i,y_i - (eps / V) sum_j x_ij + z * lse_i^2      (0 where y_i == ignore_index)
+    dx_ij  = s_i * (p_ij (1 + 2 z lse_i) - eps / V - (1 - eps) [j == y_i]),      p = softmax(x)
+
+which is ``torch.nn.functional.cross_entropy(x, y, ignore_index, label_smoothing=eps)`` plus the
+optional z-loss of PaLM (``z * lse^2``, z = ``z_loss``). ``mean`` divides by the number of targets
+that are not ignored; **all targets ignored gives loss 0 and zero gradients** (torch gives NaN: the
+issue asks for 0, so that a batch of padding does not poison training).
+
+Everything below autograd lives here (STYLE.md §1): the references, one Triton kernel (a row of
+logits a program: online logsumexp in one pass over the vocabulary, then, when asked, the gradient
+written in a second pass, in place over the logits if the caller wants), the launchers
+``cross_entropy_fwd``/``cross_entropy_bwd`` and ``fused_linear_cross_entropy_fwd``/``_bwd`` (no
+autograd), the ``torch.library`` registration and the public ``cross_entropy`` and
+``fused_linear_cross_entropy``.
+
+cross_entropy: the forward reads the logits once (loss and lse per row); the backward reads them
+again and writes the gradient (the softmax is recomputed from the saved lse). The reduction is done
+by torch on the fp32 per-row losses, so every reduction's gradient is exactly autograd's.
+
+fused_linear_cross_entropy (hidden (N, H), weight (V, H), bias (V,)): logits = hidden @ weight.T
+never exist for all N tokens at once. The tokens are processed in chunks of C (C x V logits, about
+the size of the hidden states): per chunk the logits come from cuBLAS, the kernel overwrites them
+with dlogits (scaled by 1/n for ``mean``), then grad_hidden[chunk] = dlogits @ weight and
+grad_weight += dlogits.T @ hidden[chunk] (grad_bias += column sums): all in the forward, as Liger
+does, so the backward only multiplies by the incoming scalar gradient. For ``reduction="none"`` the
+incoming gradient differs per token, and grad_weight = sum_i g_i dlogits_i^T h_i cannot be formed
+before it is known: the forward then computes only the losses, and the backward recomputes the
+chunks with dlogits scaled by g_i (one extra logits GEMM, exact gradients; Liger's FLCE has given
+wrong ones there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuseformer.ops._utils import (
+    FLOAT_DTYPES,
+    KERNEL_DTYPES,
+    autograd_function,
+    check_shape,
+    check_tensor,
+    dispatch,
+    empty,
+    float_dtype_of,
+    next_pow2,
+)
+from fuseformer.runtime.backend import choose_backend
+
+REDUCTIONS = ("mean", "sum", "none")
+_TARGET_DTYPES = (torch.int64, torch.int32)
+# Vocabulary elements a program holds per step (fp32 in registers): 4096 x 4 B = 16 KiB per pass
+# over a 128256 row takes 32 steps; enough bytes in flight with 8 warps (16 values a thread).
+_BLOCK_V = 4096
+# The FLCE chunk holds at least this many bytes of logits (and at most about the size of the hidden
+# states beyond that): 64 MiB is 256 tokens at V 128256 bf16, where the memory above the inputs is
+# grad_weight (0.98 GiB) + grad_hidden + one chunk, ~1.10 GiB for 8192 tokens, H 4096.
+_MIN_CHUNK_BYTES = 64 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+def cross_entropy_ref(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Pure PyTorch cross-entropy (logits (N, V), target (N,)); fp32 (fp64 stays fp64) when ``upcast``.
+
+    Returns the loss in logits' dtype: a scalar, or (N,) for ``reduction="none"``. All targets
+    ignored with ``mean`` gives 0 (not torch's NaN).
+    """
+    dtype = logits.dtype
+    x = logits.to(float_dtype_of(logits)) if upcast else logits
+    valid = target != ignore_index
+    v = x.shape[-1]
+    lse = torch.logsumexp(x, dim=-1)
+    safe_t = torch.where(valid, target, 0).long()
+    x_t = x.gather(-1, safe_t[:, None]).squeeze(-1)
+    loss = lse - (1.0 - label_smoothing) * x_t
+    if label_smoothing:
+        loss = loss - (label_smoothing / v) * x.sum(-1)
+    if z_loss:
+        loss = loss + z_loss * lse * lse
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if reduction == "none":
+        return loss.to(dtype)
+    total = loss.sum()
+    if reduction == "mean":
+        total = total / valid.sum().clamp(min=1)
+    return total.to(dtype)
+
+
+def fused_linear_cross_entropy_ref(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """cross_entropy_ref(hidden @ weight.T + bias, ...) with the logits fully materialized.
+
+    hidden (..., H), target hidden's leading shape; "none" returns that leading shape."""
+    dtype, lead = hidden.dtype, tuple(hidden.shape[:-1])
+    compute = float_dtype_of(hidden) if upcast else dtype
+    logits = hidden.reshape(-1, hidden.shape[-1]).to(compute) @ weight.to(compute).T
+    if bias is not None:
+        logits = logits + bias.to(compute)
+    loss = cross_entropy_ref(logits, target.reshape(-1), ignore_index, reduction, label_smoothing, z_loss, upcast=False)
+    return loss.to(dtype).view(lead) if reduction == "none" else loss.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _cross_entropy_kernel(
+    X, T, LOSS, LSE, DX, SCALE,
+    stride_x, stride_dx, stride_scale,
+    V, ignore_index, label_smoothing, z_loss,
+    LSE_GIVEN: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    # One row a program. DX may be X itself (the gradient overwrites the logits, FLCE); each block
+    # is read before it is written, by the same program, so that is safe.
+    row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 (8192 x 128256 already does)
+    x_row = X + row * stride_x
+    target = tl.load(T + row).to(tl.int64)
+    valid = target != ignore_index
+    in_range = valid & (target >= 0) & (target < V)
+    if LSE_GIVEN:
+        lse = tl.load(LSE + row)
+    else:
+        m = -float("inf")
+        s = 0.0
+        sum_x = 0.0
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+            new_m = tl.maximum(m, tl.max(x, axis=0))
+            # Shift by 0 while everything so far is -inf (a padded vocabulary masked with -inf),
+            # so that -inf - -inf does not turn the sum into NaN. NaN in x propagates through s.
+            shift = tl.where(new_m == -float("inf"), 0.0, new_m)
+            s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
+            m = new_m
+            if HAS_SMOOTHING:
+                sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
+        lse = tl.where(m == -float("inf"), m, m + tl.log(s))
+        tl.store(LSE + row, lse)
+        if WRITE_LOSS:
+            x_t = tl.load(x_row + target, mask=in_range, other=0.0).to(tl.float32)
+            loss = lse - (1.0 - label_smoothing) * x_t
+            if HAS_SMOOTHING:
+                loss -= (label_smoothing / V) * sum_x
+            if HAS_Z_LOSS:
+                loss += z_loss * lse * lse
+            tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+    if WRITE_GRAD:
+        scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
+        p_scale = scale
+        if HAS_Z_LOSS:
+            p_scale = scale * (1.0 + 2.0 * z_loss * lse)
+        smooth = scale * (label_smoothing / V)
+        hit = scale * (1.0 - label_smoothing)
+        dx_row = DX + row * stride_dx
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            dx = tl.exp(x - lse) * p_scale - smooth - tl.where(cols == target, hit, 0.0)
+            dx = tl.where(valid, dx, 0.0)
+            tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+def _launch(
+    x, target, loss, lse, dx, scale, ignore_index, label_smoothing, z_loss, *, lse_given, write_loss, write_grad
+):  # fmt: skip
+    n, v = x.shape
+    if n == 0:
+        return
+    assert x.stride(1) == 1 and (dx is None or dx.stride(1) == 1)
+    block_v = min(_BLOCK_V, next_pow2(v))
+    _cross_entropy_kernel[(n,)](
+        x, target, loss if loss is not None else lse, lse, dx if dx is not None else x,
+        scale if scale is not None else lse,
+        x.stride(0), dx.stride(0) if dx is not None else 0,
+        (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
+        v, ignore_index, float(label_smoothing), float(z_loss),
+        LSE_GIVEN=lse_given, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad,
+        HAS_SMOOTHING=label_smoothing != 0.0, HAS_Z_LOSS=z_loss != 0.0, BLOCK_V=block_v,
+        num_warps=8 if block_v >= 2048 else 4,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers: cross_entropy (no autograd; logits (N, V) with a unit column stride)
+# --------------------------------------------------------------------------------------------
+def cross_entropy_fwd(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (N, V), target (N,) -> loss (N,) fp32 (0 where ignored), lse (N,) fp32."""
+    n = logits.shape[0]
+    loss = empty((n,), dtype=torch.float32, device=logits.device)
+    lse = empty((n,), dtype=torch.float32, device=logits.device)
+    _launch(logits, target, loss, lse, None, None, ignore_index, label_smoothing, z_loss,
+            lse_given=False, write_loss=True, write_grad=False)  # fmt: skip
+    return loss, lse
+
+
+def cross_entropy_bwd(
+    dloss: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+) -> torch.Tensor:
+    """dloss (N,) (any stride, e.g. an expanded scalar), logits (N, V), lse (N,) -> dlogits (N, V)."""
+    dx = empty(tuple(logits.shape), dtype=logits.dtype, device=logits.device)
+    _launch(logits, target, None, lse, dx, dloss, ignore_index, label_smoothing, z_loss,
+            lse_given=True, write_loss=False, write_grad=True)  # fmt: skip
+    return dx
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers: fused_linear_cross_entropy (no autograd)
+# --------------------------------------------------------------------------------------------
+def _chunk_size(n: int, h: int, v: int, element_size: int) -> int:
+    """Tokens per chunk: C x V logits of about the hidden states' size, at least _MIN_CHUNK_BYTES."""
+    per_token = v * element_size
+    c = max(triton.cdiv(n * h, v), _MIN_CHUNK_BYTES // per_token, 1)
+    c = 1 << (c.bit_length() - 1)  # a power of two (GEMM-friendly), rounded down (memory)
+    return max(1, min(c, n))
+
+
+def _chunks(
+    hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse, dh, dw, db, chunk_size
+):  # fmt: skip
+    """Run the chunked pass: per chunk logits, the kernel (loss and/or dlogits in place), the
+    gradient GEMMs. ``scale`` (N,) or a 0-dim tensor scales dlogits per row (None: no gradient)."""
+    n, _ = hidden.shape
+    v = weight.shape[0]
+    c = chunk_size or _chunk_size(n, hidden.shape[1], v, hidden.element_size())
+    write_grad = scale is not None
+    for start in range(0, n, c):
+        end = min(n, start + c)
+        h_c = hidden[start:end]
+        logits = torch.matmul(h_c, weight.T)  # (C, V)
+        if bias is not None:
+            logits += bias
+        s_c = None
+        if write_grad:
+            s_c = scale[start:end] if scale.dim() else scale
+        _launch(logits, target[start:end], loss[start:end] if loss is not None else None, lse[start:end],
+                logits if write_grad else None, s_c, ignore_index, label_smoothing, z_loss,
+                lse_given=False, write_loss=loss is not None, write_grad=write_grad)  # fmt: skip
+        if not write_grad:
+            continue
+        if dh is not None:
+            torch.matmul(logits, weight, out=dh[start:end])  # (C, H)
+        if dw is not None:
+            if start == 0:
+                torch.matmul(logits.T, h_c, out=dw)  # (V, H)
+            else:
+                dw.addmm_(logits.T, h_c)
+        if db is not None:
+            db += logits.sum(0, dtype=torch.float32)
+
+
+def fused_linear_cross_entropy_fwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """hidden (N, H), weight (V, H), target (N,), bias (V,) -> (loss, dhidden, dweight, dbias).
+
+    loss: fp32, a 0-dim tensor (mean/sum) or (N,) (none). The gradients (for a unit gradient of
+    the loss; None when not asked for) are computed here for mean and sum; for ``none`` they are
+    left to :func:`fused_linear_cross_entropy_bwd`, which needs the per-token gradient. Contiguous
+    inputs. ``chunk_size`` overrides the tokens per chunk.
+    """
+    n, h = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    loss = empty((n,), dtype=torch.float32, device=dev)
+    lse = empty((n,), dtype=torch.float32, device=dev)
+    valid = (target != ignore_index).sum()
+    count = valid.clamp(min=1).to(torch.float32)
+    wants_grad = reduction != "none" and (grad_hidden or grad_weight or grad_bias)
+    scale = None
+    if wants_grad:
+        scale = 1.0 / count if reduction == "mean" else torch.ones((), dtype=torch.float32, device=dev)
+    dh = empty((n, h), dtype=hidden.dtype, device=dev) if wants_grad and grad_hidden else None
+    dw = empty((v, h), dtype=weight.dtype, device=dev) if wants_grad and grad_weight else None
+    db = torch.zeros((v,), dtype=torch.float32, device=dev) if wants_grad and grad_bias else None
+    if dw is not None and n == 0:
+        dw.zero_()
+    _chunks(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse, dh, dw, db,
+            chunk_size)  # fmt: skip
+    if reduction != "none":
+        loss = loss.sum()
+        if reduction == "mean":
+            loss = loss / count
+    if db is not None:
+        db = db.to(bias.dtype)
+    return loss, dh, dw, db
+
+
+def fused_linear_cross_entropy_bwd(
+    dloss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The gradients for ``reduction="none"``: dloss (N,) -> dhidden, dweight, dbias (None when not
+    asked for), recomputing each chunk's logits with dlogits scaled by dloss per token."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    lse = empty((n,), dtype=torch.float32, device=dev)
+    dh = empty((n, h), dtype=hidden.dtype, device=dev) if grad_hidden else None
+    dw = empty((v, h), dtype=weight.dtype, device=dev) if grad_weight else None
+    db = torch.zeros((v,), dtype=torch.float32, device=dev) if grad_bias else None
+    if dw is not None and n == 0:
+        dw.zero_()
+    _chunks(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, dloss.to(torch.float32), None, lse,
+            dh, dw, db, chunk_size)  # fmt: skip
+    return dh, dw, (db.to(bias.dtype) if db is not None else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Registration: cross_entropy
+# --------------------------------------------------------------------------------------------
+def _ce_fwd_impl(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss)
+
+
+def _ce_bwd_impl(
+    dloss: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+) -> torch.Tensor:
+    return cross_entropy_bwd(dloss, logits, target, lse, ignore_index, label_smoothing, z_loss)
+
+
+_ce_fwd_op = torch.library.custom_op("fuseformer::cross_entropy_fwd", mutates_args=())(_ce_fwd_impl)
+_ce_bwd_op = torch.library.custom_op("fuseformer::cross_entropy_bwd", mutates_args=())(_ce_bwd_impl)
+
+
+@_ce_fwd_op.register_fake
+def _(logits, target, ignore_index, label_smoothing, z_loss):
+    n = logits.shape[0]
+    return logits.new_empty((n,), dtype=torch.float32), logits.new_empty((n,), dtype=torch.float32)
+
+
+@_ce_bwd_op.register_fake
+def _(dloss, logits, target, lse, ignore_index, label_smoothing, z_loss):
+    return torch.empty_like(logits)
+
+
+def _ce_setup_context(ctx, inputs, output):
+    logits, target, ignore_index, label_smoothing, z_loss = inputs
+    ctx.args = (ignore_index, label_smoothing, z_loss)
+    ctx.save_for_backward(logits, target, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _ce_backward_with(bwd):
+    """The backward calling ``bwd``: the custom op under compile, the plain impl in eager."""
+
+    def _backward(ctx, dloss, _dlse):
+        logits, target, lse = ctx.saved_tensors
+        return bwd(dloss, logits, target, lse, *ctx.args), None, None, None, None
+
+    return _backward
+
+
+_ce_fwd_op.register_autograd(_ce_backward_with(_ce_bwd_op), setup_context=_ce_setup_context)
+_CrossEntropyFunction = autograd_function(
+    "_CrossEntropyFunction", _ce_fwd_impl, _ce_setup_context, _ce_backward_with(_ce_bwd_impl)
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Registration: fused_linear_cross_entropy. The forward returns the gradients it computed (mean and
+# sum) as extra, non-differentiable outputs; the backward scales them by the incoming gradient.
+# --------------------------------------------------------------------------------------------
+_FLAGS = ("grad_hidden", "grad_weight", "grad_bias")
+
+
+def _flce_fwd_impl(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss, dh, dw, db = fused_linear_cross_entropy_fwd(
+        hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss,
+        grad_hidden, grad_weight, grad_bias,
+    )  # fmt: skip
+    # A custom op cannot return None: an empty tensor stands for "not computed".
+    return loss, *(t if t is not None else hidden.new_empty(0) for t in (dh, dw, db))
+
+
+def _flce_bwd_impl(
+    dloss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    dh: torch.Tensor,
+    dw: torch.Tensor,
+    db: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    flags = (grad_hidden, grad_weight, grad_bias)
+    if reduction == "none":
+        grads = fused_linear_cross_entropy_bwd(
+            dloss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, *flags
+        )
+    else:
+        g = dloss.to(torch.float32)
+        grads = tuple(t * g if flag else None for t, flag in zip((dh, dw, db), flags))
+    return tuple(t if t is not None else hidden.new_empty(0) for t in grads)
+
+
+def _flce_bwd_inplace(dloss, hidden, weight, target, bias, dh, dw, db, ignore_index, reduction, *rest):
+    """Eager backward: for mean/sum scale the saved gradients in place (grad_weight is as large as
+    the weight; a scaled copy would double the peak memory). A second backward through the same
+    graph then raises autograd's in-place error instead of returning twice-scaled gradients."""
+    if reduction == "none":
+        return _flce_bwd_impl(dloss, hidden, weight, target, bias, dh, dw, db, ignore_index, reduction, *rest)
+    g = dloss.to(torch.float32)
+    for t in (dh, dw, db):
+        t.mul_(g)
+    return dh, dw, db
+
+
+_flce_fwd_op = torch.library.custom_op("fuseformer::fused_linear_cross_entropy_fwd", mutates_args=())(_flce_fwd_impl)
+_flce_bwd_op = torch.library.custom_op("fuseformer::fused_linear_cross_entropy_bwd", mutates_args=())(_flce_bwd_impl)
+
+
+@_flce_fwd_op.register_fake
+def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb):
+    n = hidden.shape[0]
+    loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
+    grads = reduction != "none"
+    dh = torch.empty_like(hidden) if grads and gh else hidden.new_empty(0)
+    dw = torch.empty_like(weight) if grads and gw else hidden.new_empty(0)
+    db = torch.empty_like(bias) if grads and gb else hidden.new_empty(0)
+    return loss, dh, dw, db
+
+
+@_flce_bwd_op.register_fake
+def _(dloss, hidden, weight, target, bias, dh, dw, db, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb):
+    # mean/sum: the saved gradients, scaled; none: recomputed, shaped like the inputs.
+    likes = (hidden, weight, bias) if reduction == "none" else (dh, dw, db)
+    return tuple(torch.empty_like(t) if flag else dh.new_empty(0) for t, flag in zip(likes, (gh, gw, gb)))
+
+
+def _flce_setup_context(ctx, inputs, output):
+    hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb = inputs
+    _, dh, dw, db = output
+    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb)
+    ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(dh, dw, db)
+    if reduction == "none":  # recomputed in the backward
+        ctx.save_for_backward(hidden, weight, target, bias, dh, dw, db)
+    else:  # the backward only scales the gradients
+        ctx.save_for_backward(None, None, None, None, dh, dw, db)
+
+
+def _flce_backward_with(bwd):
+    """The backward calling ``bwd``: the custom op under compile, the in-place impl in eager."""
+
+    def _backward(ctx, dloss, _dh, _dw, _db):
+        hidden, weight, target, bias, dh, dw, db = ctx.saved_tensors
+        if hidden is None:  # mean/sum: the inputs were not kept; the bwd does not read them
+            hidden = weight = target = dh.new_empty(0)
+        gh, gw, gb = bwd(dloss, hidden, weight, target, bias, dh, dw, db, *ctx.args)
+        _, _, _, _, flag_h, flag_w, flag_b = ctx.args
+        return (gh if flag_h else None), (gw if flag_w else None), None, (gb if flag_b else None), *([None] * 7)
+
+    return _backward
+
+
+_flce_fwd_op.register_autograd(_flce_backward_with(_flce_bwd_op), setup_context=_flce_setup_context)
+_FLCEFunction = autograd_function(
+    "_FLCEFunction", _flce_fwd_impl, _flce_setup_context, _flce_backward_with(_flce_bwd_inplace)
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+def _check_common(op, target, n, device, ignore_index, reduction, label_smoothing, z_loss):
+    check_tensor(op, "target", target, dtypes=_TARGET_DTYPES, ndim=1, device=device)
+    check_shape(op, "target", target, (n,), "one class index per row")
+    if not isinstance(ignore_index, int):
+        raise ValueError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if not isinstance(z_loss, (int, float)) or z_loss < 0:
+        raise ValueError(f"{op}: z_loss must be a non-negative float, got {z_loss!r}")
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    """``torch.nn.functional.cross_entropy`` over class logits, gradients included, plus optional z-loss.
+
+    Args:
+        logits: (N, V) fp16, bf16 or fp32 (fp64 runs on the reference). A row-strided view is read
+            in place.
+        target: (N,) int64 or int32 class indices in [0, V), or ``ignore_index``.
+        ignore_index: targets equal to it add nothing to the loss or gradient and are not counted
+            by ``mean``.
+        reduction: "mean" (over the targets not ignored), "sum" or "none" (per-row losses).
+        label_smoothing: in [0, 1], as in torch.
+        z_loss: weight of ``lse^2`` added to each row's loss (PaLM's z-loss); 0 turns it off.
+
+    Returns:
+        The loss in logits' dtype, accumulated in fp32: a scalar, or (N,) for "none". All targets
+        ignored gives 0 for "mean" (torch gives NaN).
+    """
+    op = "cross_entropy"
+    check_tensor(op, "logits", logits, dtypes=FLOAT_DTYPES, ndim=2)
+    n, v = logits.shape
+    _check_common(op, target, n, logits.device, ignore_index, reduction, label_smoothing, z_loss)
+    backend = choose_backend(op, logits.device, logits.dtype in KERNEL_DTYPES, "float64 runs on the reference")
+    if backend == "reference":
+        return cross_entropy_ref(logits, target, ignore_index, reduction, label_smoothing, z_loss)
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    rows, _ = dispatch(
+        _ce_fwd_op, _CrossEntropyFunction, _ce_fwd_impl, x, target.contiguous(), ignore_index,
+        float(label_smoothing), float(z_loss),
+    )  # fmt: skip
+    if reduction == "none":
+        return rows.to(logits.dtype)
+    total = rows.sum()
+    if reduction == "mean":
+        total = total / (target != ignore_index).sum().clamp(min=1)
+    return total.to(logits.dtype)
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, target, ...)`` without the full (N, V) logits.
+
+    The tokens go through in chunks (about the hidden states' size of logits each); the gradients
+    of hidden, weight and bias are computed in the forward for "mean" and "sum" (the backward scales
+    them), and recomputed per chunk in the backward for "none".
+
+    Args:
+        hidden: (..., H) fp16, bf16 or fp32 (fp64 runs on the reference); the leading dims are tokens.
+        weight: (V, H), hidden's dtype (the LM head's weight).
+        target: (...) int64 or int32, hidden's leading shape, class indices or ``ignore_index``.
+        bias: (V,) hidden's dtype, or None.
+        ignore_index, reduction, label_smoothing, z_loss: as in :func:`cross_entropy`.
+
+    Returns:
+        The loss in hidden's dtype, accumulated in fp32: a scalar, or per token (hidden's leading
+        shape) for "none". All targets ignored gives 0 for "mean".
+    """
+    op = "fused_linear_cross_entropy"
+    check_tensor(op, "hidden", hidden, dtypes=FLOAT_DTYPES)
+    if hidden.dim() == 0:
+        raise ValueError(f"{op}: hidden must have at least 1 dim, got a scalar")
+    h = hidden.shape[-1]
+    check_tensor(op, "weight", weight, dtypes=(hidden.dtype,), ndim=2, device=hidden.device, device_of="hidden")
+    if weight.shape[1] != h:
+        raise ValueError(f"{op}: weight has shape {tuple(weight.shape)}; expected (V, {h}) (H from hidden)")
+    v = weight.shape[0]
+    if bias is not None:
+        check_tensor(op, "bias", bias, dtypes=(hidden.dtype,), device=hidden.device, device_of="hidden")
+        check_shape(op, "bias", bias, (v,), "the rows of weight")
+    lead = tuple(hidden.shape[:-1])
+    if not isinstance(target, torch.Tensor) or tuple(target.shape) != lead:
+        got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+        raise ValueError(f"{op}: target has shape {got}; expected {lead} (the leading dims of hidden)")
+    n = hidden.numel() // h if h else 0
+    x = hidden.reshape(n, h)
+    t = target.reshape(n)
+    _check_common(op, t, n, hidden.device, ignore_index, reduction, label_smoothing, z_loss)
+    backend = choose_backend(op, hidden.device, hidden.dtype in KERNEL_DTYPES, "float64 runs on the reference")
+    if backend == "reference":
+        return fused_linear_cross_entropy_ref(
+            hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss
+        )
+    grad = torch.is_grad_enabled()
+    flags = (
+        grad and hidden.requires_grad,
+        grad and weight.requires_grad,
+        grad and bias is not None and bias.requires_grad,
+    )
+    loss, *_ = dispatch(
+        _flce_fwd_op, _FLCEFunction, _flce_fwd_impl, x.contiguous(), weight.contiguous(), t.contiguous(),
+        bias.contiguous() if bias is not None else None, ignore_index, reduction, float(label_smoothing),
+        float(z_loss), *flags,
+    )  # fmt: skip
+    loss = loss.to(hidden.dtype)
+    return loss.view(lead) if reduction == "none" else loss
