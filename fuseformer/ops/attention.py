@@ -23,7 +23,11 @@ per k tile (and over the q heads of its GQA group, so the group sum stays in reg
 separate kernel over k tiles (deterministic), or by fp32 atomics inside the dk/dv kernel.
 
 Head dims up to 256 run in the kernel, padded to the next power of two with masks. fp16 and bf16
-run in the kernel; fp32/fp64 run on the reference.
+run in the kernel; fp32/fp64 run on the reference. Streamed tiles come through TMA descriptors
+on sm_90+ when the layout allows one (``USE_TMA``), else through pointer loads. Block sizes come
+from per-head-dim tables (``kernel_config``), overridable with ``CONFIG_OVERRIDES`` or
+``FUSEFORMER_ATTN_FWD/_BWD_DKDV/_BWD_DQ`` for sweeps; a config that does not fit falls back.
+Varlen rows past ``cu_seqlens_q[-1]`` (and their gradients) are not written, as in flash-attn.
 """
 
 from __future__ import annotations
