@@ -1,0 +1,467 @@
+"""The training loop for causal LMs on our Llama-family models.
+
+One optimizer step:
+
+    rows of the step (RowSampler; every rank computes the same list)
+      -> this rank's micro-batches (flattened varlen: ids/positions/targets (T,), cu_seqlens)
+      -> per micro-batch: autocast forward -> LM-head loss summed over tokens (fused linear CE:
+         no (T, V) logits) -> scaled by world_size / (targets in the whole step) -> backward
+         (gradient sync only on the last micro-batch)
+      -> unscale (fp16), clip, AdamW, warmup + cosine schedule
+
+Normalizing by the step's total target count (known on every rank from the rows, no
+communication) makes the gradient that of the mean loss over the whole global batch, however it
+is split into ranks and micro-batches. Weights, gradients and optimizer state stay fp32 (the
+master weights); autocast runs the matmuls and kernels in bf16/fp16.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fuseformer.models.config import ModelConfig
+from fuseformer.models.llama import AttentionMetadata, LlamaForCausalLM
+from fuseformer.train import distributed as D
+from fuseformer.train.config import TrainConfig
+from fuseformer.train.data import (
+    IGNORE_INDEX,
+    Batch,
+    PackedRows,
+    RowSampler,
+    TokenCorpus,
+    collate,
+    load_corpus,
+    micro_batches,
+)
+from fuseformer.train.loss import linear_cross_entropy_sum
+
+_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+METRICS_FILE = "metrics.jsonl"
+CURVE_FILE = "loss.png"
+
+
+# --------------------------------------------------------------------------------------------
+# Model preparation, applied from outside the model
+# --------------------------------------------------------------------------------------------
+class CausalLMLoss(nn.Module):
+    """The model and its LM-head loss in one forward, so that DDP/FSDP's root covers the head.
+
+    forward(input_ids (T,), positions (T,), cu_seqlens (n+1,) int32, max_seqlen, targets (T,))
+    -> the fp32 sum of the token losses (targets -100 ignored).
+    """
+
+    def __init__(self, lm: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, positions, cu_seqlens, max_seqlen: int, targets) -> torch.Tensor:
+        meta = AttentionMetadata(cu_seqlens_q=cu_seqlens, max_seqlen_q=max_seqlen)
+        hidden = self.lm(input_ids, positions, meta)  # (T, H)
+        return linear_cross_entropy_sum(hidden, self.lm.lm_head.weight, targets)
+
+
+def init_weights(lm: LlamaForCausalLM, std: float, seed: int) -> None:
+    """normal(0, std) for linear and embedding weights, zero biases, unit norm weights (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+
+def _autocast_embedding(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+    # Embedding lookups are not autocast; without this cast the residual stream would be fp32 while
+    # the attention/MLP outputs are bf16, and the fused add+norm wants one dtype for both.
+    if torch.is_autocast_enabled(out.device.type):
+        return out.to(torch.get_autocast_dtype(out.device.type))
+    return None
+
+
+def apply_activation_checkpointing(lm: LlamaForCausalLM, every: int) -> None:
+    """Recompute layers 0, every, 2*every, ... in backward (torch.utils.checkpoint, non-reentrant).
+
+    The layer instance's forward is replaced, so parameter names (and checkpoints) do not change.
+    """
+    if every <= 0:
+        return
+    for i, layer in enumerate(lm.model.layers):
+        if i % every:
+            continue
+        inner = layer.forward
+
+        def forward(*args, _inner=inner):
+            return checkpoint(_inner, *args, use_reentrant=False)
+
+        layer.forward = forward
+
+
+def build_optimizer(module: nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW, weight decay on matrices only (not norms, biases); fused on CUDA, foreach elsewhere."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, **kind)
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup to lr over warmup_steps,
+    then cosine decay to min_lr at max_steps."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    span = max(1, config.max_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_tokenizer(path: str | Path):
+    """Our models.tokenizer.Tokenizer of a directory (or tokenizer.json), and its EOS id."""
+    from fuseformer.models.tokenizer import Tokenizer
+
+    tok = Tokenizer(path)
+    if tok.eos_token_id is None:
+        raise ValueError(f"tokenizer: {path} names no eos_token (tokenizer_config.json) that is in the vocabulary")
+    return tok, tok.eos_token_id
+
+
+# --------------------------------------------------------------------------------------------
+# Trainer
+# --------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class TrainResult:
+    losses: list[float] = field(default_factory=list)  # per step run by this call
+    eval_losses: dict[int, float] = field(default_factory=dict)  # step -> eval loss
+    skipped_steps: int = 0
+    final_step: int = 0
+    checkpoint: Path | None = None
+
+
+class Trainer:
+    """Holds the model, optimizer and data of a run; ``train()`` runs it to ``max_steps``.
+
+    The data comes from ``config.data`` (tokenized with ``config.tokenizer`` or the model
+    directory's tokenizer), or from ``train_corpus``/``eval_corpus`` given directly (tests, tools).
+    A checkpoint in ``<out_dir>/checkpoints`` is resumed when ``config.resume``.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        model: LlamaForCausalLM | None = None,
+        train_corpus: TokenCorpus | None = None,
+        eval_corpus: TokenCorpus | None = None,
+    ) -> None:
+        self.config = config
+        self.dist = D.init_distributed(config.distributed, config.device)
+        device = self.dist.device
+        seed_everything(config.seed)
+        self.out_dir = Path(config.out_dir)
+        if self.dist.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+
+        # Model: fp32 master weights on the device.
+        self.tokenizer_dir: Path | None = None
+        if model is None:
+            if isinstance(config.model, ModelConfig):
+                with torch.device("meta"):
+                    model = LlamaForCausalLM(config.model)
+                model.to_empty(device="cpu")
+                if config.model.tie_word_embeddings:
+                    model.lm_head.weight = model.model.embed_tokens.weight
+                init_weights(model, config.init_std, config.seed)
+            else:
+                from fuseformer.models.loader import load_model
+
+                model, _ = load_model(config.model, dtype=torch.float32)
+                self.tokenizer_dir = Path(config.model)
+        if config.tokenizer is not None:
+            self.tokenizer_dir = Path(config.tokenizer)
+        self.lm = model.float().to(device).train()
+        self.lm.model.embed_tokens.register_forward_hook(_autocast_embedding)
+        apply_activation_checkpointing(self.lm, config.checkpoint_every())
+        self.module = D.parallelize(CausalLMLoss(self.lm), self.lm.model.layers, self.dist)
+
+        # Data.
+        if train_corpus is None:
+            train_corpus, eval_corpus = self._load_data()
+        self.skipped_files = train_corpus.skipped
+        self.train_rows = PackedRows(train_corpus, config.seq_len)
+        self.eval_rows = PackedRows(eval_corpus, config.seq_len) if eval_corpus is not None else None
+        rows_per_step = config.micro_batch_size * config.grad_accum_steps * self.dist.world_size
+        self.sampler = RowSampler(len(self.train_rows), rows_per_step, config.seed)
+
+        # Optimizer, schedule, loss scaling.
+        self.optimizer = build_optimizer(self.module, config, device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_at(step, config) / config.lr)
+        self.amp_dtype = _AMP_DTYPES[config.precision]
+        self.scaler = None
+        if config.precision == "fp16":
+            if self.dist.mode == "fsdp":  # found-inf all-reduced across the shards
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                self.scaler = ShardedGradScaler(device.type)
+            else:
+                self.scaler = torch.amp.GradScaler(device.type)
+
+        self.step = 0
+        self.skipped_steps = 0
+        self.tokens_seen = 0
+        if config.resume:
+            from fuseformer.train.checkpoint import latest_checkpoint, load_checkpoint
+
+            latest = latest_checkpoint(self.out_dir)
+            if latest is not None:
+                load_checkpoint(self, latest)
+                self._log(f"resumed from {latest} at step {self.step}")
+
+    # ----------------------------------------------------------------------------------------
+    def _load_data(self) -> tuple[TokenCorpus, TokenCorpus | None]:
+        config = self.config
+        if not config.data:
+            raise ValueError("TrainConfig: data is empty; give text files or folders")
+        if self.tokenizer_dir is None:
+            raise ValueError("TrainConfig: tokenizer is required when model is a ModelConfig")
+        tokenizer, eos = load_tokenizer(self.tokenizer_dir)
+        cache = Path(config.cache_dir) if config.cache_dir else self.out_dir / "data_cache"
+        if self.dist.is_main:  # rank 0 tokenizes and fills the cache; the others then read it
+            corpus = load_corpus(config.data, tokenizer, eos, config.data_suffixes, cache, config.data_exclude)
+        D.barrier(self.dist)
+        if not self.dist.is_main:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                corpus = load_corpus(config.data, tokenizer, eos, config.data_suffixes, cache, config.data_exclude)
+        if corpus.tokens.max(initial=0) >= self.lm.config.vocab_size:
+            raise ValueError(
+                f"data: token id {int(corpus.tokens.max())} is outside the model's vocab_size "
+                f"{self.lm.config.vocab_size}"
+            )
+        return corpus.split(config.eval_split, config.seed)
+
+    def _log(self, message: str) -> None:
+        if self.dist.is_main:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"[fuseformer train] {message}")
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return torch.autocast(self.dist.device.type, enabled=False)
+        return torch.autocast(self.dist.device.type, dtype=self.amp_dtype)
+
+    def _loss_sum(self, batch: Batch) -> torch.Tensor:
+        b = batch.to(self.dist.device)
+        with self._autocast():
+            return self.module(b.input_ids, b.positions, b.cu_seqlens, b.max_seqlen, b.targets)
+
+    def forward_backward(self, step_rows: np.ndarray) -> tuple[float, int]:
+        """Accumulate the gradient of the mean token loss over ``step_rows`` (all ranks' rows).
+
+        Returns (that mean loss, the number of target tokens in the step).
+        """
+        cfg, info = self.config, self.dist
+        total = sum(self.train_rows.row(i)[1].__ne__(IGNORE_INDEX).sum() for i in step_rows)
+        total = int(total)
+        scale = info.world_size / max(total, 1)  # DDP/FSDP average gradients over ranks
+        mine = micro_batches(step_rows, cfg.micro_batch_size, info.rank, info.world_size)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=info.device)
+        for m, rows in enumerate(mine):
+            batch = collate([self.train_rows.row(i) for i in rows])
+            with D.set_grad_sync(self.module, info, enabled=m == len(mine) - 1):
+                part = self._loss_sum(batch)
+                loss = part * scale
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            loss_sum += part.detach()
+        D.all_reduce_sum(loss_sum, info)
+        return loss_sum.item() / max(total, 1), total
+
+    def optimizer_step(self) -> tuple[float, bool]:
+        """Unscale, clip, step, schedule. Returns (grad norm before clipping, whether fp16 skipped it)."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
+        skipped = False
+        if self.scaler is not None:
+            before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < before
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm), skipped
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step; returns its metrics."""
+        lr = self.scheduler.get_last_lr()[0]
+        start = time.perf_counter()
+        rows = self.sampler.next_step()
+        loss, targets = self.forward_backward(rows)
+        norm, skipped = self.optimizer_step()
+        if self.dist.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        tokens = len(rows) * self.config.seq_len
+        self.step += 1
+        self.tokens_seen += tokens
+        if skipped:
+            self.skipped_steps += 1
+            self._log(
+                f"step {self.step}: fp16 overflow, step skipped (loss scale lowered; {self.skipped_steps} so far)"
+            )
+        return {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": norm,
+            "tokens": tokens,
+            "target_tokens": targets,
+            "tokens_seen": self.tokens_seen,
+            "tokens_per_s": tokens / seconds,
+            "step_s": seconds,
+            "skipped_steps": self.skipped_steps,
+            "epoch": self.sampler.epoch,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean token loss over the first eval_batches * micro_batch_size * world rows of the eval split."""
+        if self.eval_rows is None:
+            return None
+        cfg, info = self.config, self.dist
+        n = min(len(self.eval_rows), cfg.eval_batches * cfg.micro_batch_size * info.world_size)
+        per_rank = n // info.world_size  # every rank runs the same number of forwards (FSDP collectives)
+        if per_rank == 0:
+            self._log(f"eval split has {len(self.eval_rows)} row(s) of {cfg.seq_len} tokens: too few, eval skipped")
+            return None
+        mine = np.arange(info.rank * per_rank, (info.rank + 1) * per_rank)
+        totals = torch.zeros(2, dtype=torch.float64, device=info.device)
+        self.module.eval()
+        for start in range(0, per_rank, cfg.micro_batch_size):
+            batch = collate([self.eval_rows.row(int(i)) for i in mine[start : start + cfg.micro_batch_size]])
+            totals[0] += self._loss_sum(batch).double()
+            totals[1] += batch.num_targets
+        self.module.train()
+        D.all_reduce_sum(totals, info)
+        return (totals[0] / totals[1].clamp(min=1)).item()
+
+    # ----------------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        """Run to max_steps: progress bar, metrics.jsonl, eval, checkpoints, loss.png at the end."""
+        from tqdm.auto import tqdm
+
+        from fuseformer.train.checkpoint import save_checkpoint
+
+        cfg, info = self.config, self.dist
+        result = TrainResult()
+        metrics_path = self.out_dir / METRICS_FILE
+        if info.is_main:
+            _truncate_metrics(metrics_path, self.step)
+            if self.skipped_files:
+                self._log(f"{len(self.skipped_files)} file(s) skipped as not UTF-8")
+        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not (info.is_main and cfg.progress), unit="step")
+        while self.step < cfg.max_steps:
+            m = self.train_step()
+            result.losses.append(m["loss"])
+            last = self.step == cfg.max_steps
+            if self.eval_rows is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
+                m["eval_loss"] = self.evaluate()
+                if m["eval_loss"] is not None:
+                    result.eval_losses[self.step] = m["eval_loss"]
+            if info.is_main:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(m) + "\n")
+                bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}", tok_s=f"{m['tokens_per_s']:,.0f}")
+                bar.update(1)
+                if cfg.log_every and (self.step % cfg.log_every == 0 or last):
+                    extra = f" eval {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
+                    self._log(
+                        f"step {self.step}/{cfg.max_steps} loss {m['loss']:.4f}{extra} lr {m['lr']:.3e} "
+                        f"grad_norm {m['grad_norm']:.3f} {m['tokens_per_s']:,.0f} tok/s"
+                    )
+            if cfg.save_every and (self.step % cfg.save_every == 0 or last):
+                result.checkpoint = save_checkpoint(self)
+        bar.close()
+        if info.is_main:
+            plot_loss_curve(metrics_path, self.out_dir / CURVE_FILE)
+        result.skipped_steps, result.final_step = self.skipped_steps, self.step
+        return result
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines past ``step`` (a resumed run rewrites the steps after its checkpoint)."""
+    if not path.is_file():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def plot_loss_curve(metrics_path: Path, png_path: Path) -> Path | None:
+    """Train (and eval) loss against step from metrics.jsonl, as a PNG (matplotlib Agg)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warnings.warn("train: matplotlib is not installed; no loss curve written", stacklevel=2)
+        return None
+    rows = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", linewidth=1)
+    ev = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    if ev:
+        ax.plot(*zip(*ev), "o-", label="eval", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return png_path
+
+
+def train(config: TrainConfig, **kwargs: Any) -> TrainResult:
+    """Build a Trainer for ``config`` and run it (the entry of ``fuseformer train``)."""
+    trainer = Trainer(config, **kwargs)
+    try:
+        return trainer.train()
+    finally:
+        if config.distributed != "none":
+            D.destroy()
