@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as TF
 from torch import nn
 
 import fuseformer.ops as F
+from fuseformer.layers import RMSNorm
 from fuseformer.models.config import ModelConfig
 
 
@@ -50,8 +50,9 @@ class AttentionMetadata:
 def rope_inv_freq(config: ModelConfig, seq_len: torch.Tensor | None = None) -> torch.Tensor:
     """(D/2,) fp32 inverse frequencies, computed as transformers' ``modeling_rope_utils`` does.
 
-    Types: default, linear, llama3, dynamic (NTK; ``seq_len``, a 0-dim tensor = max position + 1,
-    rescales the base once it passes max_position_embeddings, like HF's update in the forward).
+    Types: default, linear, llama3, dynamic (NTK: a sequence of ``seq_len`` positions past
+    max_position_embeddings rescales the base, as HF's update in the forward does; ``seq_len`` any
+    shape, e.g. (T,) per token, giving (*seq_len.shape, D/2)).
     """
     dim, base, rs = config.head_dim, config.rope_theta, config.rope_scaling or {"rope_type": "default"}
     rope_type = rs["rope_type"]
@@ -62,7 +63,7 @@ def rope_inv_freq(config: ModelConfig, seq_len: torch.Tensor | None = None) -> t
         seq_len = torch.clamp(seq_len.float(), min=max_pos)
         factor = rs["factor"]
         scaled_base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
-        return 1.0 / (scaled_base**exponents)
+        return 1.0 / (scaled_base[..., None] ** exponents)
     inv_freq = 1.0 / (base**exponents)
     if rope_type == "linear":
         inv_freq = inv_freq / rs["factor"]
@@ -78,41 +79,9 @@ def rope_inv_freq(config: ModelConfig, seq_len: torch.Tensor | None = None) -> t
     return inv_freq
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return F.rms_norm(x, self.weight, self.eps, residual=residual)
-
-
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x (T, H, D), cos/sin (T, D/2) per token: seen as one sequence of T tokens at offset 0.
     return F.apply_rotary(x.unsqueeze(0), cos, sin).squeeze(0)
-
-
-def _varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
-    """Causal attention within each packed sequence, no cache: q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D).
-
-    Plain PyTorch (SDPA per sequence) until fuseformer.ops.flash_attention lands.
-    """
-    out = torch.empty_like(q)
-    group = q.shape[1] // k.shape[1]
-    cu = cu_seqlens.tolist()
-    for start, end in zip(cu[:-1], cu[1:]):
-        if end == start:
-            continue
-        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # (H, S, D)
-        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-        pos = torch.arange(end - start, device=q.device)
-        mask = pos[None, :] <= pos[:, None]
-        if window > 0:
-            mask &= pos[None, :] > pos[:, None] - window
-        o = TF.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
-        out[start:end] = o.transpose(0, 1)
-    return out
 
 
 class Attention(nn.Module):
@@ -145,8 +114,10 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
-        if meta.kv_caches is None:
-            o = _varlen_causal_attention(q, k, v, meta.cu_seqlens_q, self.scale, self.window)
+        if meta.kv_caches is None:  # causal within each packed sequence, over the new tokens only
+            cu, n = meta.cu_seqlens_q, meta.max_seqlen_q
+            window = (self.window - 1, 0) if self.window > 0 else (-1, -1)
+            o = F.flash_attention(q, k, v, True, self.scale, window, cu, cu, n, n)
         else:
             k_cache, v_cache = meta.kv_caches[self.layer]
             F.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -204,18 +175,23 @@ class LlamaModel(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         return self
 
-    def rotary_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary_cos_sin(self, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(T,) positions -> cos, sin (T, D/2) fp32, as HF computes them (position * inv_freq in fp32)."""
-        inv_freq = self.inv_freq
+        inv_freq = self.inv_freq[None, :]
         rs = self.config.rope_scaling
-        if rs is not None and rs["rope_type"] == "dynamic" and positions.numel():
-            inv_freq = rope_inv_freq(self.config, positions.max() + 1)
-        freqs = positions[:, None].float() * inv_freq.float()[None, :]
+        if rs is not None and rs["rope_type"] == "dynamic":
+            # Each token takes the frequencies of its own sequence's length (context with the cache),
+            # as HF generating that sequence alone would; no host sync.
+            q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
+            seq_lens = meta.context_lens if meta.context_lens is not None else q_lens
+            per_token = torch.repeat_interleave(seq_lens, q_lens, output_size=positions.shape[0])
+            inv_freq = rope_inv_freq(self.config, per_token)  # (T, D/2)
+        freqs = positions[:, None].float() * inv_freq
         return freqs.cos(), freqs.sin()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, H)
-        cos, sin = self.rotary_cos_sin(positions)
+        cos, sin = self.rotary_cos_sin(positions, meta)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, meta)

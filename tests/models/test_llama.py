@@ -74,20 +74,24 @@ def test_sharded_checkpoint_loads_the_same_model(hf_checkpoint):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
-def _greedy_paged(model, prompts, steps, *, block_size=4, chunk=4, num_blocks=24):
+def _greedy_paged(model, prompts, steps, *, block_size=4, chunk=4, num_blocks=24, device="cpu", all_logits=False):
     """Greedy decoding of several prompts in one varlen batch per step, over a paged KV cache with a
     hand-managed block table: each step computes up to ``chunk`` new tokens per sequence, so steps
-    mix prefill chunks (with a cached prefix) and single-token decodes. Returns the new tokens."""
+    mix prefill chunks (with a cached prefix) and single-token decodes. Returns the new tokens of
+    each prompt, and with ``all_logits`` also the logits of every token each sequence computed."""
     cfg = model.config
+    dtype = model.lm_head.weight.dtype
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     # NaN-filled: a read of a slot nobody wrote would poison the logits.
-    caches = [(torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(cfg.num_hidden_layers)]
+    nan = dict(fill_value=float("nan"), dtype=dtype, device=device)
+    caches = [(torch.full(shape, **nan), torch.full(shape, **nan)) for _ in range(cfg.num_hidden_layers)]
     free = list(range(num_blocks))
     random.Random(0).shuffle(free)
     seqs = [list(p) for p in prompts]
     tables = [[] for _ in prompts]
     done = [0] * len(prompts)  # tokens whose K/V are in the cache
     outputs = [[] for _ in prompts]
+    logits_of = [[] for _ in prompts]
     while any(len(o) < steps for o in outputs):
         active = [b for b in range(len(prompts)) if len(outputs[b]) < steps]
         ids, positions, slots, cu, ctx, rows, sampled = [], [], [], [0], [], [], []
@@ -106,21 +110,27 @@ def _greedy_paged(model, prompts, steps, *, block_size=4, chunk=4, num_blocks=24
                 rows.append(cu[-1] - 1)
                 sampled.append(b)
         width = max(len(tables[b]) for b in active)
-        block_tables = torch.tensor([tables[b] + [0] * (width - len(tables[b])) for b in active], dtype=torch.int32)
+        block_tables = [tables[b] + [0] * (width - len(tables[b])) for b in active]
         meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
             max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
             kv_caches=caches,
-            context_lens=torch.tensor(ctx, dtype=torch.int32),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=block_tables,
+            context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
         )
         with torch.no_grad():
-            hidden = model(torch.tensor(ids), torch.tensor(positions), meta)
-            next_tokens = model.compute_logits(hidden, torch.tensor(rows)).argmax(-1).tolist()
+            hidden = model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta)
+            rows = torch.tensor(rows, dtype=torch.long, device=device)
+            next_tokens = model.compute_logits(hidden, rows).argmax(-1).tolist()
+            if all_logits:
+                for i, b in enumerate(active):
+                    logits_of[b].append(model.compute_logits(hidden[cu[i] : cu[i + 1]]).cpu())
         for b, token in zip(sampled, next_tokens):
             seqs[b].append(token)
             outputs[b].append(token)
+    if all_logits:
+        return outputs, [torch.cat(chunks) for chunks in logits_of]
     return outputs
 
 
@@ -129,19 +139,40 @@ def _greedy_paged(model, prompts, steps, *, block_size=4, chunk=4, num_blocks=24
 GREEDY_CASES = [(name, "reference") for name in ARCHS] + [("llama3", "triton"), ("qwen2", "triton")]
 
 
+def _prompt_lengths(name, lengths, steps):
+    """Dynamic NTK rope past max_position_embeddings (12) has no cached reference: cached keys keep
+    the frequencies of the length they were written at, a full forward re-rotates them all. So its
+    greedy runs stay within 12 positions (its logits test covers the scaled range)."""
+    return [min(n, 12 - steps) for n in lengths] if name == "llama_dynamic" else lengths
+
+
+def _hf_greedy(hf, prompt, steps, name):
+    """HF's greedy continuation of ``prompt`` (1-D tensor): ``generate``; for dynamic NTK rope, a loop
+    of full forwards instead. (transformers 5.24's generate on that checkpoint picks tokens its own
+    forward on the same prefix does not, even below max_position_embeddings where the rope is the
+    plain one; the forward is the semantics we match.)"""
+    if name == "llama_dynamic":
+        seq = prompt[None]
+        for _ in range(steps):
+            with torch.no_grad():
+                seq = torch.cat([seq, hf(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return seq[0, len(prompt) :].tolist()
+    hf.generation_config.eos_token_id = None  # decode all steps, as ours does
+    with torch.no_grad():
+        out = hf.generate(prompt[None], max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
 @pytest.mark.parametrize("name, backend", GREEDY_CASES)
 def test_greedy_decoding_with_paged_cache_matches_generate(name, backend, hf_checkpoint):
     path, hf = hf_checkpoint(name)
     model, config = load_model(path)
-    prompts = [torch.randint(0, config.vocab_size, (n,)) for n in (6, 9, 1)]
     steps = 6
+    prompts = [torch.randint(0, config.vocab_size, (n,)) for n in _prompt_lengths(name, (6, 9, 1), steps)]
     with fuseformer.use_backend(backend):
         ours = _greedy_paged(model, [p.tolist() for p in prompts], steps)
-    hf.generation_config.eos_token_id = None  # decode all steps, as ours does
     for prompt, got in zip(prompts, ours):
-        with torch.no_grad():
-            out = hf.generate(prompt[None], max_new_tokens=steps, do_sample=False, pad_token_id=0)
-        assert got == out[0, len(prompt) :].tolist(), f"{name}: prompt {prompt.tolist()}"
+        assert got == _hf_greedy(hf, prompt, steps, name), f"{name}: prompt {prompt.tolist()}"
 
 
 def _hf_grads(hf, ids, target):
@@ -240,14 +271,81 @@ def test_bf16_model_keeps_fp32_rotary_frequencies(hf_checkpoint):
 @pytest.mark.parametrize("name", ARCHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_logits_gpu_half(name, dtype, hf_checkpoint):
-    """On the GPU in half precision: our logits against HF fp64, baseline HF in the same dtype."""
+    """On the GPU in half precision (the Triton kernels, flash_attention included): our logits against
+    HF in fp64 on the same rounded weights, baseline HF in the same dtype."""
     path, hf = hf_checkpoint(name)
     model, config = load_model(path, dtype=dtype, device="cuda")
-    seqs = [torch.randint(0, config.vocab_size, (n,)) for n in (40, 97, 1)]
-    outs = _ours(model, [s.cuda() for s in seqs])
+    hf_half = copy.deepcopy(hf).to("cuda", dtype)
+    hf64 = copy.deepcopy(hf_half).to(torch.float64)
+    seqs = [torch.randint(0, config.vocab_size, (n,), device="cuda") for n in (40, 97, 1)]
+    outs = _ours(model, seqs)
     for ids, out in zip(seqs, outs):
         with torch.no_grad():
-            base = hf.to("cuda", dtype)(ids[None].cuda()).logits[0]
-            ref = hf.to("cuda", torch.float64)(ids[None].cuda()).logits[0]
-        hf.to("cpu", torch.float32)
+            base, ref = hf_half(ids[None]).logits[0], hf64(ids[None]).logits[0]
         assert_close(f"{name} logits", out, ref, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ARCHS)
+def test_greedy_decoding_gpu(name, hf_checkpoint):
+    """fp32 on the GPU (true-fp32 dots): the paged Triton kernels decode what HF generate does."""
+    path, hf = hf_checkpoint(name)
+    model, config = load_model(path, device="cuda")
+    hf = copy.deepcopy(hf).cuda()
+    prompts = [torch.randint(0, config.vocab_size, (n,)) for n in _prompt_lengths(name, (6, 9, 1, 20), 8)]
+    ours = _greedy_paged(model, [p.tolist() for p in prompts], 8, chunk=5, num_blocks=64, device="cuda")
+    for prompt, got in zip(prompts, ours):
+        assert got == _hf_greedy(hf, prompt.cuda(), 8, name), f"{name}: prompt {prompt.tolist()}"
+
+
+def _medium_checkpoint(tmp_path, arch):
+    """A model of real layer sizes (hidden 1024, head dim 128, GQA 8/2), 3 layers, random weights."""
+    import transformers
+
+    common = dict(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=8192,
+    )  # fmt: skip
+    if arch == "llama":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 512, "rope_theta": 500000.0}  # fmt: skip
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_parameters=rope))
+    else:
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, tie_word_embeddings=True))
+    with torch.no_grad():  # O(1) activations: unit-variance embeddings, fan-in scaled matrices
+        for n, p in hf.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 1.0 if "embed" in n else p.shape[1] ** -0.5)
+            else:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    hf.eval().save_pretrained(tmp_path)
+    return tmp_path, hf
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_real_sizes_gpu(arch, dtype, tmp_path):
+    """Real layer sizes in half precision: prompts of 1000 and 517 tokens prefilled in chunks of 384
+    over the paged cache (chunks with cached prefixes next to decodes), then decoded; the logits of
+    every token computed against HF on the whole sequence (fp64 reference, baseline HF in dtype)."""
+    path, hf = _medium_checkpoint(tmp_path, arch)
+    model, config = load_model(path, dtype=dtype, device="cuda")
+    hf_half = copy.deepcopy(hf).to("cuda", dtype)
+    hf64 = copy.deepcopy(hf_half).to(torch.float64)
+    prompts = [torch.randint(0, config.vocab_size, (n,)).tolist() for n in (1000, 517, 3)]
+    outputs, logits = _greedy_paged(
+        model, prompts, 6, block_size=16, chunk=384, num_blocks=200, device="cuda", all_logits=True
+    )
+    for prompt, out, got in zip(prompts, outputs, logits):
+        seq = torch.tensor(prompt + out[:-1], device="cuda")  # every token whose logits were computed
+        with torch.no_grad():
+            base, ref = hf_half(seq[None]).logits[0], hf64(seq[None]).logits[0]
+        assert_close(f"{arch} {dtype} logits (len {len(prompt)})", got.cuda(), ref, base)
+    # And the no-cache path (flash_attention) on the same prompts.
+    outs = _ours(model, [torch.tensor(p, device="cuda") for p in prompts])
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor(prompt, device="cuda")[None]
+        with torch.no_grad():
+            base, ref = hf_half(ids).logits[0], hf64(ids).logits[0]
+        assert_close(f"{arch} {dtype} logits, no cache (len {len(prompt)})", out, ref, base)
