@@ -108,10 +108,11 @@ def load_model(
         raise ValueError(f"load_model: dtype must be one of float32, float16, bfloat16, got {dtype}")
     files = _checkpoint_files(path)
 
-    # Parameters are allocated (not initialized) on the target device; every row is then loaded.
+    # Built on the meta device and cast there, then allocated (not initialized) once, in dtype, on
+    # the target device; every row is then loaded.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model.to_empty(device=device).to(dtype)
+        model = LlamaForCausalLM(config).to(dtype)
+    model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters())
