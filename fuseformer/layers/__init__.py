@@ -2,7 +2,8 @@
 
 from fuseformer.layers.activations import GeGLU, SwiGLU
 from fuseformer.layers.attention import Attention
+from fuseformer.layers.mlp import GatedMLP
 from fuseformer.layers.norms import LayerNorm, RMSNorm
 from fuseformer.layers.rotary import RotaryEmbedding
 
-__all__ = ["Attention", "GeGLU", "LayerNorm", "RMSNorm", "RotaryEmbedding", "SwiGLU"]
+__all__ = ["Attention", "GatedMLP", "GeGLU", "LayerNorm", "RMSNorm", "RotaryEmbedding", "SwiGLU"]

@@ -13,6 +13,7 @@ from fuseformer.ops.cross_entropy import (
     fused_linear_cross_entropy_ref,
 )
 from fuseformer.ops.layer_norm import layer_norm, layer_norm_ref
+from fuseformer.ops.mlp import fused_mlp, fused_mlp_ref
 from fuseformer.ops.paged_attention import (
     paged_attention,
     paged_attention_ref,
@@ -34,6 +35,7 @@ OPS = (
     "flash_attention",
     "cross_entropy",
     "fused_linear_cross_entropy",
+    "fused_mlp",
 )
 
 __all__ = [
@@ -46,6 +48,8 @@ __all__ = [
     "flash_attention_ref",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_ref",
+    "fused_mlp",
+    "fused_mlp_ref",
     "geglu",
     "geglu_ref",
     "layer_norm",

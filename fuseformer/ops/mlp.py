@@ -1,0 +1,453 @@
+"""The gated MLP of Llama/Qwen/Mistral with its gate-up GEMM and activation fused.
+
+    g, u = x @ w_gate_up[:I].T, x @ w_gate_up[I:].T       (T, I) each, never written (see below)
+    y    = act(g) * u                                     (T, I)
+    out  = y @ w_down.T                                   (T, H)
+
+Everything below autograd lives here (STYLE.md §1): the reference ``fused_mlp_ref``, the Triton
+GEMM ``_mlp_gate_up_kernel``, the launchers ``fused_mlp_fwd``/``fused_mlp_bwd`` (no autograd; the
+engine calls them), the ``torch.library`` registration and the public ``fused_mlp``.
+
+The kernel: each program owns an output tile [BLOCK_M, BLOCK_N] of y. It loads an x tile once per
+K step and multiplies it with the matching gate rows and up rows of w_gate_up (two fp32
+accumulators: the work of one 128x256 GEMM tile at the default 128x128), then applies the
+activation in registers and writes y alone. The (T, 2I) pre-activation goes to HBM only when a
+backward will need it (``save_pre``), written from the same epilogue: it costs 2 bytes x 2I per
+token (0.47 GB at T 8192, I 14336, ~0.1 ms of a ~5.5 ms forward) where recomputing it in the
+backward would cost a second gate-up GEMM (~2.3 ms), so training saves it.
+
+Loads go through device-side tensor descriptors (TMA on sm_90) when the config asks for them and
+the strides are 16-byte aligned, or through plain pointers (any stride; the interpreter runs both).
+The config (BLOCK_M/N/K, GROUP_M, warps, stages, descriptors, warp specialization) comes from the
+autotune cache (runtime/autotune.py), by GPU and T bucket, with shipped H200/H100 defaults.
+
+The down projection and every backward GEMM are cuBLAS (torch.matmul): a plain GEMM, where our
+Triton GEMM has no epilogue to fuse and cuBLAS is the faster one (715 vs 610 TFLOP/s on 8192^3).
+Backward: dy = dout @ w_down; dw_down = dout.T @ y; (dg, du) = glu_bwd(dy, g, u) written into the
+halves of one (T, 2I) buffer dgu; dx = dgu @ w_gate_up; dw_gate_up = dgu.T @ x.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuseformer.ops._utils import (
+    FLOAT_DTYPES,
+    KERNEL_DTYPES,
+    autograd_function,
+    check_tensor,
+    dispatch,
+    empty,
+    float_dtype_of,
+    next_pow2,
+    rows_2d,
+)
+from fuseformer.ops.activations import ACTIVATIONS, _act_fwd, _act_ref, glu_bwd
+from fuseformer.runtime import autotune
+from fuseformer.runtime.backend import choose_backend
+
+_OP = "fused_mlp"
+KERNEL = "mlp_gate_up"
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+def fused_mlp_ref(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+    upcast: bool = True,
+) -> torch.Tensor:
+    """(act(x Wg^T) * (x Wu^T)) Wd^T in pure PyTorch: fp32 (fp64 stays fp64) when ``upcast``, else in
+    x's dtype with every intermediate rounded to it (what eager PyTorch does). Returns x's dtype."""
+    dtype = x.dtype
+    compute = float_dtype_of(x) if upcast else dtype
+    gu = x.to(compute) @ w_gate_up.to(compute).T
+    gate, up = gu.chunk(2, dim=-1)
+    y = _act_ref(gate, activation) * up
+    return (y @ w_down.to(compute).T).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _mlp_gate_up_kernel(
+    X, W, Y, PRE,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym, stride_pm,
+    ACTIVATION: tl.constexpr, SAVE_PRE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):  # fmt: skip
+    # X (M, K), W (2N, K) = [gate rows; up rows], Y (M, N), PRE (M, 2N). M = tokens, N = I, K = H.
+    # Grouped order: GROUP_M row blocks share each column block's weights while they sit in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if USE_DESC:
+        # Out-of-bounds boxes read as zero; a gate box crossing row N reads up rows into columns
+        # >= N, which the store masks off.
+        x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(W, shape=[2 * N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
+        for kt in tl.range(0, k_tiles, warp_specialize=WARP_SPECIALIZE):
+            k = kt * BLOCK_K
+            x = x_desc.load([off_m, k])
+            wg = w_desc.load([off_n, k])
+            wu = w_desc.load([N + off_n, k])
+            acc_g = tl.dot(x, wg.T, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(x, wu.T, acc_u, input_precision=PRECISION)
+    else:
+        x_ptrs = X + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]  # row * stride can pass 2^31
+        wg_ptrs = W + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+        wu_ptrs = W + (N + rn).to(tl.int64)[:, None] * stride_wn + rk[None, :]
+        m_mask = (rm < M)[:, None]
+        n_mask = (rn < N)[:, None]
+        for kt in tl.range(0, k_tiles, warp_specialize=WARP_SPECIALIZE):
+            k_mask = (rk < K - kt * BLOCK_K)[None, :]
+            x = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
+            wg = tl.load(wg_ptrs, mask=n_mask & k_mask, other=0.0)
+            wu = tl.load(wu_ptrs, mask=n_mask & k_mask, other=0.0)
+            acc_g = tl.dot(x, wg.T, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(x, wu.T, acc_u, input_precision=PRECISION)
+            x_ptrs += BLOCK_K
+            wg_ptrs += BLOCK_K
+            wu_ptrs += BLOCK_K
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    rows = rm.to(tl.int64)[:, None]
+    if SAVE_PRE:
+        # The backward reads the pre-activation rounded to the input dtype, as eager PyTorch's does.
+        g = acc_g.to(PRE.dtype.element_ty)
+        u = acc_u.to(PRE.dtype.element_ty)
+        tl.store(PRE + rows * stride_pm + rn[None, :], g, mask=mask)
+        tl.store(PRE + rows * stride_pm + (N + rn)[None, :], u, mask=mask)
+    y = _act_fwd(acc_g, ACTIVATION) * acc_u
+    tl.store(Y + rows * stride_ym + rn[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration (from the autotune cache)
+# --------------------------------------------------------------------------------------------
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "USE_DESC", "WARP_SPECIALIZE")
+
+
+def config_key(t: int, h: int, i: int, dtype: torch.dtype) -> str:
+    """The autotune key: T bucketed to a power of two (16 at least), H and I as they are (fixed
+    per model), and the dtype."""
+    return f"T{max(16, next_pow2(t))}-H{h}-I{i}-{str(dtype).removeprefix('torch.')}"
+
+
+def generic_key(t: int, dtype: torch.dtype) -> str:
+    """The shipped tables' key for any model shape: the T bucket and the dtype."""
+    return f"T{max(16, next_pow2(t))}-{str(dtype).removeprefix('torch.')}"
+
+
+def default_config(t: int, h: int, i: int, dtype: torch.dtype, on_gpu: bool) -> dict:
+    """A config by rule, for shapes with no cached or shipped entry.
+
+    Prefill: 128x128 tiles of y (two accumulators: a 128x256 GEMM tile's work, 64 KB of registers at
+    8 warps), BLOCK_K 64, 4 stages (48 KB of shared memory a stage). Decode (T <= 64): BLOCK_M as
+    small as tl.dot allows and narrow column blocks, so that >= 2 programs per SM stream the weights.
+    Off the GPU (the interpreter): small tiles that exercise every mask.
+    """
+    if not on_gpu:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, USE_DESC=False,
+                    WARP_SPECIALIZE=False)  # fmt: skip
+    fp32 = dtype == torch.float32
+    if t <= 64:
+        bm = max(16, next_pow2(t))
+        return dict(BLOCK_M=bm, BLOCK_N=32 if i >= 8192 else 16, BLOCK_K=128 if fp32 else 256, GROUP_M=1,
+                    num_warps=4, num_stages=4, USE_DESC=True, WARP_SPECIALIZE=False)  # fmt: skip
+    if fp32:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3, USE_DESC=True,
+                    WARP_SPECIALIZE=False)  # fmt: skip
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_DESC=True,
+                WARP_SPECIALIZE=False)  # fmt: skip
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """What a tensor descriptor needs: a 16-byte aligned base and row stride."""
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
+
+
+_ALLOCATOR_SET = False
+
+
+def _ensure_allocator() -> None:
+    """Device-side descriptors need scratch memory from a Triton allocator; set one once."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _ALLOCATOR_SET = True
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers (no autograd; x (T, H) and the weights with unit column strides)
+# --------------------------------------------------------------------------------------------
+def mlp_gate_up_fwd(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    activation: str,
+    save_pre: bool = False,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x (T, H), w_gate_up (2I, H) -> y = act(x Wg^T) * (x Wu^T) (T, I), and the pre-activation
+    [g | u] (T, 2I) when ``save_pre`` (else None). ``config`` overrides the cached launch config."""
+    t, h = x.shape
+    i = w_gate_up.shape[0] // 2
+    y = empty((t, i), dtype=x.dtype, device=x.device)
+    pre = empty((t, 2 * i), dtype=x.dtype, device=x.device) if save_pre else None
+    if t == 0 or i == 0:
+        return y, pre
+    if h == 0:
+        y.zero_()  # act(0) * 0
+        if pre is not None:
+            pre.zero_()
+        return y, pre
+    assert x.stride(1) == 1 and w_gate_up.stride(1) == 1
+    cfg = config or autotune.get_config(
+        KERNEL, config_key(t, h, i, x.dtype), device=x.device, generic_key=generic_key(t, x.dtype),
+        default=lambda: default_config(t, h, i, x.dtype, x.is_cuda),
+    )  # fmt: skip
+    cfg = dict(cfg)
+    if cfg.get("USE_DESC") and not (_aligned(x) and _aligned(w_gate_up)):
+        cfg["USE_DESC"] = False
+    if cfg.get("USE_DESC") and x.is_cuda:
+        _ensure_allocator()
+    grid = (triton.cdiv(t, cfg["BLOCK_M"]) * triton.cdiv(i, cfg["BLOCK_N"]),)
+    _mlp_gate_up_kernel[grid](
+        x, w_gate_up, y, pre if pre is not None else y,
+        t, i, h,
+        x.stride(0), w_gate_up.stride(0), y.stride(0), pre.stride(0) if pre is not None else 0,
+        ACTIVATION=activation, SAVE_PRE=save_pre,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **cfg,
+    )  # fmt: skip
+    return y, pre
+
+
+def fused_mlp_fwd(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+    save_pre: bool = False,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """x (T, H) -> out (T, H), pre (T, 2I) or None, y (T, I): the fused gate-up GEMM, then cuBLAS."""
+    y, pre = mlp_gate_up_fwd(x, w_gate_up, activation, save_pre, config)
+    return torch.matmul(y, w_down.T), pre, y
+
+
+def fused_mlp_bwd(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    pre: torch.Tensor,
+    y: torch.Tensor,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dout (T, H) -> dx (T, H), dw_gate_up (2I, H), dw_down (H, I), from the saved pre and y."""
+    i = w_down.shape[1]
+    dy = torch.matmul(dout, w_down)  # (T, I)
+    dw_down = torch.matmul(dout.T, y)  # (H, I)
+    dgu = empty(tuple(pre.shape), dtype=pre.dtype, device=pre.device)  # (T, 2I)
+    glu_bwd(dy, pre[:, :i], pre[:, i:], activation, dgate=dgu[:, :i], dup=dgu[:, i:])
+    return torch.matmul(dgu, w_gate_up), torch.matmul(dgu.T, x), dw_down
+
+
+# --------------------------------------------------------------------------------------------
+# Registration: a custom op for torch.compile (opaque, with fake and autograd), and the same
+# pieces as an autograd.Function for eager calls; see _utils.dispatch.
+# --------------------------------------------------------------------------------------------
+def _fwd_impl(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: str, save_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, pre, y = fused_mlp_fwd(x, w_gate_up, w_down, activation, save_pre)
+    # A custom op cannot return None: empty tensors stand for "not saved".
+    if not save_pre:
+        return out, x.new_empty(0), x.new_empty(0)
+    return out, pre, y
+
+
+def _bwd_impl(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    pre: torch.Tensor,
+    y: torch.Tensor,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return fused_mlp_bwd(dout, x, w_gate_up, w_down, pre, y, activation)
+
+
+_fwd_op = torch.library.custom_op("fuseformer::fused_mlp_fwd", mutates_args=())(_fwd_impl)
+_bwd_op = torch.library.custom_op("fuseformer::fused_mlp_bwd", mutates_args=())(_bwd_impl)
+
+
+@_fwd_op.register_fake
+def _(x, w_gate_up, w_down, activation, save_pre):
+    t = x.shape[0]
+    i2 = w_gate_up.shape[0]
+    out = x.new_empty((t, w_down.shape[0]))
+    if not save_pre:
+        return out, x.new_empty(0), x.new_empty(0)
+    return out, x.new_empty((t, i2)), x.new_empty((t, i2 // 2))
+
+
+@_bwd_op.register_fake
+def _(dout, x, w_gate_up, w_down, pre, y, activation):
+    return torch.empty_like(x), torch.empty_like(w_gate_up), torch.empty_like(w_down)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_gate_up, w_down, activation, save_pre = inputs
+    _, pre, y = output
+    ctx.activation = activation
+    ctx.mark_non_differentiable(pre, y)
+    ctx.save_for_backward(x, w_gate_up, w_down, pre, y)
+
+
+def _backward_with(bwd):
+    """The backward calling ``bwd``: the custom op under compile, the plain impl in eager."""
+
+    def _backward(ctx, dout, _dpre, _dy):
+        x, w_gate_up, w_down, pre, y = ctx.saved_tensors
+        if pre.numel() == 0 and x.shape[0] > 0 and w_down.shape[1] > 0:
+            raise RuntimeError(f"{_OP}: backward without the saved pre-activation (forward ran with save_pre=False)")
+        dx, dwgu, dwd = bwd(dout.contiguous(), x, w_gate_up, w_down, pre, y, ctx.activation)
+        return dx, dwgu, dwd, None, None
+
+    return _backward
+
+
+_fwd_op.register_autograd(_backward_with(_bwd_op), setup_context=_setup_context)
+_FusedMLPFunction = autograd_function("_FusedMLPFunction", _fwd_impl, _setup_context, _backward_with(_bwd_impl))
+
+
+# --------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------
+def fused_mlp(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """(act(x W_g^T) * (x W_u^T)) W_down^T, the Llama/Qwen/Mistral MLP, with the gate-up GEMM and the
+    activation in one kernel (the (T, 2I) pre-activation is written only when training needs it).
+
+    Args:
+        x: (..., H) fp16, bf16 or fp32 (fp64 runs on the reference).
+        w_gate_up: (2I, H), x's dtype: rows [0, I) the gate projection, [I, 2I) the up projection
+            (the packed weight of ``nn.Linear(H, 2I)``).
+        w_down: (H, I), x's dtype (``nn.Linear(I, H).weight``).
+        activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU with the tanh approximation) or "gelu" (erf).
+
+    Returns:
+        (..., H) in x's dtype. Gradients for x and both weights.
+    """
+    check_tensor(_OP, "x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() == 0:
+        raise ValueError(f"{_OP}: x must have at least 1 dim, got a scalar")
+    h = x.shape[-1]
+    check_tensor(_OP, "w_gate_up", w_gate_up, dtypes=(x.dtype,), ndim=2, device=x.device)
+    if w_gate_up.shape[1] != h or w_gate_up.shape[0] % 2:
+        raise ValueError(
+            f"{_OP}: w_gate_up has shape {tuple(w_gate_up.shape)}; expected (2I, {h}) (an even row count, H from x)"
+        )
+    i = w_gate_up.shape[0] // 2
+    check_tensor(_OP, "w_down", w_down, dtypes=(x.dtype,), ndim=2, device=x.device)
+    if tuple(w_down.shape) != (h, i):
+        raise ValueError(f"{_OP}: w_down has shape {tuple(w_down.shape)}; expected ({h}, {i}) (H, I)")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{_OP}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    backend = choose_backend(_OP, x.device, x.dtype in KERNEL_DTYPES, "float64 runs on the reference")
+    if backend == "reference":
+        return fused_mlp_ref(x, w_gate_up, w_down, activation)
+    shape = x.shape
+    x2 = rows_2d(x)
+    save_pre = torch.is_grad_enabled() and (x.requires_grad or w_gate_up.requires_grad or w_down.requires_grad)
+    out, _, _ = dispatch(
+        _fwd_op, _FusedMLPFunction, _fwd_impl, x2, w_gate_up.contiguous(), w_down.contiguous(), activation, save_pre
+    )
+    return out.view(shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning (``fuseformer bench --tune`` through autotune.tune_all)
+# --------------------------------------------------------------------------------------------
+TUNE_SHAPES = ((4096, 14336), (2048, 8192), (8192, 28672))  # (H, I): Llama-3 8B, 1B, 70B
+TUNE_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def candidate_configs(t: int, dtype: torch.dtype) -> list[dict]:
+    """The sweep for one T bucket: tile shapes, stages, warps, descriptors, warp specialization."""
+    out = []
+    if t <= 64:
+        bm = max(16, next_pow2(t))
+        for bn in (16, 32, 64):
+            for bk in (128, 256):
+                for stages in (3, 4, 6):
+                    for desc in (True, False):
+                        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4,
+                                        num_stages=stages, USE_DESC=desc, WARP_SPECIALIZE=False))  # fmt: skip
+        return out
+    for bm, bn, warps in ((128, 128, 8), (128, 64, 4), (64, 128, 4), (128, 64, 8), (64, 64, 4)):
+        if bm > max(64, next_pow2(t)):
+            continue
+        for stages in (3, 4, 5):
+            for desc, ws in ((True, False), (False, False), (True, True)):
+                out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, num_warps=warps,
+                                num_stages=stages, USE_DESC=desc, WARP_SPECIALIZE=ws))  # fmt: skip
+    return out
+
+
+def tune_mlp_gate_up(quick: bool = False) -> list[dict]:
+    """Tune the gate-up kernel over T buckets and model shapes on this GPU (bf16); one record each."""
+    from fuseformer.bench._timing import bench_ms
+
+    records = []
+    shapes = TUNE_SHAPES[:1] if quick else TUNE_SHAPES
+    tokens = (16, 64, 8192) if quick else TUNE_TOKENS
+    dtype = torch.bfloat16
+    for h, i in shapes:
+        w = torch.randn(2 * i, h, device="cuda", dtype=dtype) / h**0.5
+        for t in tokens:
+            x = torch.randn(t, h, device="cuda", dtype=dtype)
+            key = config_key(t, h, i, dtype)
+            try:
+                best = autotune.tune(
+                    KERNEL, candidate_configs(t, dtype),
+                    lambda cfg, x=x, w=w: (lambda: mlp_gate_up_fwd(x, w, "silu", config=cfg)), key, force=True,
+                )  # fmt: skip
+                ms = bench_ms(lambda x=x, w=w, best=best: mlp_gate_up_fwd(x, w, "silu", config=best))
+                records.append(dict(kernel=KERNEL, key=key, config=best, ms=ms,
+                                    tflop_s=2 * t * h * 2 * i / (ms * 1e-3) / 1e12,
+                                    weight_gb_s=2 * i * h * 2 / (ms * 1e-3) / 1e9))  # fmt: skip
+            except Exception as exc:
+                records.append(dict(kernel=KERNEL, key=key, error=f"{type(exc).__name__}: {exc}"[:300]))
+    return records
+
+
+autotune.register_tuner(KERNEL, tune_mlp_gate_up)

@@ -1,0 +1,284 @@
+"""The autotune cache (DESIGN.md §7): the best launch config per (kernel, GPU, Triton version, shape bucket).
+
+Where a config comes from, first hit wins:
+
+1. this process's memory (a dict lookup on the hot path);
+2. the disk cache, one JSON file per (kernel, GPU, Triton version) under ``~/.cache/fuseformer``
+   (``FUSEFORMER_CACHE_DIR`` overrides), written by :func:`tune` / ``fuseformer bench --tune``;
+3. the defaults shipped in the package (``runtime/tuned/<kernel>.json``), per GPU family (H200,
+   H100), so that a first call never tunes; a kernel may also give a generic key (e.g. the T bucket
+   alone) that the shipped table covers for any model shape;
+4. the kernel's own rule (``default``).
+
+Shapes are bucketed (next power of two of the dims that vary, such as the token count) by the
+kernel's key, so a new length neither retunes nor recompiles. A cache file that cannot be read,
+is not valid JSON, has another schema version, or belongs to another GPU or Triton version is
+ignored with a warning, never an error; writes go to a temporary file renamed over the old one
+(``os.replace``), so a reader never sees half a file and two tuning processes never interleave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCHEMA_VERSION = 1
+_SHIPPED_DIR = Path(__file__).parent / "tuned"
+# Kernels with a tuner for ``tune_all``: name -> module that registers it on import.
+_TUNER_MODULES = {"mlp_gate_up": "fuseformer.ops.mlp"}
+_TUNERS: dict[str, Callable[[bool], list[dict]]] = {}
+
+# (kernel, gpu) -> {key: config}: the disk cache as loaded once, plus what this process tuned.
+_memory: dict[tuple[str, str], dict[str, dict]] = {}
+
+
+# --------------------------------------------------------------------------------------------
+# Identity of a cache entry
+# --------------------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """Where tuned configs live: ``$FUSEFORMER_CACHE_DIR`` or ``~/.cache/fuseformer``."""
+    return Path(os.environ.get("FUSEFORMER_CACHE_DIR") or Path.home() / ".cache" / "fuseformer")
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def gpu_name(device: torch.device | str | None = None) -> str:
+    """The CUDA device's name (``"NVIDIA H200"``), or ``"cpu"`` for anything that is not CUDA."""
+    device = torch.device(device) if device is not None else None
+    if device is None:
+        if not torch.cuda.is_available():
+            return "cpu"
+        return _device_name(torch.cuda.current_device())
+    if device.type != "cuda":
+        return "cpu"
+    return _device_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def gpu_family(name: str) -> str:
+    """The shipped-table family of a GPU name: "H200", "H100" (H100/H800 SXM and PCIe), or the name."""
+    for family in ("H200", "H100", "H800", "GH200"):
+        if family in name:
+            return {"H800": "H100", "GH200": "H200"}.get(family, family)
+    return name
+
+
+@functools.cache
+def triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:
+        return "none"
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The shape bucket of a dim that varies: the next power of two (at least ``minimum``)."""
+    return max(minimum, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in text)
+
+
+def cache_path(kernel: str, gpu: str, triton: str | None = None) -> Path:
+    """The disk cache file of one kernel on one GPU under one Triton version."""
+    return cache_dir() / f"{_slug(kernel)}--{_slug(gpu)}--triton-{_slug(triton or triton_version())}.json"
+
+
+# --------------------------------------------------------------------------------------------
+# Disk cache
+# --------------------------------------------------------------------------------------------
+def _read_disk(kernel: str, gpu: str) -> dict[str, dict]:
+    """The configs in the disk cache; {} (with a warning) when the file is unusable."""
+    path = cache_path(kernel, gpu)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        warnings.warn(f"autotune: ignoring unreadable cache file {path} ({type(exc).__name__}: {exc})", stacklevel=3)
+        return {}
+    expected = dict(version=SCHEMA_VERSION, kernel=kernel, gpu=gpu, triton=triton_version())
+    if not isinstance(data, dict) or not isinstance(data.get("configs"), dict):
+        warnings.warn(f"autotune: ignoring cache file {path}: not a fuseformer autotune file", stacklevel=3)
+        return {}
+    stale = {k: data.get(k) for k, v in expected.items() if data.get(k) != v}
+    if stale:
+        warnings.warn(f"autotune: ignoring stale cache file {path}: {stale} (expected {expected})", stacklevel=3)
+        return {}
+    configs = {k: v for k, v in data["configs"].items() if isinstance(v, dict)}
+    if len(configs) != len(data["configs"]):
+        warnings.warn(f"autotune: ignoring malformed entries in cache file {path}", stacklevel=3)
+    return configs
+
+
+def _write_disk(kernel: str, gpu: str, configs: dict[str, dict]) -> Path:
+    """Write the configs atomically: a temporary file in the same folder, then os.replace."""
+    path = cache_path(kernel, gpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = dict(version=SCHEMA_VERSION, kernel=kernel, gpu=gpu, triton=triton_version(), configs=configs)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _configs(kernel: str, gpu: str) -> dict[str, dict]:
+    entry = _memory.get((kernel, gpu))
+    if entry is None:
+        entry = _memory[(kernel, gpu)] = _read_disk(kernel, gpu)
+    return entry
+
+
+@functools.cache
+def _shipped(kernel: str) -> dict[str, dict[str, dict]]:
+    """The package's tuned defaults for one kernel: {gpu family: {key: config}}."""
+    path = _SHIPPED_DIR / f"{kernel}.json"
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return {fam: dict(table) for fam, table in data["gpus"].items()}
+    except Exception as exc:  # a broken install must not break the op
+        warnings.warn(f"autotune: ignoring shipped table {path} ({type(exc).__name__}: {exc})", stacklevel=3)
+        return {}
+
+
+def clear_memory() -> None:
+    """Forget what this process loaded or tuned (tests; after editing the cache by hand)."""
+    _memory.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Lookup and tuning
+# --------------------------------------------------------------------------------------------
+def lookup(
+    kernel: str, key: str, device: torch.device | str | None = None, generic_key: str | None = None
+) -> tuple[dict | None, str]:
+    """(config, where it came from: "cache", "shipped" or "none") for ``kernel`` at ``key``."""
+    gpu = gpu_name(device)
+    cfg = _configs(kernel, gpu).get(key)
+    if cfg is not None:
+        return cfg, "cache"
+    table = _shipped(kernel).get(gpu_family(gpu), {})
+    for k in (key, generic_key):
+        if k is not None and k in table:
+            return table[k], "shipped"
+    return None, "none"
+
+
+def get_config(
+    kernel: str,
+    key: str,
+    *,
+    device: torch.device | str | None = None,
+    default: dict | Callable[[], dict] | None = None,
+    generic_key: str | None = None,
+) -> dict | None:
+    """The launch config of ``kernel`` for ``key`` on ``device`` (see the module doc for the order);
+    ``default`` (a dict or a function making one) when nothing is stored. Never tunes."""
+    cfg, _ = lookup(kernel, key, device, generic_key)
+    if cfg is not None:
+        return cfg
+    return default() if callable(default) else default
+
+
+def store(kernel: str, key: str, config: dict, device: torch.device | str | None = None) -> Path:
+    """Record ``config`` as the best for (kernel, this GPU, this Triton, key), in memory and on disk."""
+    gpu = gpu_name(device)
+    configs = dict(_configs(kernel, gpu))
+    # Merge with what another process may have written since we loaded (last writer wins per key).
+    configs.update(_read_disk(kernel, gpu))
+    configs[key] = dict(config)
+    _memory[(kernel, gpu)] = configs
+    return _write_disk(kernel, gpu, configs)
+
+
+def tune(
+    kernel_name: str,
+    configs: Iterable[dict],
+    bench_fn: Callable[[dict], Callable[[], object]],
+    key: str,
+    *,
+    device: torch.device | str | None = None,
+    force: bool = False,
+    timer: Callable[[Callable[[], object]], float] | None = None,
+) -> dict:
+    """The fastest of ``configs`` for ``key``, measured and stored; the stored one if there is one.
+
+    Args:
+        kernel_name: the cache's kernel name (e.g. "mlp_gate_up").
+        configs: candidate launch configs.
+        bench_fn: config -> a zero-argument callable that runs the kernel once with it.
+        key: the shape bucket (the kernel's own key function).
+        force: measure even when the disk or memory cache already has ``key`` (``bench --tune``).
+        timer: callable -> milliseconds; ``fuseformer.bench._timing.bench_ms`` by default.
+
+    A config that fails (compile error, out of resources) is skipped; if all fail, RuntimeError.
+    """
+    gpu = gpu_name(device)
+    if not force:
+        cached = _configs(kernel_name, gpu).get(key)
+        if cached is not None:
+            return cached
+    if timer is None:
+        from fuseformer.bench._timing import bench_ms as timer
+    best, best_ms, errors = None, float("inf"), []
+    for cfg in configs:
+        try:
+            ms = timer(bench_fn(cfg))
+        except Exception as exc:  # one bad config must not end the sweep
+            errors.append(f"{cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        if ms < best_ms:
+            best, best_ms = dict(cfg), ms
+    if best is None:
+        raise RuntimeError(f"autotune: every config of {kernel_name} failed at {key}: " + "; ".join(errors[:3]))
+    store(kernel_name, key, best, device)
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# ``fuseformer bench --tune``
+# --------------------------------------------------------------------------------------------
+def register_tuner(kernel: str, fn: Callable[[bool], list[dict]]) -> None:
+    """Register ``fn(quick) -> records``, which tunes ``kernel`` over its shape buckets."""
+    _TUNERS[kernel] = fn
+
+
+def tune_all(quick: bool = False) -> list[dict]:
+    """Tune every registered kernel on this GPU and fill the disk cache (``fuseformer bench --tune``).
+
+    Returns one record per (kernel, key): the config chosen and its time, or the error.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("autotune: tune_all needs a CUDA GPU")
+    for module in _TUNER_MODULES.values():
+        importlib.import_module(module)
+    records: list[dict[str, Any]] = []
+    for kernel, fn in sorted(_TUNERS.items()):
+        try:
+            records += fn(quick)
+        except Exception as exc:
+            records.append(dict(kernel=kernel, error=f"{type(exc).__name__}: {exc}"[:300]))
+    return records

@@ -1,0 +1,229 @@
+"""fused_mlp: the gate-up GEMM kernel (pointer and descriptor paths) and the whole MLP against the fp64
+reference (DESIGN.md §3), outputs and every gradient; odd shapes, strided x, NaN, bad input,
+compile, opcheck. bf16 and the real sizes run in the gpu-marked tests."""
+
+import importlib
+
+import pytest
+import torch
+
+import fuseformer
+import fuseformer.ops as F
+from fuseformer.testing import assert_close
+
+# The module, not the function of the same name that fuseformer.ops exports.
+M = importlib.import_module("fuseformer.ops.mlp")
+
+
+def _weights(h, i, dtype, device):
+    w_gate_up = (torch.randn(2 * i, h, device=device) / h**0.5).to(dtype)
+    w_down = (torch.randn(h, i, device=device) / i**0.5).to(dtype)
+    return w_gate_up, w_down
+
+
+def _x(lead, h, dtype, device, gapped=False):
+    x = torch.randn(*lead, h, device=device).to(dtype)
+    if not gapped:
+        return x
+    base = torch.full((*lead, h + 5), float("nan"), dtype=dtype, device=device)
+    base[..., :h] = x
+    return base[..., :h]
+
+
+def _check(lead, h, i, dtype, device, activation="silu", config=None, gapped=False, backward=True):
+    x = _x(lead, h, dtype, device, gapped)
+    wgu, wd = _weights(h, i, dtype, device)
+
+    def run(fn, cast, **kw):
+        args = [t.detach().to(cast).requires_grad_(backward) for t in (x, wgu, wd)]
+        return fn(*args, activation, **kw), args
+
+    if config is not None:  # the launcher with an explicit config: the kernel's own output
+        y, pre = M.mlp_gate_up_fwd(x.reshape(-1, h), wgu, M.ACTIVATIONS[M.ACTIVATIONS.index(activation)], True, config)
+        gu = x.reshape(-1, h).double() @ wgu.double().T
+        gu_base = (x.reshape(-1, h) @ wgu.T).to(dtype)
+        assert_close("pre", pre, gu, gu_base)
+        from fuseformer.ops.activations import glu_ref
+
+        ref_y = glu_ref(gu[:, :i], gu[:, i:], activation)
+        base_y = glu_ref(gu_base[:, :i], gu_base[:, i:], activation, upcast=False)
+        assert_close("y", y, ref_y, base_y)
+    with fuseformer.use_backend("triton"):
+        out, args = run(F.fused_mlp, dtype)
+    ref, ref_args = run(M.fused_mlp_ref, torch.float64, upcast=True)
+    base, base_args = run(M.fused_mlp_ref, dtype, upcast=False)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close("out", out, ref, base)
+    if not backward:
+        return
+    g = torch.randn(out.shape, device=device).to(dtype)
+    for o in (out, ref, base):
+        o.backward(g.to(o.dtype))
+    for name, a, r, b in zip(["dx", "dw_gate_up", "dw_down"], args, ref_args, base_args):
+        assert_close(name, a.grad, r.grad, b.grad)
+
+
+CPU_CASES = [((1,), 40, 88), ((7,), 40, 88), ((2, 17), 96, 200), ((37,), 33, 50)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lead, h, i", CPU_CASES)
+def test_fused_mlp_matches_reference(lead, h, i, dtype, device):
+    _check(lead, h, i, dtype, device)
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu"])
+def test_fused_mlp_gelu(activation, device):
+    _check((9,), 40, 72, torch.float16, device, activation)
+
+
+DESC = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2, USE_DESC=True,
+            WARP_SPECIALIZE=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("use_desc", [False, True])
+def test_gate_up_kernel_paths(use_desc, dtype, device):
+    """Both load paths with an explicit config (tensor descriptors run under the interpreter too);
+    T, H, I not multiples of the blocks, several row groups of the grouped order."""
+    _check((50,), 72, 100, dtype, device, config=dict(DESC, USE_DESC=use_desc), backward=False)
+
+
+def test_fused_mlp_noncontiguous_x_with_nan_gaps(device):
+    _check((11,), 40, 64, torch.float32, device, gapped=True)
+
+
+def test_fused_mlp_nan_propagates(device):
+    x = torch.randn(5, 32, device=device)
+    x[2, 3] = float("nan")
+    wgu, wd = _weights(32, 48, torch.float32, device)
+    with fuseformer.use_backend("triton"):
+        out = F.fused_mlp(x, wgu, wd)
+    ref = M.fused_mlp_ref(x, wgu, wd)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.isnan(out[2]).all()
+
+
+def test_fused_mlp_empty_tokens(device):
+    x = torch.randn(0, 16, device=device, requires_grad=True)
+    wgu, wd = (w.requires_grad_() for w in _weights(16, 24, torch.float32, device))
+    with fuseformer.use_backend("triton"):
+        out = F.fused_mlp(x, wgu, wd)
+    out.sum().backward()
+    assert out.shape == (0, 16) and torch.equal(wgu.grad, torch.zeros_like(wgu))
+
+
+def test_fused_mlp_no_grad_saves_nothing(device, monkeypatch):
+    seen = []
+    real = M.mlp_gate_up_fwd
+    monkeypatch.setattr(M, "mlp_gate_up_fwd", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
+    x = torch.randn(3, 16, device=device)
+    wgu, wd = (w.requires_grad_() for w in _weights(16, 24, torch.float32, device))
+    with fuseformer.use_backend("triton"):
+        with torch.no_grad():
+            F.fused_mlp(x, wgu, wd)
+        F.fused_mlp(x, wgu, wd)
+    assert seen == [False, True]
+
+
+def test_fused_mlp_float64_runs_on_reference(device):
+    x = torch.randn(3, 8, dtype=torch.float64, device=device)
+    wgu, wd = _weights(8, 12, torch.float64, device)
+    torch.testing.assert_close(F.fused_mlp(x, wgu, wd), M.fused_mlp_ref(x, wgu, wd))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(x=torch.randint(0, 3, (3, 8)), w_gate_up=torch.randn(12, 8), w_down=torch.randn(8, 6)), "x has dtype"),
+        (dict(x=torch.randn(3, 8), w_gate_up=torch.randn(12, 7), w_down=torch.randn(8, 6)), "w_gate_up has shape"),
+        (dict(x=torch.randn(3, 8), w_gate_up=torch.randn(11, 8), w_down=torch.randn(8, 6)), "w_gate_up has shape"),
+        (dict(x=torch.randn(3, 8), w_gate_up=torch.randn(12, 8), w_down=torch.randn(8, 5)), r"w_down has shape"),
+        (
+            dict(x=torch.randn(3, 8), w_gate_up=torch.randn(12, 8).half(), w_down=torch.randn(8, 6)),
+            "w_gate_up has dtype",
+        ),
+        (
+            dict(x=torch.randn(3, 8), w_gate_up=torch.randn(12, 8), w_down=torch.randn(8, 6), activation="relu"),
+            "activation must be",
+        ),  # fmt: skip
+        (dict(x=torch.tensor(1.0), w_gate_up=torch.randn(12, 8), w_down=torch.randn(8, 6)), "at least 1 dim"),
+    ],
+)
+def test_fused_mlp_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        F.fused_mlp(**kwargs)
+
+
+def test_fused_mlp_compiles_fullgraph(device, compile_backend):
+    x = torch.randn(2, 5, 32, device=device, requires_grad=True)
+    wgu, wd = (w.requires_grad_() for w in _weights(32, 40, torch.float32, device))
+
+    def fn(x, wgu, wd):
+        return F.fused_mlp(F.fused_mlp(x, wgu, wd) * 2, wgu, wd, "gelu_tanh")
+
+    with fuseformer.use_backend("triton"):
+        eager = fn(x, wgu, wd)
+        eager_grads = torch.autograd.grad(eager.sum(), (x, wgu, wd))
+        compiled = torch.compile(fn, fullgraph=True, backend=compile_backend)(x, wgu, wd)
+        grads = torch.autograd.grad(compiled.sum(), (x, wgu, wd))
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_fused_mlp_custom_ops_pass_opcheck(device):
+    x = torch.randn(6, 32, device=device, requires_grad=True)
+    wgu, wd = (w.requires_grad_() for w in _weights(32, 24, torch.float32, device))
+    with fuseformer.use_backend("triton"):
+        _, pre, y = M._fwd_op(x.detach(), wgu.detach(), wd.detach(), "silu", True)
+        torch.library.opcheck(M._fwd_op, (x, wgu, wd, "silu", True))
+        dout = torch.randn(6, 32, device=device)
+        torch.library.opcheck(M._bwd_op, (dout, x.detach(), wgu.detach(), wd.detach(), pre, y, "silu"))
+
+
+def test_default_configs_cover_every_bucket():
+    for t in (1, 7, 16, 64, 65, 8192, 100000):
+        for dtype in (torch.bfloat16, torch.float32):
+            cfg = M.default_config(t, 4096, 14336, dtype, True)
+            assert set(cfg) == set(M.CONFIG_KEYS)
+            assert cfg["BLOCK_M"] >= 16 and cfg["BLOCK_M"] <= max(64, 2 * t)
+    assert all(set(c) == set(M.CONFIG_KEYS) for t in (16, 8192) for c in M.candidate_configs(t, torch.bfloat16))
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: real sizes, bf16 and fp16, every tuning candidate compiles and is correct
+# --------------------------------------------------------------------------------------------
+GPU_CASES = [((1,), 4096, 14336), ((7,), 4096, 14336), ((64,), 4096, 14336), ((257,), 200, 1000),
+             ((2, 1000), 4096, 14336), ((8192,), 4096, 14336), ((3, 33), 96, 352)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lead, h, i", GPU_CASES)
+def test_fused_mlp_gpu(lead, h, i, dtype):
+    _check(lead, h, i, dtype, "cuda", backward=lead[-1] <= 2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu"])
+def test_fused_mlp_gpu_gelu(activation):
+    _check((513,), 2048, 5632, torch.bfloat16, "cuda", activation)
+
+
+@pytest.mark.gpu
+def test_fused_mlp_gpu_fp32_is_not_tf32():
+    _check((129,), 1024, 2816, torch.float32, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [16, 64, 4096])
+def test_gate_up_every_candidate_config_gpu(t):
+    """Each config the tuner may pick compiles on this GPU and gives the right answer."""
+    h, i = 1024, 2816
+    failures = []
+    for cfg in M.candidate_configs(t, torch.bfloat16):
+        try:
+            _check((t - 3,), h, i, torch.bfloat16, "cuda", config=cfg, backward=False)
+        except Exception as exc:
+            failures.append(f"{cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+    assert not failures, "\n".join(failures)
