@@ -319,7 +319,8 @@ class Trainer:
             skipped = self.scaler.get_scale() < before
         else:
             self.optimizer.step()
-        self.scheduler.step()
+        if not skipped:  # a skipped step does not advance the schedule (as transformers' Trainer)
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm), skipped
 

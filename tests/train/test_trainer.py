@@ -1,0 +1,216 @@
+"""Trainer: convergence (fused vs reference), accumulation, activation checkpointing, packed rows,
+mixed precision, metrics, and the ``fuseformer train`` entry."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import fuseformer
+from fuseformer.models.llama import AttentionMetadata
+from fuseformer.train import TrainConfig, Trainer
+from fuseformer.train.cli import main as train_main
+from fuseformer.train.data import IGNORE_INDEX
+from fuseformer.train.trainer import lr_at
+
+
+def _config(model, tmp_path, **kw):
+    args = dict(
+        model=model,
+        seq_len=16,
+        micro_batch_size=1,
+        grad_accum_steps=1,
+        lr=1e-2,
+        min_lr=1e-3,
+        warmup_steps=3,
+        max_steps=30,
+        precision="fp32",
+        out_dir=str(tmp_path),
+        progress=False,
+        log_every=0,
+        resume=False,
+    )
+    return TrainConfig(**(args | kw))
+
+
+def _grads(trainer):
+    return {n: p.grad.clone() for n, p in trainer.lm.named_parameters()}
+
+
+@pytest.mark.slow
+def test_convergence_fused_matches_reference(tmp_path, model_config, corpus):
+    """30 steps, fp32: the fused path (Triton interpreter: rms_norm, rotary, swiglu, fused linear
+    CE; attention falls back to its reference in fp32) and the reference path give the same losses
+    at every step, and the loss goes down."""
+    model = model_config(num_hidden_layers=1)
+    losses = {}
+    for backend in ("auto", "reference"):
+        cfg = _config(model, tmp_path / backend)
+        with fuseformer.use_backend(backend):
+            losses[backend] = Trainer(cfg, train_corpus=corpus()).train().losses
+    fused, ref = np.array(losses["auto"]), np.array(losses["reference"])
+    assert len(fused) == len(ref) == 30
+    np.testing.assert_allclose(fused, ref, rtol=2e-4, atol=2e-4)
+    assert fused[0] > math.log(32) - 0.3  # starts near uniform over the vocab
+    assert fused[-5:].mean() < fused[:5].mean() - 0.5
+
+
+@pytest.mark.parametrize("split", [(1, 4), (2, 2)])
+def test_accumulation_matches_one_batch(tmp_path, model_config, corpus, split):
+    """N micro-batches with accumulation give the gradients (and loss) of one N-times batch."""
+    micro, accum = split
+    results = []
+    with fuseformer.use_backend("reference"):
+        for b, a in ((4, 1), (micro, accum)):
+            cfg = _config(model_config(), tmp_path, micro_batch_size=b, grad_accum_steps=a)
+            t = Trainer(cfg, train_corpus=corpus())
+            loss, targets = t.forward_backward(t.sampler.next_step())
+            results.append((loss, targets, _grads(t)))
+    (l1, n1, g1), (l2, n2, g2) = results
+    assert n1 == n2 and n1 > 0
+    assert l1 == pytest.approx(l2, rel=1e-6)
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["all", "every:2"])
+def test_activation_checkpointing(tmp_path, model_config, corpus, mode):
+    """Same gradients with checkpointing; the checkpointed layers' MLPs run again in backward."""
+    model = model_config(num_hidden_layers=3)
+    out = {}
+    with fuseformer.use_backend("reference"):
+        for m in ("off", mode):
+            t = Trainer(_config(model, tmp_path, activation_checkpointing=m), train_corpus=corpus())
+            calls = [0] * 3
+            for i, layer in enumerate(t.lm.model.layers):
+                layer.mlp.register_forward_pre_hook(lambda *_, i=i, c=calls: c.__setitem__(i, c[i] + 1))
+            t.forward_backward(t.sampler.next_step())
+            out[m] = (_grads(t), calls)
+    assert out["off"][1] == [1, 1, 1]
+    assert out[mode][1] == ([2, 2, 2] if mode == "all" else [2, 1, 2])
+    for name, g in out["off"][0].items():
+        torch.testing.assert_close(out[mode][0][name], g, rtol=1e-6, atol=1e-8, msg=name)
+
+
+def _token_losses(lm, docs, dtype):
+    """Per-token losses of ``docs`` packed into one varlen row (targets within each document)."""
+    ids = torch.cat([torch.tensor(d) for d in docs])
+    pos = torch.cat([torch.arange(len(d)) for d in docs])
+    targets = torch.cat([torch.tensor([*d[1:], IGNORE_INDEX]) for d in docs])
+    meta = AttentionMetadata.varlen([len(d) for d in docs])
+    with torch.no_grad():
+        logits = lm.compute_logits(lm(ids, pos, meta)).float()
+    return TF.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_packed_token_loss_independent_of_other_documents(tmp_path, model_config, corpus, dtype):
+    """A token's loss does not depend on the other documents in its row (fp16 takes the Triton
+    varlen flash-attention kernel under the interpreter; fp32 its reference)."""
+    t = Trainer(_config(model_config(), tmp_path), train_corpus=corpus())
+    lm = t.lm.to(dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    a, b, c, d = (torch.randint(0, 31, (n,), generator=gen).tolist() for n in (5, 7, 6, 7))
+    packed = _token_losses(lm, [a, b, c], dtype)
+    swapped = _token_losses(lm, [a, d, c], dtype)
+    alone_c = _token_losses(lm, [c], dtype)
+    alone_a = _token_losses(lm, [a], dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(packed[12:], alone_c, **tol)
+    torch.testing.assert_close(swapped[12:], alone_c, **tol)
+    torch.testing.assert_close(packed[:5], alone_a, **tol)
+    assert not torch.allclose(packed[5:12], swapped[5:12])  # the swapped document's own losses differ
+
+
+def test_bf16_autocast_fp32_master(tmp_path, model_config, corpus):
+    """bf16 autocast trains with fp32 weights and gradients; its first loss is near fp32's."""
+    losses = {}
+    with fuseformer.use_backend("reference"):
+        for precision in ("fp32", "bf16"):
+            t = Trainer(_config(model_config(), tmp_path, precision=precision, max_steps=3), train_corpus=corpus())
+            losses[precision] = t.train().losses
+            assert all(p.dtype == torch.float32 for p in t.lm.parameters())
+            assert all(s["exp_avg"].dtype == torch.float32 for s in t.optimizer.state.values())
+    assert all(math.isfinite(x) for x in losses["bf16"])
+    assert losses["bf16"][0] == pytest.approx(losses["fp32"][0], rel=2e-2)
+
+
+def test_fp16_overflow_skips_are_counted(tmp_path, model_config, corpus):
+    """fp16 with GradScaler: an overflowing scale skips the step (weights unchanged), is counted and
+    logged in metrics.jsonl; the scale then comes down."""
+    with fuseformer.use_backend("reference"):
+        t = Trainer(_config(model_config(), tmp_path, precision="fp16", max_steps=3), train_corpus=corpus())
+        t.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120)
+        before = {n: p.detach().clone() for n, p in t.lm.named_parameters()}
+        result = t.train()
+    assert result.skipped_steps == 3 == t.skipped_steps
+    assert t.scaler.get_scale() == 2.0**117
+    for n, p in t.lm.named_parameters():
+        assert torch.equal(p, before[n]), n
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["skipped_steps"] for x in lines] == [1, 2, 3]
+
+
+def test_metrics_eval_and_curve(tmp_path, model_config, corpus):
+    full = corpus(80)
+    train_c, eval_c = full.split(0.25, seed=0)
+    cfg = _config(model_config(), tmp_path, max_steps=4, eval_every=2, eval_batches=2, micro_batch_size=2)
+    with fuseformer.use_backend("reference"):
+        t = Trainer(cfg, train_corpus=train_c, eval_corpus=eval_c)
+        result = t.train()
+        direct = t.evaluate()
+    assert sorted(result.eval_losses) == [2, 4]
+    assert result.eval_losses[4] == pytest.approx(direct, rel=1e-6)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "skipped_steps"} <= set(lines[0])
+    assert [("eval_loss" in x) for x in lines] == [False, True, False, True]
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_schedule():
+    cfg = TrainConfig(model="unused", lr=1.0, min_lr=0.1, warmup_steps=4, max_steps=14)
+    assert [lr_at(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(9, cfg) == pytest.approx(0.55)
+    assert lr_at(14, cfg) == pytest.approx(0.1) and lr_at(100, cfg) == pytest.approx(0.1)
+
+
+def test_cli_end_to_end(tmp_path, tokenizer_dir, model_config, capsys):
+    """fuseformer train with a .toml config and flags on a folder of text files: metrics, a curve,
+    a checkpoint, an exported bf16 model; a folder without data is a clear error (exit 2)."""
+    from fuseformer.models.loader import load_model
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(12):
+        (data / f"f{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 3)
+    (data / "latin1.py").write_bytes(b"s = '\xe9t\xe9'\n")
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        f'seq_len = 16\nmicro_batch_size = 2\nlr = 0.005\nprecision = "fp32"\n'
+        f'[model]\narchitecture = "LlamaForCausalLM"\nvocab_size = {len(vocab)}\nhidden_size = 32\n'
+        "intermediate_size = 48\nnum_hidden_layers = 1\nnum_attention_heads = 2\nnum_key_value_heads = 1\n"
+    )
+    out = tmp_path / "run"
+    argv = ["--config", str(toml), "--data", str(data), "--tokenizer", str(tokenizer_dir), "--out-dir", str(out)]
+    argv += ["--max-steps", "3", "--save-every", "3", "--eval-split", "0.2", "--progress", "false"]
+    with fuseformer.use_backend("reference"), pytest.warns(UserWarning, match="not UTF-8"):
+        assert train_main([*argv, "--export", str(tmp_path / "export")]) == 0
+    printed = capsys.readouterr().out
+    assert "step 3" in printed and "eval loss" in printed
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert (out / "loss.png").is_file() and (out / "checkpoints" / "step_0000003" / "config.json").is_file()
+    lm, cfg = load_model(tmp_path / "export")
+    assert cfg.hidden_size == 32 and next(lm.parameters()).dtype == torch.bfloat16
+    assert (tmp_path / "export" / "tokenizer.json").is_file()
+
+    (tmp_path / "empty").mkdir()
+    bad = ["--config", str(toml), "--data", str(tmp_path / "empty"), "--tokenizer", str(tokenizer_dir)]
+    assert train_main([*bad, "--out-dir", str(tmp_path / "run2")]) == 2
+    assert "holds no files" in capsys.readouterr().err
+    assert train_main([*argv, "--precision", "fp8"]) == 2
+    assert "precision" in capsys.readouterr().err
