@@ -47,7 +47,7 @@ def test_logits_match_transformers_single_sequence(name, hf_checkpoint):
     assert_close(f"{name} logits", out, ref, base)
 
 
-@pytest.mark.parametrize("name", ["llama3", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
 def test_logits_match_transformers_varlen_batch(name, hf_checkpoint):
     path, hf = hf_checkpoint(name)
     model, config = load_model(path)
@@ -134,9 +134,9 @@ def _greedy_paged(model, prompts, steps, *, block_size=4, chunk=4, num_blocks=24
     return outputs
 
 
-# The Triton kernels run interpreted on the CPU (~1 s a step): two architectures take them (GQA with
-# Llama-3 rope; bias, tied embeddings and a sliding window in layer 1 only), all take the references.
-GREEDY_CASES = [(name, "reference") for name in ARCHS] + [("llama3", "triton"), ("qwen2", "triton")]
+# The Triton kernels run interpreted on the CPU (~1 s a step): one architecture takes them (GQA, bias,
+# tied embeddings, a sliding window in layer 1 only); all take the references.
+GREEDY_CASES = [(name, "reference") for name in ARCHS] + [("qwen2", "triton")]
 
 
 def _prompt_lengths(name, lengths, steps):
