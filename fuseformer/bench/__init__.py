@@ -64,7 +64,9 @@ def run_suites(suites: list[str], out_dir: str = "bench-results", quick: bool = 
         elif suite == "sweep":
             from fuseformer.bench.sweep import SWEEPS
 
-            records = [r for fn in SWEEPS.values() for r in fn()]
+            # FUSEFORMER_SWEEPS=rms_norm,attention picks sweeps (default: all of them).
+            names = [n for n in os.environ.get("FUSEFORMER_SWEEPS", ",".join(SWEEPS)).split(",") if n]
+            records = [r for name in names for r in SWEEPS[name]()]
             for r in records:
                 print(json.dumps(r))
         else:

@@ -117,4 +117,10 @@ def sweep_overhead() -> list[dict]:
     return out
 
 
-SWEEPS = {"overhead": sweep_overhead, "rms_norm": sweep_rms_norm}
+def sweep_attention() -> list[dict]:
+    from fuseformer.bench.attention import sweep_attention_configs
+
+    return sweep_attention_configs(quick=True)
+
+
+SWEEPS = {"overhead": sweep_overhead, "attention": sweep_attention, "rms_norm": sweep_rms_norm}
