@@ -131,6 +131,15 @@ class ModelConfig:
         self.rope_scaling = {**rs, "rope_type": rope_type}
         self.rope_scaling.pop("type", None)
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """Shape of one layer's K (or V) cache: (num_blocks, block_size, num_key_value_heads, head_dim)."""
+        return (num_blocks, block_size, self.num_key_value_heads, self.head_dim)
+
+    def kv_cache_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one KV block takes over all layers, K and V: what the block pool divides memory by."""
+        item = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * block_size * self.num_key_value_heads * self.head_dim * item
+
     def window(self, layer: int) -> int:
         """The attention window of ``layer``: -1 for full attention, else sliding_window."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else -1

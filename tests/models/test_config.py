@@ -128,3 +128,9 @@ def test_file_errors_name_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}: .*must be a positive int"):
         ModelConfig.from_file(tmp_path)
+
+
+def test_kv_cache_sizes():
+    c = ModelConfig(**{**_GOOD, "head_dim": 32})
+    assert c.kv_cache_shape(10, 16) == (10, 16, 2, 32)
+    assert c.kv_cache_block_bytes(16, torch.bfloat16) == 2 * 2 * 16 * 2 * 32 * 2
