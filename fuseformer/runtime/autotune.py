@@ -208,7 +208,9 @@ def store(kernel: str, key: str, config: dict, device: torch.device | str | None
     gpu = gpu_name(device)
     configs = dict(_configs(kernel, gpu))
     # Merge with what another process may have written since we loaded (last writer wins per key).
-    configs.update(_read_disk(kernel, gpu))
+    with warnings.catch_warnings():  # a bad file was reported when it was first loaded
+        warnings.simplefilter("ignore")
+        configs.update(_read_disk(kernel, gpu))
     configs[key] = dict(config)
     _memory[(kernel, gpu)] = configs
     return _write_disk(kernel, gpu, configs)
