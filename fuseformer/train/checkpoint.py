@@ -206,7 +206,8 @@ def save_checkpoint(trainer: Trainer) -> Path | None:
         root = checkpoint_root(trainer.config.out_dir)
         name = f"step_{trainer.step:07d}"
         tmp = root / f".tmp_{name}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in root.glob(".tmp_step_*"):  # left by a run killed mid-save
+            shutil.rmtree(stale, ignore_errors=True)
         lm_state = {k.removeprefix(_PREFIX): v for k, v in model_state.items()}
         save_model(lm_state, trainer.lm.config, tmp, dtype=torch.float32, tokenizer_dir=trainer.tokenizer_dir)
         state = {
