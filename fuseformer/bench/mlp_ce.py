@@ -1,0 +1,153 @@
+"""``fuseformer bench``: the fused MLP and the fused linear cross-entropy against their peers (issue 4).
+
+All in one process and run, bf16 on the current GPU:
+
+- MLP prefill, T 8192, H 4096, I 14336: fused_mlp forward against eager (three Linear layers and
+  silu * mul, as HF's LlamaMLP), ``torch.compile`` of that, and cuBLAS's gate-up GEMM alone
+  (``x @ w_gate_up.T``). TFLOP/s count each implementation's GEMM FLOPs: all three GEMMs
+  (6 T H I) for the MLPs, 4 T H I for a gate-up GEMM alone. Our gate-up kernel alone is listed too.
+- MLP decode, T 1, 8, 32, 64: the same peers, as weight-streaming GB/s (3 H I x 2 bytes read per
+  call) and percent of the device-to-device copy bandwidth.
+- Linear + cross-entropy, 8192 tokens, H 4096, V 128256, forward + backward: fused_linear_cross_entropy
+  against eager (``F.cross_entropy(hidden @ W.T, t)``) and Liger's FLCE when installed; ms and the
+  peak memory above the inputs (``max_memory_allocated`` after ``reset_peak_memory_stats``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as TF
+
+import fuseformer.ops as F
+from fuseformer.bench._timing import bench_ms, copy_ceiling_tb_s, gemm_ceiling_tflop_s, tflop_per_s
+
+Record = dict
+H, INTER, V = 4096, 14336, 128256
+PREFILL_T = 8192
+DECODE_T = (1, 8, 32, 64)
+CE_TOKENS = 8192
+DEVICE = "cuda"
+
+
+def _error(rec: Record, exc: Exception) -> Record:
+    rec.update(error=f"{type(exc).__name__}: {exc}"[:300])
+    return rec
+
+
+def _timed(case: dict, impl: str, fn: Callable[[], object], *, flops: float = 0.0, nbytes: float = 0.0) -> Record:
+    rec: Record = dict(case, impl=impl)
+    try:
+        fn()  # compile / warm up outside the timing
+        ms = bench_ms(fn)
+        rec["ms"] = ms
+        if flops:
+            tf = tflop_per_s(flops, ms)
+            rec.update(tflop_s=tf, pct_gemm=100 * tf / gemm_ceiling_tflop_s())
+        if nbytes:
+            gb = nbytes / (ms * 1e-3) / 1e9
+            rec.update(gb_s=gb, pct_copy=100 * gb / (1e3 * copy_ceiling_tb_s()))
+    except Exception as exc:  # one failing peer must not kill the run
+        _error(rec, exc)
+    return rec
+
+
+def _eager_mlp(x, w_gate, w_up, w_down):
+    # HF LlamaMLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)).
+    return TF.linear(TF.silu(TF.linear(x, w_gate)) * TF.linear(x, w_up), w_down)
+
+
+def _mlp_records(t: int, decode: bool) -> list[Record]:
+    dtype, dev = torch.bfloat16, DEVICE
+    x = torch.randn(t, H, device=dev, dtype=dtype)
+    w_gate_up = torch.randn(2 * INTER, H, device=dev, dtype=dtype) / H**0.5
+    w_down = torch.randn(H, INTER, device=dev, dtype=dtype) / INTER**0.5
+    w_gate, w_up = (w.contiguous() for w in w_gate_up.chunk(2))
+    case = dict(op="mlp", pass_="fwd", T=t, H=H, I=INTER, dtype="bfloat16")
+    mlp_flops = 6 * t * H * INTER
+    weight_bytes = 3 * H * INTER * 2
+    # Decode is judged by weight streaming, prefill by GEMM throughput.
+    metric = dict(nbytes=weight_bytes) if decode else dict(flops=mlp_flops)
+    compiled = torch.compile(_eager_mlp)
+    mlp_module = importlib.import_module("fuseformer.ops.mlp")  # the module, not fuseformer.ops.fused_mlp
+    out = [
+        _timed(case, "fuseformer", lambda: F.fused_mlp(x, w_gate_up, w_down), **metric),
+        _timed(case, "eager", lambda: _eager_mlp(x, w_gate, w_up, w_down), **metric),
+        _timed(case, "torch.compile", lambda: compiled(x, w_gate, w_up, w_down), **metric),
+    ]
+    if not decode:
+        gate_up_flops = 4 * t * H * INTER
+        out += [
+            _timed(dict(case, op="gate_up_gemm"), "cublas", lambda: x @ w_gate_up.T, flops=gate_up_flops),
+            _timed(dict(case, op="gate_up_gemm"), "fuseformer (with act*mul)",
+                   lambda: mlp_module.mlp_gate_up_fwd(x, w_gate_up, "silu"), flops=gate_up_flops),
+        ]  # fmt: skip
+    return out
+
+
+def _ce_records(quick: bool) -> list[Record]:
+    dtype, dev = torch.bfloat16, DEVICE
+    n = CE_TOKENS
+    hidden = torch.randn(n, H, device=dev, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(V, H, device=dev, dtype=dtype) / H**0.5).requires_grad_()
+    target = torch.randint(0, V, (n,), device=dev)
+    case = dict(op="linear_cross_entropy", pass_="fwd_bwd", tokens=n, H=H, V=V, dtype="bfloat16")
+    impls: dict[str, Callable[[], torch.Tensor]] = {
+        "fuseformer": lambda: F.fused_linear_cross_entropy(hidden, weight, target),
+        "eager": lambda: TF.cross_entropy(hidden @ weight.T, target),
+    }
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+        impls["liger"] = lambda: LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, target)
+    except Exception as exc:  # not installed: recorded as an error row
+        impls["liger"] = None
+        liger_error = exc
+    records = []
+    for name, loss_fn in impls.items():
+        rec: Record = dict(case, impl=name)
+        if loss_fn is None:
+            records.append(_error(rec, liger_error))
+            continue
+
+        def step(loss_fn=loss_fn):
+            hidden.grad = weight.grad = None  # no accumulation into old grads (its traffic, its memory)
+            loss = loss_fn()
+            loss = loss[0] if isinstance(loss, tuple) else loss
+            loss.backward()
+
+        try:
+            step()
+            hidden.grad = weight.grad = None
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            rec["peak_gib_above_inputs"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            hidden.grad = weight.grad = None
+            rec["ms"] = bench_ms(step, rep=50 if quick else 200)
+        except Exception as exc:
+            _error(rec, exc)
+        records.append(rec)
+        hidden.grad = weight.grad = None
+        torch.cuda.empty_cache()
+    return records
+
+
+def bench_mlp_ce(quick: bool = False) -> list[Record]:
+    """Every case of issue 4 with its peers; one record per (case, implementation)."""
+    records = []
+    for fn in (lambda: _mlp_records(PREFILL_T, decode=False), lambda: _ce_records(quick)):
+        try:
+            records += fn()
+        except Exception as exc:  # e.g. out of memory in one case: keep the others
+            records.append(_error(dict(op="mlp_ce"), exc))
+    for t in DECODE_T[::2] if quick else DECODE_T:
+        try:
+            records += _mlp_records(t, decode=True)
+        except Exception as exc:
+            records.append(_error(dict(op="mlp", T=t), exc))
+    return records
