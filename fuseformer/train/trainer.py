@@ -97,6 +97,9 @@ def apply_activation_checkpointing(lm: LlamaForCausalLM, every: int) -> None:
     """Recompute layers 0, every, 2*every, ... in backward (torch.utils.checkpoint, non-reentrant).
 
     The layer instance's forward is replaced, so parameter names (and checkpoints) do not change.
+    A layer takes (hidden, residual) and adds them in its fused add+norm; here the add is done
+    before the checkpoint, so each boundary keeps one (T, H) tensor instead of two (Llama 1B at
+    B 4 x S 4096 in bf16: 16 x 64 MiB = 1 GiB rather than 2 GiB).
     """
     if every <= 0:
         return
@@ -105,8 +108,10 @@ def apply_activation_checkpointing(lm: LlamaForCausalLM, every: int) -> None:
             continue
         inner = layer.forward
 
-        def forward(*args, _inner=inner):
-            return checkpoint(_inner, *args, use_reentrant=False)
+        def forward(hidden, residual, *args, _inner=inner):
+            if residual is not None:
+                hidden = hidden + residual  # the layer then normalizes it and keeps it as the residual
+            return checkpoint(_inner, hidden, None, *args, use_reentrant=False)
 
         layer.forward = forward
 
