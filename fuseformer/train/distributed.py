@@ -50,7 +50,7 @@ def init_distributed(mode: str, device: str = "auto") -> DistInfo:
     if missing:
         raise ValueError(
             f"distributed={mode!r} needs the torchrun environment; {', '.join(missing)} not set "
-            "(run: torchrun --nproc-per-node N -m fuseformer train ...)"
+            "(run: torchrun --nproc-per-node N -m fuseformer.train.cli --distributed ddp ...)"
         )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))

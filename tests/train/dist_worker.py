@@ -2,16 +2,13 @@
 steps of a tiny model on synthetic packed data; rank 0 writes the losses and final weights."""
 
 import argparse
-import os
 
-os.environ.setdefault("FUSEFORMER_BACKEND", "reference")  # the interpreter is too slow for 3 processes
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from fuseformer.models.config import ModelConfig  # noqa: E402
-from fuseformer.train import TokenCorpus, TrainConfig, Trainer  # noqa: E402
-from fuseformer.train import distributed as D  # noqa: E402
+from fuseformer.models.config import ModelConfig
+from fuseformer.train import TokenCorpus, TrainConfig, Trainer
+from fuseformer.train import distributed as D
 
 
 def corpus() -> TokenCorpus:
@@ -74,6 +71,7 @@ def run(args: argparse.Namespace) -> dict | None:
 
 
 def main() -> None:
+    # test_distributed.py sets FUSEFORMER_BACKEND=reference (the interpreter is too slow for 3 processes)
     args = parse()
     torch.set_num_threads(1)
     out = run(args)

@@ -11,6 +11,7 @@ import torch.nn.functional as TF
 
 import fuseformer
 from fuseformer.models.llama import AttentionMetadata
+from fuseformer.runtime.backend import choose_backend
 from fuseformer.train import TrainConfig, Trainer
 from fuseformer.train.cli import main as train_main
 from fuseformer.train.data import IGNORE_INDEX
@@ -50,6 +51,7 @@ def test_convergence_fused_matches_reference(tmp_path, model_config, corpus):
     for backend in ("auto", "reference"):
         cfg = _config(model, tmp_path / backend)
         with fuseformer.use_backend(backend):
+            assert choose_backend("rms_norm", torch.device("cpu")) == ("triton" if backend == "auto" else "reference")
             losses[backend] = Trainer(cfg, train_corpus=corpus()).train().losses
     fused, ref = np.array(losses["auto"]), np.array(losses["reference"])
     assert len(fused) == len(ref) == 30
