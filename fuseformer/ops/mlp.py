@@ -77,15 +77,17 @@ def fused_mlp_ref(
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _mlp_gate_up_kernel(
-    X, W, Y, PRE,
+    X, W, Y, PRE, WS,
     M, N, K,
     stride_xm, stride_wn, stride_ym, stride_pm,
     ACTIVATION: tl.constexpr, SAVE_PRE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     # X (M, K), W (2N, K) = [gate rows; up rows], Y (M, N), PRE (M, 2N). M = tokens, N = I, K = H.
     # Grouped order: GROUP_M row blocks share each column block's weights while they sit in L2.
+    # SPLIT_K > 1 (decode): program_id(1) takes one K range and writes its fp32 partial [g | u] to
+    # WS (SPLIT_K, M, 2N); _mlp_split_k_epilogue_kernel sums them and applies the activation.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -102,12 +104,18 @@ def _mlp_gate_up_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
+    kt_begin = 0
+    kt_end = k_tiles
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(k_tiles, SPLIT_K)
+        kt_begin = tl.program_id(1) * per_split
+        kt_end = tl.minimum(kt_begin + per_split, k_tiles)
     if USE_DESC:
         # Out-of-bounds boxes read as zero; a gate box crossing row N reads up rows into columns
         # >= N, which the store masks off.
         x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(W, shape=[2 * N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
-        for kt in tl.range(0, k_tiles, warp_specialize=WARP_SPECIALIZE):
+        for kt in tl.range(kt_begin, kt_end, warp_specialize=WARP_SPECIALIZE):
             k = kt * BLOCK_K
             x = x_desc.load([off_m, k])
             wg = w_desc.load([off_n, k])
@@ -120,18 +128,28 @@ def _mlp_gate_up_kernel(
         wu_ptrs = W + (N + rn).to(tl.int64)[:, None] * stride_wn + rk[None, :]
         m_mask = (rm < M)[:, None]
         n_mask = (rn < N)[:, None]
-        for kt in tl.range(0, k_tiles, warp_specialize=WARP_SPECIALIZE):
-            k_mask = (rk < K - kt * BLOCK_K)[None, :]
-            x = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
-            wg = tl.load(wg_ptrs, mask=n_mask & k_mask, other=0.0)
-            wu = tl.load(wu_ptrs, mask=n_mask & k_mask, other=0.0)
+        for kt in tl.range(kt_begin, kt_end, warp_specialize=WARP_SPECIALIZE):
+            k = kt * BLOCK_K
+            k_mask = (rk < K - k)[None, :]
+            x = tl.load(x_ptrs + k, mask=m_mask & k_mask, other=0.0)
+            wg = tl.load(wg_ptrs + k, mask=n_mask & k_mask, other=0.0)
+            wu = tl.load(wu_ptrs + k, mask=n_mask & k_mask, other=0.0)
             acc_g = tl.dot(x, wg.T, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(x, wu.T, acc_u, input_precision=PRECISION)
-            x_ptrs += BLOCK_K
-            wg_ptrs += BLOCK_K
-            wu_ptrs += BLOCK_K
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     rows = rm.to(tl.int64)[:, None]
+    if SPLIT_K > 1:
+        ws = WS + (tl.program_id(1) * M + rows) * (2 * N)
+        tl.store(ws + rn[None, :], acc_g, mask=mask)
+        tl.store(ws + (N + rn)[None, :], acc_u, mask=mask)
+    else:
+        _gate_up_epilogue(acc_g, acc_u, Y, PRE, rows, rn, mask, stride_ym, stride_pm, N, ACTIVATION, SAVE_PRE)
+
+
+@triton.jit
+def _gate_up_epilogue(acc_g, acc_u, Y, PRE, rows, rn, mask, stride_ym, stride_pm, N, ACTIVATION: tl.constexpr,
+                      SAVE_PRE: tl.constexpr):  # fmt: skip
+    """y = act(g) * u from fp32 g, u tiles; [g | u] rounded to PRE when saving for the backward."""
     if SAVE_PRE:
         # The backward reads the pre-activation rounded to the input dtype, as eager PyTorch's does.
         g = acc_g.to(PRE.dtype.element_ty)
@@ -142,10 +160,36 @@ def _mlp_gate_up_kernel(
     tl.store(Y + rows * stride_ym + rn[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _mlp_split_k_epilogue_kernel(
+    WS, Y, PRE,
+    M, N,
+    stride_ym, stride_pm,
+    ACTIVATION: tl.constexpr, SAVE_PRE: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # Sums the SPLIT_K fp32 partials of WS (SPLIT_K, M, 2N) in split order (deterministic).
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    rm = (pid // col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    rows = rm.to(tl.int64)[:, None]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        ws = WS + (s * M + rows) * (2 * N)
+        acc_g += tl.load(ws + rn[None, :], mask=mask, other=0.0)
+        acc_u += tl.load(ws + (N + rn)[None, :], mask=mask, other=0.0)
+    _gate_up_epilogue(acc_g, acc_u, Y, PRE, rows, rn, mask, stride_ym, stride_pm, N, ACTIVATION, SAVE_PRE)
+
+
 # --------------------------------------------------------------------------------------------
 # Launch configuration (from the autotune cache)
 # --------------------------------------------------------------------------------------------
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "USE_DESC", "WARP_SPECIALIZE")
+CONFIG_KEYS = (
+    "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages", "USE_DESC", "WARP_SPECIALIZE",
+)  # fmt: skip
 
 
 def config_key(t: int, h: int, i: int, dtype: torch.dtype) -> str:
@@ -168,18 +212,19 @@ def default_config(t: int, h: int, i: int, dtype: torch.dtype, on_gpu: bool) -> 
     Off the GPU (the interpreter): small tiles that exercise every mask.
     """
     if not on_gpu:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, USE_DESC=False,
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, SPLIT_K=1, num_warps=4, num_stages=1,
+                    USE_DESC=False,
                     WARP_SPECIALIZE=False)  # fmt: skip
     fp32 = dtype == torch.float32
     if t <= 64:
         bm = max(16, next_pow2(t))
         return dict(BLOCK_M=bm, BLOCK_N=32 if i >= 8192 else 16, BLOCK_K=128 if fp32 else 256, GROUP_M=1,
-                    num_warps=4, num_stages=4, USE_DESC=True, WARP_SPECIALIZE=False)  # fmt: skip
+                    SPLIT_K=1, num_warps=4, num_stages=4, USE_DESC=True, WARP_SPECIALIZE=False)  # fmt: skip
     if fp32:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3, USE_DESC=True,
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=3, USE_DESC=True,
                     WARP_SPECIALIZE=False)  # fmt: skip
     # 3 stages (144 KB) rather than 4 (192 KB + the epilogue's layout conversions, near the 227 KB limit).
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_DESC=True,
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3, USE_DESC=True,
                 WARP_SPECIALIZE=False)  # fmt: skip
 
 
@@ -233,15 +278,26 @@ def mlp_gate_up_fwd(
         cfg["USE_DESC"] = False
     if cfg.get("USE_DESC") and x.is_cuda:
         _ensure_allocator()
-    grid = (triton.cdiv(t, cfg["BLOCK_M"]) * triton.cdiv(i, cfg["BLOCK_N"]),)
-    _mlp_gate_up_kernel[grid](
-        x, w_gate_up, y, pre if pre is not None else y,
+    split = cfg.setdefault("SPLIT_K", 1)
+    # Split-K partials (SPLIT_K, T, 2I) fp32: 0.46 MB a split at T 1, I 14336, next to 235 MB of weights.
+    ws = empty((split, t, 2 * i), dtype=torch.float32, device=x.device) if split > 1 else y
+    tiles = triton.cdiv(t, cfg["BLOCK_M"]) * triton.cdiv(i, cfg["BLOCK_N"])
+    _mlp_gate_up_kernel[(tiles, split)](
+        x, w_gate_up, y, pre if pre is not None else y, ws,
         t, i, h,
         x.stride(0), w_gate_up.stride(0), y.stride(0), pre.stride(0) if pre is not None else 0,
         ACTIVATION=activation, SAVE_PRE=save_pre,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         **cfg,
     )  # fmt: skip
+    if split > 1:
+        bm, bn = min(16, next_pow2(t)), 256
+        _mlp_split_k_epilogue_kernel[(triton.cdiv(t, bm) * triton.cdiv(i, bn),)](
+            ws, y, pre if pre is not None else y,
+            t, i,
+            y.stride(0), pre.stride(0) if pre is not None else 0,
+            ACTIVATION=activation, SAVE_PRE=save_pre, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+        )  # fmt: skip
     return y, pre
 
 
@@ -411,15 +467,17 @@ def candidate_configs(t: int, dtype: torch.dtype) -> list[dict]:
             for bk in (128, 256):
                 for stages in (3, 4, 6):
                     for desc in (True, False):
-                        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4,
-                                        num_stages=stages, USE_DESC=desc, WARP_SPECIALIZE=False))  # fmt: skip
+                        for split in (1, 2, 4):
+                            out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split,
+                                            num_warps=4, num_stages=stages, USE_DESC=desc,
+                                            WARP_SPECIALIZE=False))  # fmt: skip
         return out
     for bm, bn, warps in ((128, 128, 8), (128, 64, 4), (64, 128, 4), (128, 64, 8), (64, 64, 4)):
         if bm > max(64, next_pow2(t)):
             continue
         for stages in (3, 4, 5):
             for desc, ws in ((True, False), (False, False), (True, True)):
-                out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, num_warps=warps,
+                out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=warps,
                                 num_stages=stages, USE_DESC=desc, WARP_SPECIALIZE=ws))  # fmt: skip
     return out
 

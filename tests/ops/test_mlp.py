@@ -72,6 +72,12 @@ def test_fused_mlp_matches_reference(lead, h, i, dtype, device):
     _check(lead, h, i, dtype, device)
 
 
+@pytest.mark.parametrize("lead, h, i", [((257,), 200, 352), ((1,), 96, 1000)])
+def test_fused_mlp_issue_shapes(lead, h, i, device):
+    """The odd sizes the issue names (T 257 and 1, H 200 and 96, I 352 and 1000), fp16."""
+    _check(lead, h, i, torch.float16, device)
+
+
 @pytest.mark.parametrize("activation", ["gelu_tanh", "gelu"])
 def test_fused_mlp_gelu(activation, device):
     _check((9,), 40, 72, torch.float16, device, activation)
@@ -87,6 +93,16 @@ def test_gate_up_kernel_paths(use_desc, dtype, device):
     """Both load paths with an explicit config (tensor descriptors run under the interpreter too);
     T, H, I not multiples of the blocks, several row groups of the grouped order."""
     _check((50,), 72, 100, dtype, device, config=dict(DESC, USE_DESC=use_desc), backward=False)
+
+
+@pytest.mark.parametrize("use_desc", [False, True])
+@pytest.mark.parametrize("h", [72, 40])
+def test_gate_up_split_k(h, use_desc, device):
+    """Split-K (decode): fp32 partials summed by the epilogue kernel; with H 40 (two K tiles) the
+    third split has no K range and must still write its zero partial; the pre-activation too."""
+    cfg = dict(DESC, SPLIT_K=3, USE_DESC=use_desc)
+    _check((5,), h, 100, torch.float16, device, config=cfg, backward=False)
+    _check((5,), h, 100, torch.float32, device, "gelu_tanh", config=cfg, backward=False)
 
 
 def test_fused_mlp_noncontiguous_x_with_nan_gaps(device):

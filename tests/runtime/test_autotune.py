@@ -164,7 +164,7 @@ def test_bucket_and_family():
 def test_fused_mlp_launches_with_the_cached_config(monkeypatch):
     """The op asks the cache: a config stored for its key is the one the kernel is launched with."""
     t, h, i = 5, 32, 48
-    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=1, USE_DESC=False,
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=1, USE_DESC=False,
                WARP_SPECIALIZE=False)  # fmt: skip
     autotune.store(M.KERNEL, M.config_key(t, h, i, torch.float32), cfg)
     seen = []
