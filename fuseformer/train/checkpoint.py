@@ -123,6 +123,7 @@ def save_model(
         dtype = next(iter(tensors.values())).dtype
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(path / "model.safetensors", 0o644)  # safetensors writes 0600; the directory is meant to be shared
     (path / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=2))
     if tokenizer_dir is not None:
         tokenizer_dir = Path(tokenizer_dir)

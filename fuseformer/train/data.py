@@ -9,7 +9,8 @@
 
 A row holds pieces of several documents. Each piece is its own varlen sequence (``cu_seqlens``),
 so attention never crosses documents, and its positions restart at 0. The target of a document's
-last token (its EOS) would be the next document's first token: it is ignored (-100).
+last token (its EOS) would be the next document's first token: it is ignored (-100). A document
+longer than a row continues in the next row, as a new piece (positions from 0 again).
 """
 
 from __future__ import annotations
