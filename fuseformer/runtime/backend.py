@@ -29,6 +29,10 @@ BACKENDS = ("triton", "reference")
 # interpreted, from this variable. Read it once, at the same moment, so the two never disagree.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# FUSEFORMER_BACKEND is read once, at import (reading os.environ on every op call costs host time
+# that shows on small shapes); set it before importing fuseformer, or use ``use_backend``.
+_ENV_BACKEND = os.environ.get("FUSEFORMER_BACKEND", "")
+
 # Set by ``use_backend``; a plain module global (not a ContextVar) so that torch.compile can
 # trace through the choice and guard on it without a graph break.
 _forced: str | None = None
@@ -53,7 +57,7 @@ def triton_status() -> tuple[bool, str]:
 
 
 def _env_forced() -> str | None:
-    value = os.environ.get("FUSEFORMER_BACKEND", "").strip().lower()
+    value = _ENV_BACKEND.strip().lower()
     if not value or value == "auto":
         return None
     if value not in BACKENDS:
