@@ -49,7 +49,6 @@ def sweep_rms_norm() -> list[dict]:
                         out.append(dict(kind="rms_norm_bwd", shape=[m, n], **cfg, per_sm=per_sm, ms=ms, tb_s=tb))
                     except Exception as exc:
                         out.append(dict(kind="rms_norm_bwd", shape=[m, n], **cfg, per_sm=per_sm, error=str(exc)[:200]))
-    out += _sweep_long_rows()
     ceiling = copy_ceiling_tb_s()
     for r in out:
         if "tb_s" in r:
@@ -57,7 +56,7 @@ def sweep_rms_norm() -> list[dict]:
     return out
 
 
-def _sweep_long_rows() -> list[dict]:
+def sweep_rms_norm_long() -> list[dict]:
     """Rows of 16384..65536: one pass in registers (16/32 warps) against the chunked two-pass loop."""
     out = []
     for m, n in ((8192, 16384), (4096, 32768), (2048, 65536)):
@@ -86,6 +85,10 @@ def _sweep_long_rows() -> list[dict]:
                     out.append(dict(kind=kind, shape=[m, n], **cfg, per_sm=2, ms=ms, tb_s=tb_per_s(nbytes, ms)))
                 except Exception as exc:
                     out.append(dict(kind=kind, shape=[m, n], **cfg, error=str(exc)[:200]))
+    ceiling = copy_ceiling_tb_s()
+    for r in out:
+        if "tb_s" in r:
+            r["pct_copy"] = 100 * r["tb_s"] / ceiling
     return out
 
 
@@ -123,4 +126,9 @@ def sweep_attention() -> list[dict]:
     return sweep_attention_configs(quick=True)
 
 
-SWEEPS = {"overhead": sweep_overhead, "attention": sweep_attention, "rms_norm": sweep_rms_norm}
+SWEEPS = {
+    "overhead": sweep_overhead,
+    "attention": sweep_attention,
+    "rms_norm": sweep_rms_norm,
+    "rms_norm_long": sweep_rms_norm_long,
+}
