@@ -29,7 +29,10 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, target:
     weight = weight.to(hidden.dtype)
     fused = getattr(F, "fused_linear_cross_entropy", None)
     if fused is not None:
-        return fused(hidden, weight, target, ignore_index=IGNORE_INDEX, reduction="sum").float()
+        # The op returns the loss in hidden's dtype: a bf16/fp16 sum over thousands of tokens would
+        # round badly (fp16 overflows past 65504), so ask for the mean (O(1)) and scale it in fp32.
+        valid = (target != IGNORE_INDEX).sum().float()
+        return fused(hidden, weight, target, ignore_index=IGNORE_INDEX, reduction="mean").float() * valid
     total = hidden.new_zeros((), dtype=torch.float32)
     for h, t in zip(hidden.split(_CHUNK), target.split(_CHUNK)):
         if torch.is_grad_enabled():
