@@ -482,6 +482,10 @@ def _rows_view(t: torch.Tensor, varlen: bool) -> torch.Tensor | None:
     h, d = t.shape[-2], t.shape[-1]
     if t.numel() == 0 or t.stride(-1) != 1 or (h > 1 and t.stride(-2) != d):
         return None
+    if d & (d - 1):
+        # A padded head dim (59 -> 64) would make each tile's box run into the next head's columns;
+        # on the H200 the dk/dv kernel hit an illegal instruction there (hd 59, run 4): pointer loads.
+        return None
     if varlen:
         rows, row_stride = t.shape[0], t.stride(0)
     elif t.shape[1] == 1:

@@ -30,9 +30,9 @@ def _hf_logits(hf, ids):
 def _ours(model, seqs):
     """Our logits for every token of the packed sequences ``seqs`` (no cache): list of (S_i, V)."""
     ids = torch.cat(seqs)
-    positions = torch.cat([torch.arange(len(s)) for s in seqs])
+    positions = torch.cat([torch.arange(len(s), device=ids.device) for s in seqs])
     with torch.no_grad():
-        hidden = model(ids, positions, AttentionMetadata.varlen([len(s) for s in seqs]))
+        hidden = model(ids, positions, AttentionMetadata.varlen([len(s) for s in seqs], device=ids.device))
         logits = model.compute_logits(hidden)
     return list(logits.split([len(s) for s in seqs]))
 
