@@ -18,6 +18,11 @@ backward would cost a second gate-up GEMM (~2.3 ms), so training saves it.
 
 Loads go through device-side tensor descriptors (TMA on sm_90) when the config asks for them and
 the strides are 16-byte aligned, or through plain pointers (any stride; the interpreter runs both).
+Offline sm_90 compiles (Triton 3.6, bf16): the default prefill config (128x128x64, 8 warps, 3
+stages, descriptors) uses wgmma + TMA, 147 KB of shared memory, 163 registers and no spills for
+inference; saving the pre-activation adds 20 spill stores in the epilogue (once per tile). The
+pointer path is not software-pipelined by Triton here (one stage of shared memory), so it is the
+fallback, not the fast path.
 The config (BLOCK_M/N/K, GROUP_M, warps, stages, descriptors, warp specialization) comes from the
 autotune cache (runtime/autotune.py), by GPU and T bucket, with shipped H200/H100 defaults.
 
@@ -215,14 +220,22 @@ def default_config(t: int, h: int, i: int, dtype: torch.dtype, on_gpu: bool) -> 
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, SPLIT_K=1, num_warps=4, num_stages=1,
                     USE_DESC=False,
                     WARP_SPECIALIZE=False)  # fmt: skip
-    fp32 = dtype == torch.float32
+    if dtype == torch.float32:
+        # fp32 dots are FMA loops (ieee precision, no tensor cores) with far more live registers:
+        # offline sm_90 compiles spilled at 64x64x32 (237 spill stores) and 16x32x128; these do not.
+        if t <= 16:
+            return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=3,
+                        USE_DESC=True, WARP_SPECIALIZE=False)  # fmt: skip
+        if t <= 64:
+            return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=3,
+                        USE_DESC=True, WARP_SPECIALIZE=False)  # fmt: skip
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3,
+                    USE_DESC=True, WARP_SPECIALIZE=False)  # fmt: skip
     if t <= 64:
         bm = max(16, next_pow2(t))
-        return dict(BLOCK_M=bm, BLOCK_N=32 if i >= 8192 else 16, BLOCK_K=128 if fp32 else 256, GROUP_M=1,
+        # BLOCK_K 256 only at BLOCK_M 16: 4 stages of (64 + 2 x 32) x 256 bf16 would be 256 KB.
+        return dict(BLOCK_M=bm, BLOCK_N=32 if i >= 8192 else 16, BLOCK_K=256 if bm == 16 else 128, GROUP_M=1,
                     SPLIT_K=1, num_warps=4, num_stages=4, USE_DESC=True, WARP_SPECIALIZE=False)  # fmt: skip
-    if fp32:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=3, USE_DESC=True,
-                    WARP_SPECIALIZE=False)  # fmt: skip
     # 3 stages (144 KB) rather than 4 (192 KB + the epilogue's layout conversions, near the 227 KB limit).
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3, USE_DESC=True,
                 WARP_SPECIALIZE=False)  # fmt: skip
@@ -276,6 +289,10 @@ def mlp_gate_up_fwd(
     cfg = dict(cfg)
     if cfg.get("USE_DESC") and not (_aligned(x) and _aligned(w_gate_up)):
         cfg["USE_DESC"] = False
+        if cfg["BLOCK_M"] >= 64:
+            # Unaligned rows take plain loads, unpipelined and unvectorized: 128x128x64 tiles spill
+            # there (227 spill stores, offline sm_90 compile), 128x64x32 at 8 warps does not.
+            cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 64), BLOCK_K=min(cfg["BLOCK_K"], 32))
     if cfg.get("USE_DESC") and x.is_cuda:
         _ensure_allocator()
     split = cfg.setdefault("SPLIT_K", 1)
@@ -458,8 +475,22 @@ TUNE_SHAPES = ((4096, 14336), (2048, 8192), (8192, 28672))  # (H, I): Llama-3 8B
 TUNE_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+_SMEM_LIMIT = 227 * 1024  # per block on sm_90 (H100, H200)
+
+
+def _smem_bytes(cfg: dict, element_size: int = 2) -> int:
+    """Shared memory of the pipelined operand tiles (x, gate and up rows) over all stages."""
+    return cfg["num_stages"] * (cfg["BLOCK_M"] + 2 * cfg["BLOCK_N"]) * cfg["BLOCK_K"] * element_size
+
+
 def candidate_configs(t: int, dtype: torch.dtype) -> list[dict]:
-    """The sweep for one T bucket: tile shapes, stages, warps, descriptors, warp specialization."""
+    """The sweep for one T bucket: tile shapes, stages, warps, split-K, descriptors, warp
+    specialization; configs whose operand stages overflow shared memory are left out."""
+    es = torch.empty((), dtype=dtype).element_size()
+    return [c for c in _candidates(t) if _smem_bytes(c, es) + 16384 <= _SMEM_LIMIT]
+
+
+def _candidates(t: int) -> list[dict]:
     out = []
     if t <= 64:
         bm = max(16, next_pow2(t))
