@@ -49,6 +49,7 @@ from fuseformer.ops._utils import (
     float_dtype_of,
     next_pow2,
 )
+from fuseformer.ops.mlp import autocast_inputs
 from fuseformer.runtime.backend import choose_backend
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -624,6 +625,9 @@ def fused_linear_cross_entropy(
         bias: (V,) hidden's dtype, or None.
         ignore_index, reduction, label_smoothing, z_loss: as in :func:`cross_entropy`.
 
+    Under ``torch.autocast`` hidden, weight and bias are cast to the autocast dtype first (an fp32
+    LM head weight included, as F.linear would).
+
     Returns:
         The loss in hidden's dtype, accumulated in fp32: a scalar, or per token (hidden's leading
         shape) for "none". All targets ignored gives 0 for "mean".
@@ -632,6 +636,7 @@ def fused_linear_cross_entropy(
     check_tensor(op, "hidden", hidden, dtypes=FLOAT_DTYPES)
     if hidden.dim() == 0:
         raise ValueError(f"{op}: hidden must have at least 1 dim, got a scalar")
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     h = hidden.shape[-1]
     check_tensor(op, "weight", weight, dtypes=(hidden.dtype,), ndim=2, device=hidden.device, device_of="hidden")
     if weight.shape[1] != h:

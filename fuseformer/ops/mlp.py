@@ -422,6 +422,16 @@ _FusedMLPFunction = autograd_function("_FusedMLPFunction", _fwd_impl, _setup_con
 # --------------------------------------------------------------------------------------------
 # Public function
 # --------------------------------------------------------------------------------------------
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under torch.autocast, the float inputs in the autocast dtype (as F.linear would take them;
+    the casts are differentiable, so fp32 master weights get their gradients); else unchanged."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
+
+
 def fused_mlp(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -438,12 +448,15 @@ def fused_mlp(
         w_down: (H, I), x's dtype (``nn.Linear(I, H).weight``).
         activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU with the tanh approximation) or "gelu" (erf).
 
+    Under ``torch.autocast`` all three are cast to the autocast dtype first (fp32 weights included).
+
     Returns:
-        (..., H) in x's dtype. Gradients for x and both weights.
+        (..., H) in x's dtype (the autocast dtype under autocast). Gradients for x and both weights.
     """
     check_tensor(_OP, "x", x, dtypes=FLOAT_DTYPES)
     if x.dim() == 0:
         raise ValueError(f"{_OP}: x must have at least 1 dim, got a scalar")
+    x, w_gate_up, w_down = autocast_inputs(x, w_gate_up, w_down)
     h = x.shape[-1]
     check_tensor(_OP, "w_gate_up", w_gate_up, dtypes=(x.dtype,), ndim=2, device=x.device)
     if w_gate_up.shape[1] != h or w_gate_up.shape[0] % 2:

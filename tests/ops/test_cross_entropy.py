@@ -375,3 +375,20 @@ def test_flce_gpu_memory_stays_below_logits():
     torch.cuda.synchronize()
     above = (torch.cuda.max_memory_allocated() - before) / 2**30
     assert above <= 1.15, f"{above:.2f} GiB above the inputs"
+
+
+def test_flce_under_autocast_casts_fp32_weight(device):
+    """torch.autocast: an fp32 LM head with fp16 hidden states, as F.linear would take them."""
+    hidden = torch.randn(9, 32, device=device, requires_grad=True)
+    weight = (torch.randn(70, 32, device=device) / 32**0.5).requires_grad_()
+    t = _targets(9, 70, device)
+    with fuseformer.use_backend("triton"), torch.autocast(device, dtype=torch.float16):
+        loss = F.fused_linear_cross_entropy(hidden, weight, t)
+    assert loss.dtype == torch.float16
+    loss.backward()
+    assert weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.float32
+    h2, w2 = (a.detach().clone().requires_grad_() for a in (hidden, weight))
+    ref = TF.cross_entropy((h2.half() @ w2.half().T).float(), t)
+    ref.backward()
+    torch.testing.assert_close(loss.float(), ref, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(weight.grad, w2.grad, rtol=1e-2, atol=1e-3)

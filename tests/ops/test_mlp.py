@@ -243,3 +243,15 @@ def test_gate_up_every_candidate_config_gpu(t):
         except Exception as exc:
             failures.append(f"{cfg}: {type(exc).__name__}: {str(exc)[:200]}")
     assert not failures, "\n".join(failures)
+
+
+def test_fused_mlp_under_autocast_casts_fp32_weights(device):
+    x = torch.randn(6, 32, device=device, requires_grad=True)
+    wgu, wd = (w.requires_grad_() for w in _weights(32, 40, torch.float32, device))
+    with fuseformer.use_backend("triton"), torch.autocast(device, dtype=torch.float16):
+        out = F.fused_mlp(x, wgu, wd)
+    assert out.dtype == torch.float16
+    out.float().sum().backward()
+    assert wgu.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    ref = M.fused_mlp_ref(x.detach().half(), wgu.detach().half(), wd.detach().half())
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
