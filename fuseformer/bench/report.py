@@ -1,6 +1,6 @@
 """Render benchmark JSON (from ``fuseformer bench``) as the Markdown tables kept in BENCHMARKS.md.
 
-    python -m fuseformer.bench.report OUT_DIR/ops.json [more.json ...]
+python -m fuseformer.bench.report OUT_DIR/ops.json [more.json ...]
 """
 
 from __future__ import annotations
@@ -30,19 +30,22 @@ def ops_markdown(data: dict) -> str:
     for r in records:
         groups[(r["op"], "x".join(map(str, r.get("shape", []))))][r["impl"]][r["pass_"]] = r
     lines = [_env_line(env), ""]
-    lines.append("| op | shape (bf16) | impl | fwd ms | fwd TB/s (% copy) | bwd ms | bwd TB/s (% copy) |")
-    lines.append("|---|---|---|---:|---:|---:|---:|")
+    lines.append(
+        "| op | shape (bf16) | impl | fwd ms | fwd TB/s (% copy) | fwd graph TB/s | bwd ms | bwd TB/s (% copy) | bwd graph TB/s |"
+    )
+    lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for (op, shape), impls in groups.items():
         for impl, passes in impls.items():
             cells = []
             for p in ("fwd", "bwd"):
                 r = passes.get(p)
                 if r is None:
-                    cells += ["", ""]
+                    cells += ["", "", ""]
                 elif "error" in r:
-                    cells += ["error", r["error"][:40].replace("|", "/")]
+                    cells += ["error", r["error"][:40].replace("|", "/"), ""]
                 else:
-                    cells += [f"{r['ms']:.4f}", f"{r['tb_s']:.2f} ({r['pct_copy']:.0f}%)"]
+                    graph = f"{r['graph_tb_s']:.2f} ({r['graph_pct_copy']:.0f}%)" if "graph_tb_s" in r else ""
+                    cells += [f"{r['ms']:.4f}", f"{r['tb_s']:.2f} ({r['pct_copy']:.0f}%)", graph]
             name = f"**{impl}**" if impl == "fuseformer" else impl
             lines.append(f"| {op} | {shape} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
