@@ -392,3 +392,16 @@ def test_flce_under_autocast_casts_fp32_weight(device):
     ref.backward()
     torch.testing.assert_close(loss.float(), ref, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(weight.grad, w2.grad, rtol=1e-2, atol=1e-3)
+
+
+def test_flce_second_backward_through_the_same_graph_raises(device):
+    """Eager mean/sum scale the saved gradients in place (no second grad_weight-sized buffer); a
+    second backward through the same graph must then fail loudly, not return rescaled gradients."""
+    hidden = torch.randn(5, 16, device=device, requires_grad=True)
+    weight = torch.randn(30, 16, device=device, requires_grad=True)
+    t = _targets(5, 30, device)
+    with fuseformer.use_backend("triton"):
+        loss = F.fused_linear_cross_entropy(hidden, weight, t)
+    torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, (hidden, weight))
