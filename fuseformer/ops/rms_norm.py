@@ -18,6 +18,8 @@ its partial dw in registers; the partials ((programs, N) fp32) are summed at the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -217,6 +219,7 @@ def _rms_norm_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
+@functools.cache
 def _fwd_config(n: int) -> dict:
     """Block sizes and warps for a row length ``n`` (H200 sweep, 2026-11-30, docs/perf-notes.md).
 
@@ -241,6 +244,7 @@ def _fwd_config(n: int) -> dict:
 _BWD_TABLE = {1024: (8, 8, 4), 2048: (4, 8, 2), 4096: (2, 8, 2), 8192: (1, 4, 2), 16384: (1, 16, 2)}
 
 
+@functools.cache
 def _bwd_config(n: int) -> tuple[dict, int]:
     """(kernel config, programs per SM) for a row length ``n``."""
     if n <= _BWD_SINGLE_PASS_MAX:
@@ -278,7 +282,7 @@ def rms_norm_fwd(
             rstd.fill_(eps**-0.5 if eps > 0 else float("inf"))
         return y, h, rstd
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-    cfg = config or _fwd_config(n)
+    cfg = config or _fwd_config(n)  # cached; never mutated
     grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
     _rms_norm_fwd_kernel[grid](
         x, residual if residual is not None else x, weight if weight is not None else x, y,

@@ -105,6 +105,11 @@ def natural_backend(device: torch.device | str, supported: bool = True, why_not:
     return Choice("reference", f"no Triton backend for device type {device.type!r}")
 
 
+# (device type, supported) -> natural backend; the rule depends on nothing else once Triton's import
+# status is known, and this runs on every op call (host time shows on small shapes).
+_natural_cache: dict[tuple[str, bool], str] = {}
+
+
 def choose_backend(op: str, device: torch.device, supported: bool = True, why_not: str = "") -> str:
     """The backend ``op`` runs on for inputs on ``device``: "triton" or "reference".
 
@@ -114,7 +119,12 @@ def choose_backend(op: str, device: torch.device, supported: bool = True, why_no
     forced = forced_backend()
     if forced == "reference":
         return "reference"
+    key = (device.type, supported)
+    backend = _natural_cache.get(key)
+    if backend is not None and forced is None:
+        return backend
     choice = natural_backend(device, supported, why_not)
+    _natural_cache[key] = choice.backend
     if forced == "triton" and choice.backend != "triton":
         raise RuntimeError(f"{op}: the Triton backend was forced but cannot run: {choice.reason}")
     return choice.backend
