@@ -48,6 +48,7 @@ from fuseformer.ops._utils import (
     float_dtype_of,
     next_pow2,
     rows_2d,
+    sm_count,
 )
 from fuseformer.ops.activations import ACTIVATIONS, _act_fwd, _act_ref, glu_bwd
 from fuseformer.runtime import autotune
@@ -93,14 +94,7 @@ def _mlp_gate_up_kernel(
     # Grouped order: GROUP_M row blocks share each column block's weights while they sit in L2.
     # SPLIT_K > 1 (decode): program_id(1) takes one K range and writes its fp32 partial [g | u] to
     # WS (SPLIT_K, M, 2N); _mlp_split_k_epilogue_kernel sums them and applies the activation.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    group_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_m
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     rm = off_m + tl.arange(0, BLOCK_M)
@@ -152,6 +146,51 @@ def _mlp_gate_up_kernel(
 
 
 @triton.jit
+def _grouped(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of ``tile`` in grouped order: GROUP_M row blocks share each column
+    block's weights while they sit in L2."""
+    group = GROUP_M * num_n
+    first_m = (tile // group) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    return first_m + (tile % group) % group_m, (tile % group) // group_m
+
+
+@triton.jit
+def _mlp_gate_up_persistent_kernel(
+    X, W, Y, PRE,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym, stride_pm,
+    ACTIVATION: tl.constexpr, SAVE_PRE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):  # fmt: skip
+    # The same tiles as _mlp_gate_up_kernel (descriptors, no split-K), one program per SM walking
+    # them; the tile and K loops are flattened so the next tile's loads overlap this one's epilogue.
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(W, shape=[2 * N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+        pid_m, pid_n = _grouped(tile, num_m, num_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(k_tiles):
+            k = kt * BLOCK_K
+            x = x_desc.load([off_m, k])
+            acc_g = tl.dot(x, w_desc.load([off_n, k]).T, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(x, w_desc.load([N + off_n, k]).T, acc_u, input_precision=PRECISION)
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        mask = (rm < M)[:, None] & (rn < N)[None, :]
+        _gate_up_epilogue(acc_g, acc_u, Y, PRE, rm.to(tl.int64)[:, None], rn, mask, stride_ym, stride_pm, N,
+                          ACTIVATION, SAVE_PRE)  # fmt: skip
+
+
+@triton.jit
 def _gate_up_epilogue(acc_g, acc_u, Y, PRE, rows, rn, mask, stride_ym, stride_pm, N, ACTIVATION: tl.constexpr,
                       SAVE_PRE: tl.constexpr):  # fmt: skip
     """y = act(g) * u from fp32 g, u tiles; [g | u] rounded to PRE when saving for the backward."""
@@ -194,6 +233,7 @@ def _mlp_split_k_epilogue_kernel(
 # --------------------------------------------------------------------------------------------
 CONFIG_KEYS = (
     "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages", "USE_DESC", "WARP_SPECIALIZE",
+    "PERSISTENT",
 )  # fmt: skip
 
 
@@ -219,26 +259,26 @@ def default_config(t: int, h: int, i: int, dtype: torch.dtype, on_gpu: bool) -> 
     if not on_gpu:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, SPLIT_K=1, num_warps=4, num_stages=1,
                     USE_DESC=False,
-                    WARP_SPECIALIZE=False)  # fmt: skip
+                    WARP_SPECIALIZE=False, PERSISTENT=False)  # fmt: skip
     if dtype == torch.float32:
         # fp32 dots are FMA loops (ieee precision, no tensor cores) with far more live registers:
         # offline sm_90 compiles spilled at 64x64x32 (237 spill stores) and 16x32x128; these do not.
         if t <= 16:
             return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=3,
-                        USE_DESC=True, WARP_SPECIALIZE=False)  # fmt: skip
+                        USE_DESC=True, WARP_SPECIALIZE=False, PERSISTENT=False)  # fmt: skip
         if t <= 64:
             return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=3,
-                        USE_DESC=True, WARP_SPECIALIZE=False)  # fmt: skip
+                        USE_DESC=True, WARP_SPECIALIZE=False, PERSISTENT=False)  # fmt: skip
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3,
-                    USE_DESC=True, WARP_SPECIALIZE=False)  # fmt: skip
+                    USE_DESC=True, WARP_SPECIALIZE=False, PERSISTENT=False)  # fmt: skip
     if t <= 64:
         bm = max(16, next_pow2(t))
         # BLOCK_K 256 only at BLOCK_M 16: 4 stages of (64 + 2 x 32) x 256 bf16 would be 256 KB.
         return dict(BLOCK_M=bm, BLOCK_N=32 if i >= 8192 else 16, BLOCK_K=256 if bm == 16 else 128, GROUP_M=1,
-                    SPLIT_K=1, num_warps=4, num_stages=4, USE_DESC=True, WARP_SPECIALIZE=False)  # fmt: skip
+                    SPLIT_K=1, num_warps=4, num_stages=4, USE_DESC=True, WARP_SPECIALIZE=False, PERSISTENT=False)  # fmt: skip
     # 3 stages (144 KB) rather than 4 (192 KB + the epilogue's layout conversions, near the 227 KB limit).
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3, USE_DESC=True,
-                WARP_SPECIALIZE=False)  # fmt: skip
+                WARP_SPECIALIZE=False, PERSISTENT=False)  # fmt: skip
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -296,6 +336,19 @@ def mlp_gate_up_fwd(
     if cfg.get("USE_DESC") and x.is_cuda:
         _ensure_allocator()
     split = cfg.setdefault("SPLIT_K", 1)
+    persistent = cfg.setdefault("PERSISTENT", False)
+    if persistent and cfg["USE_DESC"] and split == 1:
+        tiles = triton.cdiv(t, cfg["BLOCK_M"]) * triton.cdiv(i, cfg["BLOCK_N"])
+        kernel_cfg = {k: v for k, v in cfg.items() if k not in ("SPLIT_K", "USE_DESC", "PERSISTENT")}
+        _mlp_gate_up_persistent_kernel[(min(tiles, sm_count(x)),)](
+            x, w_gate_up, y, pre if pre is not None else y,
+            t, i, h,
+            x.stride(0), w_gate_up.stride(0), y.stride(0), pre.stride(0) if pre is not None else 0,
+            ACTIVATION=activation, SAVE_PRE=save_pre,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            **kernel_cfg,
+        )  # fmt: skip
+        return y, pre
     # Split-K partials (SPLIT_K, T, 2I) fp32: 0.46 MB a split at T 1, I 14336, next to 235 MB of weights.
     ws = empty((split, t, 2 * i), dtype=torch.float32, device=x.device) if split > 1 else y
     tiles = triton.cdiv(t, cfg["BLOCK_M"]) * triton.cdiv(i, cfg["BLOCK_N"])
@@ -305,7 +358,7 @@ def mlp_gate_up_fwd(
         x.stride(0), w_gate_up.stride(0), y.stride(0), pre.stride(0) if pre is not None else 0,
         ACTIVATION=activation, SAVE_PRE=save_pre,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        **cfg,
+        **{k: v for k, v in cfg.items() if k != "PERSISTENT"},
     )  # fmt: skip
     if split > 1:
         bm, bn = min(16, next_pow2(t)), 256
@@ -514,15 +567,16 @@ def _candidates(t: int) -> list[dict]:
                         for split in (1, 2, 4):
                             out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split,
                                             num_warps=4, num_stages=stages, USE_DESC=desc,
-                                            WARP_SPECIALIZE=False))  # fmt: skip
+                                            WARP_SPECIALIZE=False, PERSISTENT=False))  # fmt: skip
         return out
     for bm, bn, warps in ((128, 128, 8), (128, 64, 4), (64, 128, 4), (128, 64, 8), (64, 64, 4)):
         if bm > max(64, next_pow2(t)):
             continue
         for stages in (3, 4, 5):
-            for desc, ws in ((True, False), (False, False), (True, True)):
+            for desc, ws, persistent in ((True, False, False), (False, False, False), (True, True, False),
+                                         (True, False, True), (True, True, True)):  # fmt: skip
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=warps,
-                                num_stages=stages, USE_DESC=desc, WARP_SPECIALIZE=ws))  # fmt: skip
+                                num_stages=stages, USE_DESC=desc, WARP_SPECIALIZE=ws, PERSISTENT=persistent))  # fmt: skip
     return out
 
 

@@ -88,11 +88,13 @@ DESC = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stag
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("use_desc", [False, True])
-def test_gate_up_kernel_paths(use_desc, dtype, device):
-    """Both load paths with an explicit config (tensor descriptors run under the interpreter too);
-    T, H, I not multiples of the blocks, several row groups of the grouped order."""
-    _check((50,), 72, 100, dtype, device, config=dict(DESC, USE_DESC=use_desc), backward=False)
+@pytest.mark.parametrize("path", ["pointers", "descriptors", "persistent"])
+def test_gate_up_kernel_paths(path, dtype, device):
+    """Each load path with an explicit config (tensor descriptors run under the interpreter too);
+    T, H, I not multiples of the blocks, several row groups of the grouped order; the persistent
+    kernel walks several tiles per program (4 programs on the CPU)."""
+    cfg = dict(DESC, USE_DESC=path != "pointers", PERSISTENT=path == "persistent")
+    _check((50,), 72, 100, dtype, device, config=cfg, backward=False)
 
 
 @pytest.mark.parametrize("use_desc", [False, True])
