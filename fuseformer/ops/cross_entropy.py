@@ -54,9 +54,11 @@ from fuseformer.runtime.backend import choose_backend
 
 REDUCTIONS = ("mean", "sum", "none")
 _TARGET_DTYPES = (torch.int64, torch.int32)
-# Vocabulary elements a program holds per step (fp32 in registers): 4096 x 4 B = 16 KiB per pass
-# over a 128256 row takes 32 steps; enough bytes in flight with 8 warps (16 values a thread).
+# Vocabulary elements a program holds per step (fp32 in registers, 16 a thread). One row a program,
+# so an FLCE chunk of 256 tokens is only ~2 programs an SM: large vocabularies take 8192-wide steps
+# at 16 warps to keep ~32 KiB of loads in flight per SM (a guess from Little's law, unmeasured).
 _BLOCK_V = 4096
+_BLOCK_V_LARGE = 8192
 # The FLCE chunk holds at least this many bytes of logits (and at most about the size of the hidden
 # states beyond that): 64 MiB is 256 tokens at V 128256 bf16, where the memory above the inputs is
 # grad_weight (0.98 GiB) + grad_hidden + one chunk, ~1.10 GiB for 8192 tokens, H 4096.
@@ -194,7 +196,7 @@ def _launch(
     if n == 0:
         return
     assert x.stride(1) == 1 and (dx is None or dx.stride(1) == 1)
-    block_v = min(_BLOCK_V, next_pow2(v))
+    block_v = _BLOCK_V_LARGE if v >= 32768 else min(_BLOCK_V, next_pow2(v))
     _cross_entropy_kernel[(n,)](
         x, target, loss if loss is not None else lse, lse, dx if dx is not None else x,
         scale if scale is not None else lse,
@@ -203,7 +205,7 @@ def _launch(
         v, ignore_index, float(label_smoothing), float(z_loss),
         LSE_GIVEN=lse_given, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad,
         HAS_SMOOTHING=label_smoothing != 0.0, HAS_Z_LOSS=z_loss != 0.0, BLOCK_V=block_v,
-        num_warps=8 if block_v >= 2048 else 4,
+        num_warps=16 if block_v >= 8192 else 8 if block_v >= 2048 else 4,
     )  # fmt: skip
 
 

@@ -405,3 +405,9 @@ def test_flce_second_backward_through_the_same_graph_raises(device):
     torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(loss, (hidden, weight))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_large_vocab_blocks(reduction, device):
+    """V >= 32768 takes the 8192-wide steps (5 of them here, the last partial)."""
+    _check_ce(3, 40000, torch.float16, device, reduction, label_smoothing=0.1, z_loss=1e-4)
