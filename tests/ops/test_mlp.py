@@ -39,7 +39,7 @@ def _check(lead, h, i, dtype, device, activation="silu", config=None, gapped=Fal
         return fn(*args, activation, **kw), args
 
     if config is not None:  # the launcher with an explicit config: the kernel's own output
-        y, pre = M.mlp_gate_up_fwd(x.reshape(-1, h), wgu, M.ACTIVATIONS[M.ACTIVATIONS.index(activation)], True, config)
+        y, pre = M.mlp_gate_up_fwd(x.reshape(-1, h), wgu, activation, True, config)
         gu = x.reshape(-1, h).double() @ wgu.double().T
         gu_base = (x.reshape(-1, h) @ wgu.T).to(dtype)
         assert_close("pre", pre, gu, gu_base)
