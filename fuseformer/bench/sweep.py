@@ -92,6 +92,27 @@ def sweep_rms_norm_long() -> list[dict]:
     return out
 
 
+def sweep_rms_norm_residual() -> list[dict]:
+    """The fused add + rms_norm forward (4 streams: x, r in; y, h out) over BLOCK_M and warps."""
+    out = []
+    m, n = 32768, 4096
+    x, r = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    ceiling = copy_ceiling_tb_s()
+    for block_m in (1, 2, 4, 8):
+        for warps in (4, 8, 16, 32):
+            cfg = dict(BLOCK_M=block_m, BLOCK_N=n, SINGLE_PASS=True, num_warps=warps)
+            try:
+                ms = bench_ms(lambda cfg=cfg: rn.rms_norm_fwd(x, w, r, 1e-6, config=cfg))
+                tb = tb_per_s(4 * m * n * 2, ms)
+                out.append(
+                    dict(kind="add_rms_norm_fwd", shape=[m, n], **cfg, ms=ms, tb_s=tb, pct_copy=100 * tb / ceiling)
+                )
+            except Exception as exc:
+                out.append(dict(kind="add_rms_norm_fwd", shape=[m, n], **cfg, error=str(exc)[:200]))
+    return out
+
+
 def sweep_overhead() -> list[dict]:
     """Host overhead per call: the public op (eager autograd path) against the bare launcher, on
     a tiny shape where the kernel itself is ~5 us, timed on the host with the GPU synchronized."""
@@ -131,4 +152,5 @@ SWEEPS = {
     "attention": sweep_attention,
     "rms_norm": sweep_rms_norm,
     "rms_norm_long": sweep_rms_norm_long,
+    "rms_norm_residual": sweep_rms_norm_residual,
 }
