@@ -1,4 +1,4 @@
-"""The ``fuseformer`` command: ``info`` and ``bench`` (more subcommands land with their issues)."""
+"""The ``fuseformer`` command: ``info``, ``bench`` and ``train`` (more subcommands land with their issues)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,16 @@ def _info(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from fuseformer.bench import run_suites
 
-    return run_suites(args.suites, out_dir=args.out, quick=args.quick)
+    if args.tune:
+        import json
+
+        from fuseformer.runtime.autotune import tune_all
+
+        for record in tune_all(quick=args.quick):
+            print(json.dumps(record))
+        if not args.suites:
+            return 0
+    return run_suites(args.suites or ["ops"], out_dir=args.out, quick=args.quick)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,10 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_info)
 
     p = sub.add_parser("bench", help="benchmarks against peers on a GPU (table, JSON, PNG)")
-    p.add_argument("suites", nargs="*", default=["ops"], help="suites to run: ops (default)")
+    p.add_argument("suites", nargs="*", default=[], help="suites: ops (default), attention, mlp_ce, train, sweep")
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG (default: bench-results)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    p.add_argument("--tune", action="store_true", help="tune every kernel on this GPU first (fills the autotune cache)")
     p.set_defaults(func=_bench)
+
+    from fuseformer.train.cli import add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 

@@ -61,6 +61,18 @@ def run_suites(suites: list[str], out_dir: str = "bench-results", quick: bool = 
             records = bench_attention(quick)
             for r in records:
                 print(json.dumps(r))
+        elif suite == "mlp_ce":
+            from fuseformer.bench.mlp_ce import bench_mlp_ce
+
+            records = bench_mlp_ce(quick)
+            for r in records:
+                print(json.dumps(r))
+        elif suite == "train":
+            from fuseformer.train.bench import bench_train
+
+            records = bench_train(quick)
+            for r in records:
+                print(json.dumps(r))
         elif suite == "sweep":
             from fuseformer.bench.sweep import SWEEPS
 
@@ -70,7 +82,7 @@ def run_suites(suites: list[str], out_dir: str = "bench-results", quick: bool = 
             for r in records:
                 print(json.dumps(r))
         else:
-            print(f"fuseformer bench: unknown suite {suite!r} (ops, attention, sweep)")
+            print(f"fuseformer bench: unknown suite {suite!r} (ops, attention, mlp_ce, train, sweep)")
             return 2
         with open(os.path.join(out_dir, f"{suite}.json"), "w") as f:
             json.dump(dict(env=env, records=records), f, indent=1)

@@ -55,18 +55,15 @@ def rows_2d(t: torch.Tensor) -> torch.Tensor:
     """View ``t`` as (rows, last dim) with a unit stride in the last dim, copying only if needed.
 
     Kernels take the row stride as an argument, so a row-strided view (e.g. a slice of a wider
-    tensor) goes in without a copy; anything else is made contiguous.
+    tensor) goes in without a copy; anything else is made contiguous. ``reshape`` returns a view
+    whenever the leading dims collapse and copies otherwise (no try/except: torch.compile traces
+    it without a graph break).
     """
     if t.dim() == 0:
         t = t.reshape(1)
     if t.stride(-1) != 1:
         t = t.contiguous()
-    if t.dim() == 2:
-        return t
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:  # leading dims not collapsible without a copy
-        return t.reshape(-1, t.shape[-1]).contiguous() if t.numel() else t.reshape(-1, t.shape[-1])
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 def next_pow2(n: int) -> int:
