@@ -1,0 +1,112 @@
+"""``fuseformer generate PROMPT --model DIR``: complete one prompt, streaming the text as it is generated.
+
+``add_generate_parser(subparsers)`` adds the subcommand to the ``fuseformer`` command; ``run_generate``
+runs it (exit code 0; 2 for bad arguments; 1 when the model cannot be loaded). ``python -m
+fuseformer.engine.cli generate ...`` runs it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# The model used when --model is not given: none yet (a later issue ships a built-in one).
+DEFAULT_MODEL: str | None = None
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def add_generate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``generate`` to a ``fuseformer`` subcommand set."""
+    p = subparsers.add_parser("generate", help="complete a prompt with a local model, streaming the text")
+    p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    p.add_argument("--model", default=None, help="Hugging Face model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--max-tokens", type=int, default=None, help="output tokens at most (default 256)")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the model's, else 1)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (-1: all)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling (same seed, same text)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--dtype", default="auto", choices=_DTYPES, help="weights' dtype (default: the checkpoint's)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.set_defaults(func=run_generate)
+    return p
+
+
+def _error(message: str, code: int) -> int:
+    print(f"fuseformer generate: error: {message}", file=sys.stderr)
+    return code
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Run ``fuseformer generate``; returns the exit code."""
+    model = args.model or DEFAULT_MODEL
+    if model is None:
+        return _error("no --model given and no built-in model is installed", 2)
+    if not Path(model).is_dir():
+        return _error(f"--model {model} is not a directory", 2)
+    if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
+        return _error(f"--device must be cpu or cuda, got {args.device!r}", 2)
+
+    from fuseformer.engine.llm import LLM
+    from fuseformer.engine.sampling_params import SamplingParams
+
+    try:
+        llm = LLM(model, dtype=args.dtype, device=args.device, seed=0 if args.seed is None else args.seed)
+    except (FileNotFoundError, ValueError) as exc:
+        return _error(str(exc), 1)
+    if llm.tokenizer is None:
+        return _error(f"--model {model} has no tokenizer.json", 2)
+
+    overrides = {
+        "max_tokens": 256 if args.max_tokens is None else args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+    }
+    defaults = llm.get_default_sampling_params()
+    try:
+        params = SamplingParams(
+            temperature=defaults.temperature,
+            top_p=defaults.top_p,
+            top_k=defaults.top_k,
+            min_p=defaults.min_p,
+            repetition_penalty=defaults.repetition_penalty,
+            **{k: v for k, v in overrides.items() if v is not None},
+        )
+        if args.chat:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=True)
+        else:
+            prompt = args.prompt
+        request_id = llm.add_request(None, prompt, params)
+    except (TypeError, ValueError) as exc:
+        return _error(str(exc), 2)
+
+    try:
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                for c in out.outputs:
+                    if c.text:
+                        sys.stdout.write(c.text)
+                        sys.stdout.flush()
+    except KeyboardInterrupt:
+        llm.abort(request_id)
+        print(file=sys.stderr)
+        return 130
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fuseformer")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
