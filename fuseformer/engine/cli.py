@@ -52,13 +52,6 @@ def run_generate(args: argparse.Namespace) -> int:
     from fuseformer.engine.llm import LLM
     from fuseformer.engine.sampling_params import SamplingParams
 
-    try:
-        llm = LLM(model, dtype=args.dtype, device=args.device, seed=0 if args.seed is None else args.seed)
-    except (FileNotFoundError, ValueError) as exc:
-        return _error(str(exc), 1)
-    if llm.tokenizer is None:
-        return _error(f"--model {model} has no tokenizer.json", 2)
-
     overrides = {
         "max_tokens": 256 if args.max_tokens is None else args.max_tokens,
         "temperature": args.temperature,
@@ -66,22 +59,30 @@ def run_generate(args: argparse.Namespace) -> int:
         "top_k": args.top_k,
         "seed": args.seed,
     }
-    defaults = llm.get_default_sampling_params()
+    overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
-        params = SamplingParams(
-            temperature=defaults.temperature,
-            top_p=defaults.top_p,
-            top_k=defaults.top_k,
-            min_p=defaults.min_p,
-            repetition_penalty=defaults.repetition_penalty,
-            **{k: v for k, v in overrides.items() if v is not None},
-        )
+        SamplingParams(**overrides)  # bad values fail now, before the model loads
+    except (TypeError, ValueError) as exc:
+        return _error(str(exc), 2)
+
+    try:
+        llm = LLM(model, dtype=args.dtype, device=args.device, seed=0 if args.seed is None else args.seed)
+    except (FileNotFoundError, ValueError) as exc:
+        return _error(str(exc), 1)
+    if llm.tokenizer is None:
+        return _error(f"--model {model} has no tokenizer.json", 2)
+
+    # The model's generation_config.json defaults, then what was given on the command line.
+    defaults = llm.get_default_sampling_params()
+    fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    params = SamplingParams(**({f: getattr(defaults, f) for f in fields} | overrides))
+    try:
         if args.chat:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=True)
         else:
             prompt = args.prompt
         request_id = llm.add_request(None, prompt, params)
-    except (TypeError, ValueError) as exc:
+    except ValueError as exc:
         return _error(str(exc), 2)
 
     try:

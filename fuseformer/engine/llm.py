@@ -126,7 +126,7 @@ class LLM:
         block_size: int = 16,
         device: str | torch.device | None = None,
         seed: int = 0,
-        cpu_kv_cache_gib: float = 4.0,
+        cpu_kv_cache_gib: float = 1.0,
         tokenizer: str | Path | Tokenizer | None = None,
     ) -> None:
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
@@ -227,6 +227,10 @@ class LLM:
             return [default] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
+        if not isinstance(sampling_params, (list, tuple)):
+            raise ValueError(
+                f"LLM: sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+            )
         params = list(sampling_params)
         if len(params) != n:
             raise ValueError(f"LLM: {len(params)} sampling_params for {n} prompts; give one, or one per prompt")

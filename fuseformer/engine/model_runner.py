@@ -35,7 +35,7 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gib: float = 4.0
+    cpu_kv_cache_gib: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -1,0 +1,415 @@
+"""LLM end to end on tiny random checkpoints made here with transformers' save_pretrained: greedy
+tokens equal transformers' generate for the four architectures; continuous batching changes nothing
+(alone, in a batch, chunked prefill, prefix-cache hit, preemption); n > 1 with seeds; stop strings and
+stop ids; chat template; bad input refused before anything is scheduled; the streaming step API; the
+``generate`` CLI. Most tests run the ops on their PyTorch references (the point is the engine); one
+runs the Triton kernels (interpreted on the CPU)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import fuseformer
+from fuseformer.engine.llm import LLM
+from fuseformer.engine.outputs import RequestOutput
+from fuseformer.engine.sampling_params import SamplingParams
+
+_BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+# name -> (HF model class, config class, arguments): GQA, tied/untied, QKV bias, q/k norm, sliding window.
+CHECKPOINTS = {
+    "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, dict(num_key_value_heads=2)),
+    "mistral": (
+        transformers.MistralForCausalLM,
+        transformers.MistralConfig,
+        dict(num_key_value_heads=2, sliding_window=6),
+    ),
+    "qwen2": (
+        transformers.Qwen2ForCausalLM,
+        transformers.Qwen2Config,
+        dict(num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    "qwen3": (
+        transformers.Qwen3ForCausalLM,
+        transformers.Qwen3Config,
+        dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+    ),
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+CORPUS = [
+    "Hello world, this is a tiny corpus for a tiny tokenizer.",
+    "The quick brown fox jumps over the lazy dog. Say hello to the engine.",
+    "Continuous batching, paged attention and prefix caching make serving fast.",
+] * 3
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _randomize(model, seed):
+    """Random weights scaled so logits are O(1)-O(10): greedy choices are decisive."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * r)
+            elif p.dim() == 1:
+                p.copy_(0.5 * r)
+            elif "embed_tokens" in name:
+                p.copy_(r)
+            else:
+                p.copy_(r * (2.0 if "lm_head" in name else 1.0) / math.sqrt(p.shape[1]))
+
+
+def _save(path, name, **extra):
+    model_cls, config_cls, kwargs = CHECKPOINTS[name]
+    model = model_cls(config_cls(**{**_BASE, **kwargs, **extra})).eval()
+    _randomize(model, seed=len(name))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    made = {}
+
+    def make(name):
+        if name not in made:
+            path = tmp_path_factory.mktemp(name)
+            made[name] = (path, _save(path, name))
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def text_checkpoint(tmp_path_factory):
+    """A Llama checkpoint with a byte-level BPE tokenizer trained here, a chat template and EOS."""
+    path = tmp_path_factory.mktemp("with_tokenizer")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    eos = tok.token_to_id("</s>")
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    _save(path, "llama", vocab_size=320, bos_token_id=0, eos_token_id=eos)
+    return path
+
+
+def _llm(path, **kwargs):
+    kwargs = {"num_kv_blocks": 64, "block_size": 4, "max_model_len": 64} | kwargs
+    return LLM(path, **kwargs)
+
+
+def _tokens(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def _prompts(lengths, vocab=128, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _hf_greedy(hf, prompt, steps):
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_greedy_generate_matches_transformers(name, checkpoint):
+    path, hf = checkpoint(name)
+    prompts = _prompts((5, 11, 1))
+    with fuseformer.use_backend("reference"):
+        outs = _llm(path).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts  # input order
+    for prompt, out in zip(prompts, outs):
+        (c,) = out.outputs
+        assert c.token_ids == _hf_greedy(hf, prompt, 8), f"{name}: prompt {prompt}"
+        assert c.finish_reason == "length" and out.finished
+
+
+def test_greedy_generate_through_triton_kernels(checkpoint):
+    """The same through the Triton kernels (interpreted): QKV bias, tied embeddings."""
+    path, hf = checkpoint("qwen2")
+    prompts = _prompts((6, 3), seed=1)
+    outs = _llm(path).generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 4)
+
+
+def test_continuous_batching_changes_nothing(checkpoint):
+    """A request's greedy tokens: alone == in a batch == with chunked prefill == after a prefix-cache hit
+    == after being preempted."""
+    path, _ = checkpoint("llama")
+    prompts = _prompts((13, 4, 9, 17, 1), seed=2)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with fuseformer.use_backend("reference"):
+        llm = _llm(path)
+        alone = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        batch = _tokens(llm.generate(prompts, params, use_tqdm=False))
+        assert batch == [[a] for a in alone]
+
+        chunked = _llm(path, max_num_batched_tokens=3)  # prompts split over steps, mixed with decodes
+        assert _tokens(chunked.generate(prompts, params, use_tqdm=False)) == [[a] for a in alone]
+
+        # A prefix-cache hit: llm computed these prompts already; their full blocks are cached.
+        hits = llm.scheduler.kv.pool.prefix_stats.hits
+        assert _tokens(llm.generate(prompts[:1], params, use_tqdm=False)) == [[alone[0]]]
+        assert llm.scheduler.kv.pool.prefix_stats.hits >= hits + 12  # 3 blocks of 4 of the 13-token prompt
+
+        # 9 usable blocks of 4 (36 tokens) for 5 requests of up to 27 tokens: some are preempted.
+        small = _llm(path, num_kv_blocks=10, max_model_len=32)
+        assert _tokens(small.generate(prompts, params, use_tqdm=False)) == [[a] for a in alone]
+        assert small.scheduler.num_preemptions > 0
+        assert small.scheduler.kv.pool.num_free_blocks == 9  # nothing leaked
+
+
+def test_n_with_seeds(checkpoint):
+    path, _ = checkpoint("qwen3")
+    prompt = _prompts((7,), seed=3)[0]
+    params = SamplingParams(n=3, temperature=3.0, seed=7, max_tokens=8, ignore_eos=True)
+    with fuseformer.use_backend("reference"):
+        llm = _llm(path)
+        (out,) = llm.generate(prompt, params, use_tqdm=False)
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        completions = [c.token_ids for c in out.outputs]
+        assert len({tuple(c) for c in completions}) > 1  # not three copies of one draw
+        # Completion i is seeded with seed + i: the same tokens alone, or in a batch with others.
+        single = SamplingParams(temperature=3.0, seed=8, max_tokens=8, ignore_eos=True)
+        assert llm.generate(prompt, single, use_tqdm=False)[0].outputs[0].token_ids == completions[1]
+        others = _prompts((3, 12), seed=4)
+        batch = llm.generate([others[0], prompt, prompt, others[1]], [GREEDY, params, single, params], use_tqdm=False)
+        assert [c.token_ids for c in batch[1].outputs] == completions
+        assert batch[2].outputs[0].token_ids == completions[1]
+
+
+def test_logprobs(checkpoint):
+    path, hf = checkpoint("llama")
+    prompt = _prompts((6,), seed=5)[0]
+    with fuseformer.use_backend("reference"):
+        (out,) = _llm(path).generate(
+            prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True), use_tqdm=False
+        )
+    c = out.outputs[0]
+    assert len(c.logprobs) == 3 and all(len(lp) in (2, 3) for lp in c.logprobs)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1].double()
+    expected = logits.log_softmax(-1)
+    for i, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        assert list(lp)[0] == tok
+        top = expected[i].topk(2).indices.tolist()
+        assert set(top) <= set(lp)
+        for t, v in lp.items():
+            assert abs(v - expected[i, t].item()) < 1e-3
+    assert abs(c.cumulative_logprob - sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs))) < 1e-9
+
+
+def test_stop_token_ids_and_eos(checkpoint):
+    path, _ = checkpoint("llama")
+    prompt = _prompts((5,), seed=6)[0]
+    with fuseformer.use_backend("reference"):
+        llm = _llm(path)
+        full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        full = full[0].outputs[0].token_ids
+        stop_id = full[4]
+        cut = full[: full.index(stop_id) + 1]
+        (out,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]))
+        c = out.outputs[0]
+        assert (c.token_ids, c.finish_reason, c.stop_reason) == (cut, "stop", stop_id)
+        # EOS from generation_config.json (save_pretrained writes the config's eos_token_id, 2)
+        llm.eos_token_ids = [stop_id]
+        (out,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        assert out.outputs[0].token_ids == cut and out.outputs[0].finish_reason == "stop"
+    assert _llm(path).eos_token_ids == [2]
+
+
+def test_stop_strings_and_text(text_checkpoint):
+    with fuseformer.use_backend("reference"):
+        llm = _llm(text_checkpoint)
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        (full,) = llm.generate("Hello world", params, use_tqdm=False)
+        text = full.outputs[0].text
+        assert full.prompt == "Hello world" and full.prompt_token_ids == llm.tokenizer.encode("Hello world")
+        assert text == llm.tokenizer.decode(full.outputs[0].token_ids)
+        assert len(text) >= 6, text
+        stop = text[3:6]
+        stopped = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+        (out,) = llm.generate("Hello world", stopped, use_tqdm=False)
+        c = out.outputs[0]
+        assert (c.text, c.finish_reason, c.stop_reason) == (text[: text.index(stop)], "stop", stop)
+        assert len(c.token_ids) < len(full.outputs[0].token_ids)
+
+
+def test_chat_uses_the_template(text_checkpoint):
+    conv = [{"role": "user", "content": "Say hello"}]
+    with fuseformer.use_backend("reference"):
+        llm = _llm(text_checkpoint)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        (out,) = llm.chat(conv, params, use_tqdm=False)
+        rendered = "<|user|>Say hello\n<|assistant|>"
+        assert out.prompt == rendered
+        assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+        (direct,) = llm.generate(out.prompt_token_ids, params, use_tqdm=False)
+        assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+        two = llm.chat([conv, [{"role": "user", "content": "fox"}]], params, use_tqdm=False)
+        assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([1] * 64, GREEDY, "64 tokens; max_model_len 64"),
+        ([], GREEDY, "empty"),
+        ([5, 128, 3], GREEDY, r"outside the vocabulary \[0, 128\): \[128\]"),
+        ([5, -1], GREEDY, "outside the vocabulary"),
+        ("text", GREEDY, "no tokenizer"),
+        ([5], [GREEDY, GREEDY], "2 sampling_params for 2 prompts|sampling_params"),
+        ([5], "greedy", "SamplingParams"),
+        ([5], SamplingParams(stop_token_ids=[500]), "stop_token_ids"),
+    ],
+)
+def test_bad_input_raises_before_scheduling(prompt, params, match, checkpoint):
+    path, _ = checkpoint("llama")
+    llm = _llm(path)
+    good = [3, 4, 5]
+    with pytest.raises(ValueError, match=match):
+        if isinstance(params, list):  # 3 sampling params for 2 prompts
+            llm.generate([good, good], [*params, GREEDY], use_tqdm=False)
+        else:
+            llm.generate([good, prompt], params, use_tqdm=False)
+    assert not llm.has_unfinished_requests() and not llm.scheduler.requests
+    assert llm.scheduler.kv.pool.num_free_blocks == 63
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "n "),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_missing_or_malformed_checkpoint_names_the_file(checkpoint, tmp_path):
+    path, _ = checkpoint("llama")
+    for f in ("config.json", "generation_config.json"):
+        (tmp_path / f).write_bytes((path / f).read_bytes())
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        LLM(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=str(tmp_path / "model.safetensors")):
+        LLM(tmp_path)
+    (tmp_path / "config.json").write_text("{ broken")
+    with pytest.raises(ValueError, match=str(tmp_path / "config.json")):
+        LLM(tmp_path)
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        LLM(tmp_path / "nowhere")
+
+
+def test_max_model_len_must_fit_the_cache(checkpoint):
+    path, _ = checkpoint("llama")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(path, num_kv_blocks=4, block_size=4, max_model_len=64)
+    assert LLM(path, num_kv_blocks=4, block_size=4).max_model_len == 12  # the default adapts
+
+
+def test_prompt_plus_max_tokens_past_max_model_len_finishes_with_length(checkpoint):
+    path, _ = checkpoint("llama")
+    with fuseformer.use_backend("reference"):
+        (out,) = _llm(path, max_model_len=16).generate(
+            list(range(10)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False
+        )
+    assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
+
+
+def test_step_api_streams_what_generate_returns(text_checkpoint):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["zzz"])
+    with fuseformer.use_backend("reference"):
+        llm = _llm(text_checkpoint)
+        (expected,) = llm.generate("The quick", params, use_tqdm=False)
+        rid = llm.add_request("a", "The quick", params)
+        other = llm.add_request("b", "Hello", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        assert (rid, other) == ("a", "b")
+        with pytest.raises(ValueError, match="already running"):
+            llm.add_request("a", "again", params)
+        text, tokens, finished = "", [], None
+        steps = 0
+        while llm.has_unfinished_requests():
+            outs = llm.step()
+            steps += 1
+            for out in outs:
+                assert isinstance(out, RequestOutput)
+                if out.request_id == "a":
+                    text += out.outputs[0].text
+                    tokens += out.outputs[0].token_ids
+                    finished = out.finished
+            if steps == 3:
+                llm.abort("b")  # frees at once; its last delta is never produced
+                assert "b" not in llm.scheduler.requests
+        assert finished and text == expected.outputs[0].text and tokens == expected.outputs[0].token_ids
+        assert llm.scheduler.kv.pool.num_free_blocks == 63
+
+
+def _cli(*args, timeout=120):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # CPU: the references
+    cmd = [sys.executable, "-m", "fuseformer.engine.cli", "generate", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_generate_cli_streams_the_text_of_llm_generate(text_checkpoint):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=False)
+    with fuseformer.use_backend("reference"):
+        llm = LLM(text_checkpoint, device="cpu")
+        (plain,) = llm.generate("Hello world", params, use_tqdm=False)
+        (chat,) = llm.chat([{"role": "user", "content": "Hello world"}], params, use_tqdm=False)
+    assert len(plain.outputs[0].text) > 4 and len(chat.outputs[0].text) > 4  # something to compare
+    run = _cli("Hello world", "--model", str(text_checkpoint), "--max-tokens", "16", "--temperature", "0")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == plain.outputs[0].text + "\n"
+    run = _cli("Hello world", "--model", str(text_checkpoint), "--max-tokens", "16", "--temperature", "0", "--chat")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == chat.outputs[0].text + "\n"
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["hi"], "no --model given and no built-in model is installed"),
+        (["hi", "--model", "/nonexistent/dir"], "is not a directory"),
+        (["hi", "--model", "{ckpt}", "--max-tokens", "0"], "max_tokens"),
+        (["hi", "--model", "{ckpt}", "--top-p", "2"], "top_p"),
+        (["hi", "--model", "{ckpt}", "--temperature", "x"], "invalid float value"),
+    ],
+)
+def test_generate_cli_bad_arguments_exit_2(args, match, text_checkpoint, capsys):
+    from fuseformer.engine import cli
+
+    args = ["generate", *(a.replace("{ckpt}", str(text_checkpoint)) for a in args)]
+    try:
+        code = cli.main(args)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
+    assert match in capsys.readouterr().err
+    assert cli.DEFAULT_MODEL is None
