@@ -413,3 +413,35 @@ def test_generate_cli_bad_arguments_exit_2(args, match, text_checkpoint, capsys)
     assert code == 2
     assert match in capsys.readouterr().err
     assert cli.DEFAULT_MODEL is None
+
+
+def test_bench_engine_code_paths_on_cpu():
+    """bench_engine's case at a tiny shape: ours and both transformers peers run; ours holds HF's
+    weights exactly (same logits), so the peers compute the same model."""
+    from fuseformer.bench.engine import build_models, format_table, run_case
+    from fuseformer.models.llama import AttentionMetadata
+
+    shape = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        tie_word_embeddings=False,
+    )
+    with fuseformer.use_backend("reference"):
+        records = run_case(shape, 4, 8, 3, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4)
+        hf, ours = build_models(shape, "cpu", torch.float32)
+        ids = torch.randint(0, 128, (9,))
+        with torch.no_grad():
+            expected = hf(ids[None]).logits[0]
+            got = ours.compute_logits(ours(ids, torch.arange(9), AttentionMetadata.varlen([9])))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert [r["impl"] for r in records] == ["fuseformer LLM", "HF generate_batch", "HF generate bs 64"]
+    ours_record = records[0]
+    assert "error" not in ours_record and ours_record["output_tokens"] == 12, ours_record
+    assert ours_record["mean_ttft_ms"] > 0 and ours_record["mean_tpot_ms"] > 0
+    for r in records[1:]:
+        assert "error" in r or r["output_tokens"] == 12, r
+    assert "fuseformer LLM" in format_table(records)
