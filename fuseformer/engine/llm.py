@@ -196,6 +196,8 @@ class LLM:
             kwargs["temperature"] = 0.0
         if "top_k" in kwargs and kwargs["top_k"] == 0:
             kwargs["top_k"] = -1
+        if isinstance(g.get("max_new_tokens"), int) and g["max_new_tokens"] > 0:
+            kwargs["max_tokens"] = g["max_new_tokens"]
         return SamplingParams(**kwargs)
 
     def _prompt_ids(self, prompt: Any, where: str) -> tuple[str | None, list[int]]:
@@ -377,6 +379,9 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt; None: the model's defaults
                 (generation_config.json).
             use_tqdm: show a progress bar.
+
+        It steps the engine until no request is left: requests added with ``add_request`` and not yet
+        finished run along, and their outputs are not returned here (do not mix the two APIs).
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)

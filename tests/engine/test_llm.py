@@ -272,6 +272,18 @@ def test_chat_uses_the_template(text_checkpoint):
         assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
 
 
+def test_default_sampling_params_from_generation_config(text_checkpoint):
+    with fuseformer.use_backend("reference"):
+        llm = _llm(text_checkpoint)
+        assert llm.get_default_sampling_params() == SamplingParams()
+        llm.tokenizer.generation_defaults = {"do_sample": False, "max_new_tokens": 5, "top_k": 0, "top_p": 0.9}
+        params = llm.get_default_sampling_params()
+        assert (params.temperature, params.max_tokens, params.top_k, params.top_p) == (0.0, 5, -1, 0.9)
+        (out,) = llm.generate("Hello", use_tqdm=False)
+        greedy = SamplingParams(temperature=0, max_tokens=5)
+        assert out.outputs[0].token_ids == llm.generate("Hello", greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize(
     "prompt, params, match",
     [
