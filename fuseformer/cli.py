@@ -1,4 +1,4 @@
-"""The ``fuseformer`` command: ``info``, ``bench`` and ``train`` (more subcommands land with their issues)."""
+"""The ``fuseformer`` command: ``info``, ``generate``, ``bench`` and ``train``."""
 
 from __future__ import annotations
 
@@ -66,14 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_info)
 
     p = sub.add_parser("bench", help="benchmarks against peers on a GPU (table, JSON, PNG)")
-    p.add_argument("suites", nargs="*", default=[], help="suites: ops (default), attention, mlp_ce, train, sweep")
+    p.add_argument(
+        "suites", nargs="*", default=[], help="suites: ops (default), attention, mlp_ce, engine, train, sweep"
+    )
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG (default: bench-results)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     p.add_argument("--tune", action="store_true", help="tune every kernel on this GPU first (fills the autotune cache)")
     p.set_defaults(func=_bench)
 
+    from fuseformer.engine.cli import add_generate_parser
     from fuseformer.train.cli import add_train_parser
 
+    add_generate_parser(sub)
     add_train_parser(sub)
     return parser
 
