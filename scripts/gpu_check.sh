@@ -2,7 +2,11 @@
 # The GPU check: correctness at real sizes (tests marked `gpu`, bf16/fp16/fp32) and every benchmark,
 # in one go, on a CUDA machine. Writes logs, JSON and PNG plots to OUT_DIR.
 #
-#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep] [extra bench suites...]
+#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep] [bench suites...]
+#
+# bench runs ops (full) and attention, mlp_ce, engine, train (quick) unless suites are named;
+# QUICK=1 makes ops quick too. All of it takes longer than one 10-minute device call: split it
+# by stage or suite there.
 #
 # TESTS=path overrides which tests run (default: all of tests/). Run from the repository root; the package need not be installed (the root goes on PYTHONPATH).
 set -uo pipefail
@@ -25,7 +29,14 @@ if [[ "$stage" == all || "$stage" == sweep ]]; then
     tail -n 3 "$out/sweep.log"
 fi
 if [[ "$stage" == all || "$stage" == bench ]]; then
-    suites=("ops" "$@")
-    python3 -m fuseformer.cli bench "${suites[@]}" --out "$out" 2>&1 | tee "$out/bench.log" || status=1
+    # Every suite by default (ops in full, the long ones in quick mode); or the suites named.
+    suites=("$@")
+    [[ ${#suites[@]} -gt 0 ]] || suites=(ops attention mlp_ce engine train)
+    for suite in "${suites[@]}"; do
+        flags=()
+        [[ "$suite" == ops && -z "${QUICK:-}" ]] || flags=(--quick)
+        python3 -m fuseformer.cli bench "$suite" "${flags[@]}" --out "$out" > "$out/bench-$suite.log" 2>&1 || status=1
+        tail -n 25 "$out/bench-$suite.log"
+    done
 fi
 exit $status
