@@ -1,0 +1,532 @@
+"""The OpenAI-compatible HTTP app: ``create_app(engine, model_name, api_key=None)`` (FastAPI).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (each streaming as server-sent events
+``data: {...}`` ending in ``data: [DONE]``, or not), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus).
+
+Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter
+(``param`` names the field), malformed JSON, a prompt over the context length, a ``max_tokens`` that
+does not fit, an unknown model; 401 without the API key (when one is set: the ``/v1`` routes only;
+``/health`` and ``/metrics`` stay open for probes and scrapers, as in vLLM); 404/405 for wrong
+routes; 503 while shutting down. User input never gives a 500.
+
+A client that disconnects has its requests aborted, and their KV blocks freed, at once: the
+streaming body is cancelled by Starlette when the client goes (its ``finally`` closes the streams),
+and every wait for engine output also polls ``request.is_disconnected()`` (non-streaming requests
+get no cancellation from Starlette). The lifespan's exit runs ``engine.shutdown``: uvicorn on
+SIGTERM stops accepting, waits for in-flight requests (up to its graceful timeout, then cancels
+them, which aborts them), then exits the lifespan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fuseformer.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream
+from fuseformer.engine.outputs import RequestOutput
+from fuseformer.engine.sampling_params import SamplingParams
+from fuseformer.serve.metrics import ServerMetrics
+from fuseformer.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+
+# How often a wait for engine output checks whether the client is still there.
+_DISCONNECT_POLL_S = 0.1
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One completion's text, tokens and logprobs so far, and the timing for the latency metrics."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    last_token_time: float | None = None
+
+
+class _Server:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = ServerMetrics(model_name)
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._default_params: SamplingParams | None = None
+
+    def default_params(self) -> SamplingParams:
+        if self._default_params is None:
+            self._default_params = self.engine.llm.get_default_sampling_params()  # reads config only
+        return self._default_params
+
+    # ---- checks ----------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                f"The model {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                code="model_not_found",
+            )
+
+    def check_lengths(self, prompts: list[list[int]], req: Any, where: str, max_tokens_field: str) -> int:
+        """The max_tokens every prompt gets: as asked (400 when prompt + it does not fit), else what fits."""
+        asked = req.requested_max_tokens[0] if isinstance(req, ChatCompletionRequest) else req.max_tokens
+        explicit = max_tokens_field in req.model_fields_set
+        longest = max(len(p) for p in prompts)
+        if longest >= self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the {where} has {longest} "
+                f"tokens (at most {self.max_model_len - 1}, to leave room for one output token)",
+                where,
+                code="context_length_exceeded",
+            )
+        room = self.max_model_len - longest
+        if asked is None:
+            return room
+        if not explicit:  # the default (16 for completions) is cut to fit, not refused
+            return max(1, min(asked, room))
+        if asked >= 1 and asked > room:
+            raise APIError(
+                f"max_tokens {asked} plus the {where}'s {longest} tokens exceed this model's maximum context length "
+                f"{self.max_model_len}: at most {room} output tokens fit",
+                max_tokens_field,
+                code="context_length_exceeded",
+            )
+        return asked
+
+    def encode(self, text: str, where: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError("the model has no tokenizer.json: give the prompt as token ids", where)
+        return self.tokenizer.encode(text)
+
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [self.encode(p, "prompt")]
+        if not p:
+            raise APIError("prompt must not be empty", "prompt")
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]
+        out = []
+        for item in p:
+            if isinstance(item, str):
+                out.append(self.encode(item, "prompt"))
+            elif isinstance(item, list) and all(isinstance(t, int) for t in item):
+                out.append(list(item))
+            else:
+                raise APIError("prompt must be a string, a list of token ids, or a list of either", "prompt")
+        if any(not ids for ids in out):
+            raise APIError("prompt must not be empty", "prompt")
+        return out
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None or self.tokenizer.chat_template is None:
+            raise APIError("the model has no chat template: use /v1/completions", "messages")
+        messages = []
+        for m in req.messages:
+            d = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):  # content parts: only text ones
+                parts = [p.get("text") for p in m.content if p.get("type") == "text"]
+                if len(parts) != len(m.content) or not all(isinstance(t, str) for t in parts):
+                    raise APIError("messages: only text content parts are supported", "messages")
+                d["content"] = "".join(parts)
+            messages.append(d)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **(req.chat_template_kwargs or {}))
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            raise APIError(f"messages: the chat template failed: {exc}", "messages") from exc
+        if not ids:
+            raise APIError("messages render to an empty prompt", "messages")
+        return ids
+
+    # ---- running requests ------------------------------------------------------------------------
+
+    async def add(self, base_id: str, prompts: list[list[int]], params: SamplingParams, where: str):
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(await self.engine.add_request(rid, ids, params))
+        except ValueError as exc:
+            for s in streams:
+                s.close()
+            raise APIError(str(exc).removeprefix("LLM: "), where) from exc
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def observe(self, choice: _Choice, num_new: int, arrival: float) -> None:
+        now = time.monotonic()
+        if num_new:
+            if choice.last_token_time is None:
+                self.metrics.observe_first_token(now - arrival)
+                if num_new > 1:
+                    self.metrics.observe_inter_token(0.0, num_new - 1)
+            else:
+                self.metrics.observe_inter_token(now - choice.last_token_time, num_new)
+            choice.last_token_time = now
+            self.metrics.count_tokens(generation=num_new)
+
+
+async def _merged(http_request: Request, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, delta) from all streams as they come. Leaving early, the client disconnecting
+    (polled) or a cancellation aborts every unfinished stream."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    getter: asyncio.Future | None = None
+    remaining = len(streams)
+    try:
+        while remaining:
+            if getter is None:
+                getter = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({getter}, timeout=_DISCONNECT_POLL_S)
+            if not done:
+                if await http_request.is_disconnected():
+                    return
+                continue
+            i, item = getter.result()
+            getter = None
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        if getter is not None:
+            getter.cancel()
+        for s in streams:
+            s.close()
+        for p in pumps:
+            p.cancel()
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return dict(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
+
+
+def _completion_logprobs(server: _Server, token_ids: list[int], logprobs: list[dict[int, float]], offset: int):
+    """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens = [server.token_text(t) for t in token_ids]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return dict(
+        tokens=tokens,
+        token_logprobs=[lp[t] for t, lp in zip(token_ids, logprobs)],
+        top_logprobs=[
+            {server.token_text(k): v for k, v in sorted(lp.items(), key=lambda kv: -kv[1])} for lp in logprobs
+        ],
+        text_offset=offsets,
+    )
+
+
+def _chat_logprobs(server: _Server, token_ids: list[int], logprobs: list[dict[int, float]], top: int):
+    def entry(t: int, v: float) -> dict[str, Any]:
+        s = server.token_text(t)
+        return dict(token=s, logprob=v, bytes=list(s.encode("utf-8")))
+
+    content = []
+    for t, lp in zip(token_ids, logprobs):
+        best = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
+        content.append(entry(t, lp[t]) | dict(top_logprobs=[entry(k, v) for k, v in best]))
+    return dict(content=content)
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, shutdown_grace_s: float = 0.0):
+    """The FastAPI app serving ``engine`` as ``model_name``.
+
+    Args:
+        engine: the AsyncEngine (started on the app's startup if it is not yet; shut down on exit).
+        model_name: the id clients give as ``model`` (and ``/v1/models`` lists).
+        api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>`` (else 401).
+        shutdown_grace_s: at shutdown, seconds the engine lets unfinished requests run before aborting
+            them (uvicorn has already waited for its in-flight requests by then).
+    """
+    from fuseformer import __version__
+
+    server = _Server(engine, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.shutdown(shutdown_grace_s)
+
+    app = FastAPI(title="fuseformer", version=__version__, lifespan=lifespan)
+    app.state.server = server
+
+    # ---- errors ----------------------------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            err = APIError(f"malformed JSON body: {first.get('msg', '')}", None, code="invalid_json")
+            return JSONResponse(err.body(), status_code=400)
+        messages, params = [], []
+        for e in errors:
+            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            # Union members show in loc ("prompt", "str"): keep the request's field names only.
+            name = ".".join(x for x in loc if not x.startswith(("str", "list[", "int", "function-")))
+            params.append(name or None)
+            messages.append(f"{name or 'body'}: {e.get('msg', 'invalid')}")
+        err = APIError("; ".join(dict.fromkeys(messages)), params[0] if params else None)
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        err = APIError(message, None, status=exc.status_code, type=kind, code=str(exc.status_code))
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(EngineShutdownError)
+    async def _shutting_down(request: Request, exc: EngineShutdownError) -> JSONResponse:
+        err = APIError(str(exc), None, status=503, type="service_unavailable_error")
+        return JSONResponse(err.body(), status_code=503)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        err = APIError(str(exc), None, status=503, type="service_unavailable_error")
+        return JSONResponse(err.body(), status_code=503)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
+        return JSONResponse(APIError(str(exc)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        err = APIError(f"{type(exc).__name__}: {exc}", None, status=500, type="internal_server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), api_key.encode())):
+            raise APIError(
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                None,
+                status=401,
+                code="invalid_api_key",
+            )
+
+    auth = [Depends(check_key)]
+
+    # ---- routes ----------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            err = APIError("the engine is not running", None, status=503, type="service_unavailable_error")
+            return JSONResponse(err.body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(engine.get_stats()), media_type=server.metrics.content_type)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict[str, Any]:
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=server.max_model_len)]).model_dump()
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(req: CompletionRequest, http_request: Request):
+        arrival = time.monotonic()
+        server.check_model(req.model)
+        if req.echo:
+            raise APIError("echo is not supported", "echo")
+        if req.suffix is not None:
+            raise APIError("suffix is not supported", "suffix")
+        prompts = server.completion_prompts(req)
+        if "max_tokens" in req.model_fields_set and req.max_tokens is not None:
+            req.to_sampling_params(server.default_params(), req.max_tokens)  # range errors before length errors
+        max_tokens = server.check_lengths(prompts, req, "prompt", "max_tokens")
+        params = req.to_sampling_params(server.default_params(), max_tokens)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await server.add(request_id, prompts, params, "prompt")
+        server.metrics.count_tokens(prompt=sum(len(p) for p in prompts))
+        created = int(time.time())
+        n = params.n
+        choices = [_Choice() for _ in range(len(prompts) * n)]
+        num_prompt = sum(len(p) for p in prompts)
+
+        def head() -> dict[str, Any]:
+            return dict(id=request_id, object="text_completion", created=created, model=model_name)
+
+        def update(i: int, c) -> tuple[_Choice, int]:
+            index = i * n + c.index
+            ch = choices[index]
+            server.observe(ch, len(c.token_ids), arrival)
+            ch.text += c.text
+            ch.token_ids += c.token_ids
+            if c.logprobs:
+                ch.logprobs += c.logprobs
+            if c.finish_reason is not None:
+                ch.finish_reason = c.finish_reason
+                server.metrics.count_finished(c.finish_reason)
+            return ch, index
+
+        if req.stream:
+
+            async def events() -> AsyncIterator[str]:
+                extra = {"usage": None} if req.include_usage else {}
+                try:
+                    async for i, out in _merged(http_request, streams):
+                        for c in out.outputs:
+                            ch, index = update(i, c)
+                            if not c.text and c.finish_reason is None and params.logprobs is None:
+                                continue  # text held back (an incomplete character, a possible stop string)
+                            offset = len(ch.text) - len(c.text)
+                            lps = None
+                            if params.logprobs is not None and c.logprobs:
+                                lps = _completion_logprobs(server, c.token_ids, c.logprobs, offset)
+                            choice = dict(index=index, text=c.text, logprobs=lps, finish_reason=c.finish_reason)
+                            yield _sse(head() | dict(choices=[choice]) | extra)
+                    if req.include_usage:
+                        usage = _usage(num_prompt, sum(len(ch.token_ids) for ch in choices))
+                        yield _sse(head() | dict(choices=[], usage=usage))
+                except (EngineDeadError, EngineShutdownError) as exc:
+                    yield _sse(APIError(str(exc), None, status=503, type="service_unavailable_error").body())
+                yield _sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async for i, out in _merged(http_request, streams):
+            for c in out.outputs:
+                update(i, c)
+        if await http_request.is_disconnected():
+            return Response(status_code=499)
+        body_choices = []
+        for index, ch in enumerate(choices):
+            lps = None
+            if params.logprobs is not None:
+                lps = _completion_logprobs(server, ch.token_ids, ch.logprobs, 0)
+            body_choices.append(dict(index=index, text=ch.text, logprobs=lps, finish_reason=ch.finish_reason))
+        usage = _usage(num_prompt, sum(len(ch.token_ids) for ch in choices))
+        return head() | dict(choices=body_choices, usage=usage)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(req: ChatCompletionRequest, http_request: Request):
+        arrival = time.monotonic()
+        server.check_model(req.model)
+        ids = server.chat_prompt(req)
+        asked, field_name = req.requested_max_tokens
+        if asked is not None:
+            req.to_sampling_params(server.default_params(), asked)  # range errors before length errors
+        max_tokens = server.check_lengths([ids], req, "messages", field_name)
+        params = req.to_sampling_params(server.default_params(), max_tokens)
+        top = req.top_logprobs or 0
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await server.add(request_id, [ids], params, "messages")
+        server.metrics.count_tokens(prompt=len(ids))
+        created = int(time.time())
+        choices = [_Choice() for _ in range(params.n)]
+
+        def head() -> dict[str, Any]:
+            return dict(id=request_id, object="chat.completion.chunk", created=created, model=model_name)
+
+        def update(c) -> _Choice:
+            ch = choices[c.index]
+            server.observe(ch, len(c.token_ids), arrival)
+            ch.text += c.text
+            ch.token_ids += c.token_ids
+            if c.logprobs:
+                ch.logprobs += c.logprobs
+            if c.finish_reason is not None:
+                ch.finish_reason = c.finish_reason
+                server.metrics.count_finished(c.finish_reason)
+            return ch
+
+        if req.stream:
+
+            async def events() -> AsyncIterator[str]:
+                extra = {"usage": None} if req.include_usage else {}
+                try:
+                    for index in range(params.n):
+                        delta = dict(role="assistant", content="")
+                        choice = dict(index=index, delta=delta, logprobs=None, finish_reason=None)
+                        yield _sse(head() | dict(choices=[choice]) | extra)
+                    async for _, out in _merged(http_request, streams):
+                        for c in out.outputs:
+                            update(c)
+                            if not c.text and c.finish_reason is None and not req.logprobs:
+                                continue  # text held back (an incomplete character, a possible stop string)
+                            lps = None
+                            if req.logprobs and c.logprobs:
+                                lps = _chat_logprobs(server, c.token_ids, c.logprobs, top)
+                            delta = dict(content=c.text) if c.text or c.finish_reason is None else {}
+                            choice = dict(index=c.index, delta=delta, logprobs=lps, finish_reason=c.finish_reason)
+                            yield _sse(head() | dict(choices=[choice]) | extra)
+                    if req.include_usage:
+                        usage = _usage(len(ids), sum(len(ch.token_ids) for ch in choices))
+                        yield _sse(head() | dict(choices=[], usage=usage))
+                except (EngineDeadError, EngineShutdownError) as exc:
+                    yield _sse(APIError(str(exc), None, status=503, type="service_unavailable_error").body())
+                yield _sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async for _, out in _merged(http_request, streams):
+            for c in out.outputs:
+                update(c)
+        if await http_request.is_disconnected():
+            return Response(status_code=499)
+        body_choices = []
+        for index, ch in enumerate(choices):
+            lps = _chat_logprobs(server, ch.token_ids, ch.logprobs, top) if req.logprobs else None
+            message = dict(role="assistant", content=ch.text)
+            body_choices.append(dict(index=index, message=message, logprobs=lps, finish_reason=ch.finish_reason))
+        usage = _usage(len(ids), sum(len(ch.token_ids) for ch in choices))
+        return head() | dict(object="chat.completion", choices=body_choices, usage=usage)
+
+    return app

@@ -1,0 +1,116 @@
+"""``fuseformer serve --model DIR``: the OpenAI-compatible server on uvicorn.
+
+``add_serve_parser(subparsers)`` adds the subcommand to the ``fuseformer`` command; ``run_serve`` runs
+it (exit code 0 after a graceful shutdown, SIGTERM or Ctrl-C included; 2 for bad arguments; 1 when
+the model cannot be loaded or the port cannot be bound). ``python -m fuseformer.serve.cli serve ...``
+runs it alone.
+
+Shutdown: uvicorn stops accepting connections, waits up to ``--shutdown-timeout`` seconds for
+in-flight requests to finish, cancels the rest (which aborts them in the engine), then the app's
+lifespan stops the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``serve`` to a ``fuseformer`` subcommand set."""
+    p = subparsers.add_parser("serve", help="serve a local model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", default=None, help="Hugging Face model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the /v1 routes")
+    p.add_argument("--dtype", default="auto", choices=_DTYPES, help="weights' dtype (default: the checkpoint's)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per request at most")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens computed per step at most")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides the memory-based sizing)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
+    p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    p.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish at shutdown"
+    )
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _error(message: str, code: int) -> int:
+    print(f"fuseformer serve: error: {message}", file=sys.stderr)
+    return code
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run ``fuseformer serve``; returns the exit code."""
+    if args.model is None:
+        return _error("no --model given", 2)
+    if not Path(args.model).is_dir():
+        return _error(f"--model {args.model} is not a directory", 2)
+    if not 0 <= args.port < 65536:
+        return _error(f"--port must be in [0, 65535], got {args.port}", 2)
+    if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
+        return _error(f"--device must be cpu or cuda, got {args.device!r}", 2)
+    if args.api_key is not None and not args.api_key:
+        return _error("--api-key must not be empty", 2)
+
+    import uvicorn
+
+    from fuseformer.engine.async_engine import AsyncEngine
+    from fuseformer.engine.llm import LLM
+    from fuseformer.serve.app import create_app
+
+    try:
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=not args.no_prefix_caching,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_kv_blocks=args.num_kv_blocks,
+            block_size=args.block_size,
+            seed=args.seed,
+        )
+    except (FileNotFoundError, ValueError) as exc:
+        return _error(str(exc), 1)
+    name = args.served_model_name or Path(args.model).resolve().name
+    app = create_app(AsyncEngine(llm, start=False), name, api_key=args.api_key)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind or start
+        return int(exc.code or 0)
+    except KeyboardInterrupt:
+        return 0
+    return 1 if not server.started else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fuseformer")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""Server test helpers: a tiny Llama checkpoint with a byte-level BPE tokenizer and a chat template
+(built here, as tests/engine/test_llm.py builds its own), and a server on a free loopback port run by
+uvicorn on a thread for the length of a ``with`` block (models on their PyTorch references: the point
+is the server)."""
+
+import contextlib
+import json
+import math
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import fuseformer
+from fuseformer.engine.async_engine import AsyncEngine
+from fuseformer.engine.llm import LLM
+
+CORPUS = [
+    "Hello world, this is a tiny corpus for a tiny tokenizer.",
+    "The quick brown fox jumps over the lazy dog. Say hello to the server.",
+    "Continuous batching, paged attention and prefix caching make serving fast.",
+] * 3
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+MODEL = "tiny-llama"
+LLM_KWARGS = dict(num_kv_blocks=256, block_size=4, max_model_len=64, device="cpu")
+
+
+def make_checkpoint(path):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    eos = tok.token_to_id("</s>")
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    hf_config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=320, bos_token_id=0, eos_token_id=eos,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # logits O(1)-O(10): sampled text varies with the seed, greedy text is decisive
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=gen)
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * r)
+            elif "embed_tokens" in name:
+                p.copy_(r)
+            else:
+                p.copy_(r * (2.0 if "lm_head" in name else 1.0) / math.sqrt(p.shape[1]))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("serve_ckpt"))
+
+
+@contextlib.contextmanager
+def running_server(checkpoint, api_key=None, timeout=120.0, **llm_kwargs):
+    """Yield (base URL, AsyncEngine) of a server on 127.0.0.1 (a free port), stopped on exit."""
+    import uvicorn
+
+    from fuseformer.serve.app import create_app
+
+    with fuseformer.use_backend("reference"):
+        engine = AsyncEngine(LLM(checkpoint, **(LLM_KWARGS | llm_kwargs)), start=False)
+        app = create_app(engine, MODEL, api_key=api_key)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        try:
+            yield f"http://127.0.0.1:{port}", engine
+        finally:
+            server.should_exit = True
+            thread.join(timeout)
+            sock.close()
+            assert not thread.is_alive(), "the server did not stop"
+
+
+def wait_until(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def metric(base_url, name):
+    """The value of an unlabelled-but-for-model_name sample in /metrics."""
+    text = httpx.get(f"{base_url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics:\n{text}")
