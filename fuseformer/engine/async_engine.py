@@ -230,12 +230,14 @@ class AsyncEngine:
                 if stop:
                     self._abort_all()
                     return
+                outputs = []
                 if llm.has_unfinished_requests():
                     outputs = llm.step()
                     self.num_steps += 1
-                    for out in outputs:
-                        self._deliver(out)
+                # Stats before outputs: a client that has its last token sees its blocks freed.
                 self._stats = llm.scheduler.get_stats()
+                for out in outputs:
+                    self._deliver(out)
         except BaseException as exc:  # a failed step: every waiting caller gets the error, not a hang
             self.error = exc
             for stream in self._streams.values():
@@ -268,6 +270,7 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 self.llm.abort(request_id)
+                self._stats = self.llm.scheduler.get_stats()
                 stream._put(stream._abort_output())
 
     @staticmethod

@@ -48,6 +48,8 @@ from fuseformer.serve.protocol import (
     ModelList,
 )
 
+# Union members' tags in pydantic's error locations ("prompt", "list[int]", 0): not request fields.
+_TYPE_TAGS = {"str", "int", "float", "bool", "none"}
 # How often a wait for engine output checks whether the client is still there.
 _DISCONNECT_POLL_S = 0.1
 
@@ -106,8 +108,8 @@ class _Server:
             return max(1, min(asked, room))
         if asked >= 1 and asked > room:
             raise APIError(
-                f"max_tokens {asked} plus the {where}'s {longest} tokens exceed this model's maximum context length "
-                f"{self.max_model_len}: at most {room} output tokens fit",
+                f"{max_tokens_field} {asked} plus the {longest} tokens of the {where} exceed this model's maximum "
+                f"context length {self.max_model_len}: at most {room} output tokens fit",
                 max_tokens_field,
                 code="context_length_exceeded",
             )
@@ -254,14 +256,14 @@ def _completion_logprobs(server: _Server, token_ids: list[int], logprobs: list[d
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return dict(
-        tokens=tokens,
-        token_logprobs=[lp[t] for t, lp in zip(token_ids, logprobs)],
-        top_logprobs=[
-            {server.token_text(k): v for k, v in sorted(lp.items(), key=lambda kv: -kv[1])} for lp in logprobs
-        ],
-        text_offset=offsets,
-    )
+    tops = []
+    for lp in logprobs:
+        top: dict[str, float] = {}
+        for k, v in sorted(lp.items(), key=lambda kv: -kv[1]):
+            top.setdefault(server.token_text(k), v)  # tokens that decode alike (partial characters): the best
+        tops.append(top)
+    token_logprobs = [lp[t] for t, lp in zip(token_ids, logprobs)]
+    return dict(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets)
 
 
 def _chat_logprobs(server: _Server, token_ids: list[int], logprobs: list[dict[int, float]], top: int):
@@ -316,7 +318,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         for e in errors:
             loc = [str(x) for x in e.get("loc", ()) if x != "body"]
             # Union members show in loc ("prompt", "str"): keep the request's field names only.
-            name = ".".join(x for x in loc if not x.startswith(("str", "list[", "int", "function-")))
+            name = ".".join(x for x in loc if x not in _TYPE_TAGS and not x.startswith(("list[", "dict[", "function-")))
             params.append(name or None)
             messages.append(f"{name or 'body'}: {e.get('msg', 'invalid')}")
         err = APIError("; ".join(dict.fromkeys(messages)), params[0] if params else None)

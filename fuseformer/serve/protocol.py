@@ -158,7 +158,13 @@ class ChatCompletionRequest(_SamplingRequest):
     def to_sampling_params(self, defaults: SamplingParams, max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs to be true", "top_logprobs")
-        return self._sampling_params(defaults, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        try:
+            return self._sampling_params(defaults, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        except APIError as exc:
+            if exc.param == "max_tokens":  # name the field the client used
+                name = self.requested_max_tokens[1]
+                exc.param, exc.message = name, exc.message.replace("max_tokens", name, 1)
+            raise
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:

@@ -114,3 +114,19 @@ def metric(base_url, name):
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics:\n{text}")
+
+
+# Test files cannot import this module (pytest's importlib mode): they get its helpers as fixtures.
+@pytest.fixture(scope="session")
+def start_server():
+    return running_server
+
+
+@pytest.fixture(scope="session")
+def read_metric():
+    return metric
+
+
+@pytest.fixture(scope="session")
+def llm_kwargs():
+    return dict(LLM_KWARGS)
