@@ -143,6 +143,65 @@ def test_fused_mlp_no_grad_saves_nothing(device, monkeypatch):
     assert seen == [False, True]
 
 
+class _LaunchSpy:
+    """Stands in for a @triton.jit kernel: records each launch's grid and arguments, then launches."""
+
+    def __init__(self, kernel, name, launches):
+        self.kernel, self.name, self.launches = kernel, name, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.name, tuple(grid), kwargs))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_no_grad_public_call_runs_the_h200_table_config_on_every_tile(persistent, device, monkeypatch, tmp_path):
+    """The bench's call (bench/mlp_ce.py): ``F.fused_mlp(x, w_gate_up, w_down)`` with nothing requiring
+    grad, the backend chosen as it would be, and the launch config looked up as on an H200 with an
+    empty disk cache, so the shipped entry for T 8192 bf16 (the bench's shape) is used here on a
+    small fp16 shape. It must launch one gate-up kernel over all tiles (or, persistent, programs that
+    walk them all), no split-K, no pre-activation, then the down GEMM: the whole MLP, checked against
+    the fp64 reference with NaN-poisoned outputs. persistent=True is the variant a tuning run may pick."""
+    from fuseformer.runtime import autotune
+
+    key = M.generic_key(8192, torch.bfloat16)
+    shipped = autotune._shipped(M.KERNEL)
+    cfg = dict(shipped["H200"][key], **({"PERSISTENT": True} if persistent else {}))
+    assert not cfg.get("SPLIT_K", 1) > 1 and cfg["USE_DESC"]
+    monkeypatch.setattr(autotune, "gpu_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(autotune, "_memory", {})
+    monkeypatch.setenv("FUSEFORMER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_shipped", lambda kernel: {"H200": {key: cfg}} if kernel == M.KERNEL else {})
+    monkeypatch.setattr(M, "generic_key", lambda t, dtype: key)  # the small shape takes the bench's entry
+    launches, saved = [], []
+    for name in ("_mlp_gate_up_kernel", "_mlp_gate_up_persistent_kernel", "_mlp_split_k_epilogue_kernel"):
+        monkeypatch.setattr(M, name, _LaunchSpy(getattr(M, name), name, launches))
+    real_fwd = M.mlp_gate_up_fwd
+    monkeypatch.setattr(M, "mlp_gate_up_fwd", lambda *a, **k: saved.append((a[3], a[4])) or real_fwd(*a, **k))
+
+    t, h, i = 300, 136, 200  # 3 x 2 tiles of 128 x 128; rows 16-byte aligned, so descriptors stay on
+    x = torch.randn(t, h, device=device).half()
+    wgu, wd = _weights(h, i, torch.float16, device)
+    out = F.fused_mlp(x, wgu, wd)
+
+    assert saved == [(False, None)]  # no pre-activation; the config from the table
+    assert len(launches) == 1, [n for n, _, _ in launches]
+    name, grid, kwargs = launches[0]
+    tiles = -(-t // cfg["BLOCK_M"]) * -(-i // cfg["BLOCK_N"])
+    if persistent:
+        assert name == "_mlp_gate_up_persistent_kernel" and grid == (min(tiles, M.sm_count(x)),) and tiles > grid[0]
+    else:
+        assert name == "_mlp_gate_up_kernel" and grid == (tiles, 1) and kwargs["USE_DESC"]
+    for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"):
+        assert kwargs[k] == cfg[k], k
+    assert not kwargs["SAVE_PRE"] and out.dtype == torch.float16 and out.shape == (t, h)
+    ref = M.fused_mlp_ref(x.double(), wgu.double(), wd.double())
+    assert_close("out", out, ref, M.fused_mlp_ref(x, wgu, wd, upcast=False))
+
+
 def test_fused_mlp_float64_runs_on_reference(device):
     x = torch.randn(3, 8, dtype=torch.float64, device=device)
     wgu, wd = _weights(8, 12, torch.float64, device)
