@@ -213,14 +213,17 @@ async def _merged(http_request: Request, streams: list[RequestStream]) -> AsyncI
     pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     getter: asyncio.Future | None = None
     remaining = len(streams)
+    next_check = time.monotonic() + _DISCONNECT_POLL_S
     try:
         while remaining:
-            if getter is None:
-                getter = asyncio.ensure_future(queue.get())
-            done, _ = await asyncio.wait({getter}, timeout=_DISCONNECT_POLL_S)
-            if not done:
+            if time.monotonic() >= next_check:  # also while outputs flow, not only when they pause
                 if await http_request.is_disconnected():
                     return
+                next_check = time.monotonic() + _DISCONNECT_POLL_S
+            if getter is None:
+                getter = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({getter}, timeout=max(next_check - time.monotonic(), 0.0))
+            if not done:
                 continue
             i, item = getter.result()
             getter = None

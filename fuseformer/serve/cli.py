@@ -13,7 +13,9 @@ lifespan stops the engine.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -95,13 +97,22 @@ def run_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     server = uvicorn.Server(config)
+    # uvicorn handles SIGTERM/SIGINT itself (graceful shutdown), then restores the handlers it found and
+    # raises the signal again, so that the process would die by it (exit status -15). After a graceful
+    # shutdown we exit 0: the handlers it finds and restores are these no-ops.
+    handled = (signal.SIGINT, signal.SIGTERM)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled} if main_thread else {}
     try:
         server.run()
     except SystemExit as exc:  # uvicorn exits 1 when it cannot bind or start
         return int(exc.code or 0)
     except KeyboardInterrupt:
         return 0
-    return 1 if not server.started else 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if server.started else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,198 @@
+"""The server under load and faults: 64 concurrent streaming clients (each completes exactly once, with
+the offline engine's text, and the KV cache is empty afterwards); clients that drop mid-stream or
+mid-request are aborted at once and leave no running request and no used block; SIGTERM on a
+server subprocess lets an in-flight request finish and exits 0."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+import fuseformer
+from fuseformer.engine.llm import LLM
+from fuseformer.engine.sampling_params import SamplingParams
+
+MODEL = "tiny-llama"  # the name tests/serve/conftest.py serves the model as
+
+
+def _wait_until(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_64_concurrent_streaming_clients(checkpoint, start_server, read_metric, llm_kwargs):
+    """64 streams at once on 255 blocks of 4 tokens: more than fit (so requests are preempted and
+    recomputed); every request completes exactly once with its own text, none lost or duplicated."""
+    num_clients, max_tokens = 64, 12
+    prompts = [f"Hello {i} the quick fox {i * 7}" for i in range(num_clients)]
+    with fuseformer.use_backend("reference"):
+        offline = LLM(checkpoint, **llm_kwargs)
+        params = SamplingParams(temperature=0.7, seed=1, max_tokens=max_tokens, ignore_eos=True)
+        expected = [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
+
+    async def one(client, i):
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompts[i], max_tokens=max_tokens, temperature=0.7, seed=1, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        text, ids, finishes, usage = "", set(), [], None
+        async for chunk in stream:
+            ids.add(chunk.id)
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                text += c.text
+                if c.finish_reason is not None:
+                    finishes.append(c.finish_reason)
+        return i, ids, text, finishes, usage
+
+    async def run(url):
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(num_clients))), 90)
+
+    with start_server(checkpoint, max_num_seqs=64) as (url, engine):
+        start = time.monotonic()
+        results = asyncio.run(run(url))
+        seconds = time.monotonic() - start
+        response_ids = [next(iter(r[1])) for r in results]
+        assert all(len(r[1]) == 1 for r in results) and len(set(response_ids)) == num_clients
+        for i, _, text, finishes, usage in results:
+            assert finishes == ["length"], (i, finishes)  # finished exactly once
+            assert usage.completion_tokens == max_tokens
+            assert text == expected[i], i  # its own text: nothing crossed between requests
+        assert engine.llm.scheduler.num_preemptions > 0  # the cache was over-subscribed
+        _wait_until(lambda: read_metric(url, "fuseformer_kv_cache_usage_perc") == 0.0, 5, "KV usage 0")
+        assert read_metric(url, "fuseformer_num_requests_running") == 0
+        assert read_metric(url, "fuseformer_num_requests_waiting") == 0
+        assert read_metric(url, "fuseformer_generation_tokens_total") == num_clients * max_tokens
+        assert engine.llm.scheduler.kv.pool.num_free_blocks == 255
+    assert seconds < 90
+
+
+def _slow_steps(engine, seconds):
+    """Make each engine step take at least ``seconds`` and record finished and aborted request ids."""
+    llm = engine.llm
+    step, abort = llm.step, llm.abort
+    finished, aborted = [], []
+
+    def slow_step():
+        time.sleep(seconds)
+        outs = step()
+        finished.extend(o.request_id for o in outs if o.finished)
+        return outs
+
+    def recording_abort(request_id):
+        aborted.append(request_id)
+        return abort(request_id)
+
+    llm.step, llm.abort = slow_step, recording_abort
+    return finished, aborted
+
+
+def test_clients_that_drop_mid_stream_are_aborted(checkpoint, start_server):
+    """8 streaming clients read two chunks and hang up; 4 non-streaming clients time out. Each request
+    is aborted (not finished) and afterwards no request runs and no block is used."""
+    with start_server(checkpoint) as (url, engine):
+        finished, aborted = _slow_steps(engine, 0.02)  # 50 tokens take >= 1 s: the drops come first
+        body = dict(model=MODEL, prompt="Hello world", max_tokens=50, extra_body=None)
+        del body["extra_body"]
+
+        async def drop_streaming(client, i):
+            async with client.stream("POST", "/v1/completions", json=body | dict(stream=True, seed=i)) as r:
+                assert r.status_code == 200
+                chunks = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        chunks += 1
+                        if chunks == 2:
+                            return json.loads(line[6:])["id"]
+
+        async def drop_waiting(client, i):
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post("/v1/completions", json=body | dict(seed=100 + i), timeout=0.3)
+
+        async def run():
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                ids = await asyncio.gather(*(drop_streaming(client, i) for i in range(8)))
+                await asyncio.gather(*(drop_waiting(client, i) for i in range(4)))
+                return ids
+
+        ids = asyncio.run(run())
+        _wait_until(lambda: len(aborted) == 12, 5, "12 aborts")
+        assert set(ids) <= set(aborted) and len(set(aborted)) == 12
+        assert not set(aborted) & set(finished)  # aborted, not run to the end
+        _wait_until(lambda: engine.get_stats().kv_cache_usage == 0, 5, "KV usage 0")
+        stats = engine.get_stats()
+        assert (stats.num_running, stats.num_waiting, engine.num_unfinished_requests) == (0, 0, 0)
+        assert engine.llm.scheduler.kv.pool.num_free_blocks == 255 and not engine.llm.scheduler.requests
+        # and it still serves
+        r = httpx.post(f"{url}/v1/completions", json=body | dict(max_tokens=3), timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(checkpoint):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"FUSEFORMER_BACKEND": "reference"}
+    cmd = [
+        sys.executable, "-m", "fuseformer.serve.cli", "serve", "--model", str(checkpoint), "--port", str(port),
+        "--host", "127.0.0.1", "--device", "cpu", "--num-kv-blocks", "64", "--block-size", "4",
+        "--max-model-len", "64", "--served-model-name", MODEL, "--log-level", "warning",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy():
+            assert proc.poll() is None, proc.communicate()
+            try:
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait_until(healthy, 60, "the server to start")
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=dict(model=MODEL, prompt="Hello", max_tokens=40, stream=True),
+            timeout=30,
+        ) as r:  # fmt: skip
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)  # mid-stream: this request finishes, new connections are refused
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+        assert proc.wait(timeout=30) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [([], "no --model"), (["--model", "/nonexistent/dir"], "is not a directory"), (["--port", "70000"], "--port")],
+)
+def test_serve_cli_bad_arguments_exit_2(args, match, checkpoint, capsys):
+    from fuseformer.serve import cli
+
+    if "--port" in args:
+        args = ["--model", str(checkpoint), *args]
+    assert cli.main(["serve", *args]) == 2
+    assert match in capsys.readouterr().err
