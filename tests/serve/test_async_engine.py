@@ -1,0 +1,145 @@
+"""AsyncEngine without HTTP: streams hold what LLM.generate returns; bad input raises at add_request;
+leaving a stream early or abort() frees the blocks before the next step; shutdown lets requests
+finish within its grace period and aborts the rest; a failed step reaches every caller."""
+
+import asyncio
+
+import pytest
+
+import fuseformer
+from fuseformer.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError
+from fuseformer.engine.llm import LLM
+from fuseformer.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(checkpoint, llm_kwargs):
+    with fuseformer.use_backend("reference"):
+        llm = LLM(checkpoint, **llm_kwargs)
+        yield AsyncEngine(llm)
+
+
+def _run(coro, timeout=60):
+    async def bounded():
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+async def _collect(stream):
+    texts, tokens, finishes, count = {}, {}, {}, 0
+    async for out in stream:
+        count += 1
+        for c in out.outputs:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            tokens[c.index] = tokens.get(c.index, []) + c.token_ids
+            if c.finish_reason is not None:
+                finishes[c.index] = c.finish_reason
+    return texts, tokens, finishes, count
+
+
+def test_streams_hold_what_generate_returns(engine):
+    prompts = ["Hello world", "The quick brown fox", "Say hello"]
+    params = [GREEDY, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=7, ignore_eos=True), GREEDY]
+    with fuseformer.use_backend("reference"):
+        offline = LLM(engine.llm.model, tokenizer=engine.tokenizer, num_kv_blocks=64, block_size=4, max_model_len=64)
+        expected = offline.generate(prompts, params, use_tqdm=False)
+
+    async def main():
+        streams = [await engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        return await asyncio.gather(*(_collect(s) for s in streams))
+
+    results = _run(main())
+    for (texts, tokens, finishes, count), out in zip(results, expected):
+        assert count > 1  # streamed in steps, not in one piece
+        assert [texts[c.index] for c in out.outputs] == [c.text for c in out.outputs]
+        assert [tokens[c.index] for c in out.outputs] == [c.token_ids for c in out.outputs]
+        assert [finishes[c.index] for c in out.outputs] == ["length"] * len(out.outputs)
+    _run(engine.shutdown())
+    assert engine.llm.scheduler.kv.pool.num_free_blocks == 255
+
+
+def test_bad_input_raises_at_add_request(engine):
+    async def main():
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await engine.add_request("bad", [5, 100000], GREEDY)
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.add_request("long", [5] * 64, GREEDY)
+        stream = await engine.add_request("ok", [5, 6], GREEDY)
+        with pytest.raises(ValueError, match="already running"):
+            await engine.add_request("ok", [5, 6], GREEDY)
+        return await _collect(stream)
+
+    _, tokens, finishes, _ = _run(main())
+    assert len(tokens[0]) == 10 and finishes == {0: "length"}
+    _run(engine.shutdown())
+
+
+def test_leaving_a_stream_or_abort_frees_blocks_at_once(engine):
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+
+    async def wait_idle():
+        while engine.get_stats().num_running or engine.get_stats().kv_cache_usage:
+            await asyncio.sleep(0.005)
+
+    async def main():
+        a = await engine.add_request("a", "Hello world", params)
+        b = await engine.add_request("b", "The quick", params)
+        c = await engine.add_request("c", "Say hello", params)
+        await a.__anext__()
+        await a.aclose()  # leave early
+        engine.abort("b")  # abort from outside
+        outs = [out async for out in b]
+        assert outs[-1].finished and outs[-1].outputs[-1].finish_reason == "abort"
+        task = asyncio.ensure_future(_collect(c))
+        await asyncio.sleep(0.05)
+        task.cancel()  # a cancelled consumer aborts too
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(wait_idle(), 5)
+        return engine.num_steps
+
+    steps = _run(main())
+    assert steps < 50  # none ran to its 50 tokens
+    assert engine.llm.scheduler.kv.pool.num_free_blocks == 255 and not engine.llm.has_unfinished_requests()
+    _run(engine.shutdown())
+
+
+def test_shutdown_finishes_within_grace_then_aborts(engine):
+    """Steps of >= 20 ms: a 3-token request finishes within a 0.5 s grace period, a 60-token one is aborted."""
+    import time
+
+    step = engine.llm.step
+    engine.llm.step = lambda: (time.sleep(0.02), step())[1]
+
+    async def main():
+        short = await engine.add_request("short", "Hello", SamplingParams(temperature=0, max_tokens=3))
+        long = await engine.add_request("long", "Hello", SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        await engine.shutdown(grace_s=0.5)
+        with pytest.raises(EngineShutdownError):
+            await engine.add_request("late", "Hello", GREEDY)
+        return await _collect(short), await _collect(long)
+
+    (_, _, short_finish, _), (_, long_tokens, long_finish, _) = _run(main())
+    assert short_finish in ({0: "length"}, {0: "stop"})
+    assert long_finish == {0: "abort"} and len(long_tokens[0]) < 60
+    assert not engine.is_running and engine.llm.scheduler.kv.pool.num_free_blocks == 255
+
+
+def test_a_failed_step_reaches_every_caller(engine):
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    engine.llm.step = broken_step
+
+    async def main():
+        stream = await engine.add_request("x", "Hello", GREEDY)
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await _collect(stream)
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("y", "Hello", GREEDY)
+
+    _run(main())
+    assert not engine.is_running
