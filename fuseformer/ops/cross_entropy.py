@@ -22,7 +22,8 @@ by torch on the fp32 per-row losses, so every reduction's gradient is exactly au
 
 fused_linear_cross_entropy (hidden (N, H), weight (V, H), bias (V,)): logits = hidden @ weight.T
 never exist for all N tokens at once. The tokens are processed in chunks of C (C x V logits, about
-the size of the hidden states): per chunk the logits come from cuBLAS, the kernel overwrites them
+the size of the hidden states): per chunk the logits come from cuBLAS into one (C, V) buffer reused by
+every chunk, the kernel overwrites them
 with dlogits (scaled by 1/n for ``mean``), then grad_hidden[chunk] = dlogits @ weight and
 grad_weight += dlogits.T @ hidden[chunk] (grad_bias += column sums): all in the forward, as Liger
 does, so the backward only multiplies by the incoming scalar gradient. For ``reduction="none"`` the

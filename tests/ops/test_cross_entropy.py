@@ -370,7 +370,9 @@ def test_flce_gpu_memory_stays_below_logits():
     hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(v, h, device="cuda") / h**0.5).to(torch.bfloat16).requires_grad_()
     t = torch.randint(0, v, (n,), device="cuda")
-    (hidden[:8] @ weight[:8].T).sum().item()  # cuBLAS's workspace, allocated once a process, before the count
+    # cuBLAS/cuBLASLt workspaces (allocated once a process, ~32 MiB) and Triton's compile, before the count.
+    small = [a[:64].detach().requires_grad_() for a in (hidden, weight)]
+    F.fused_linear_cross_entropy(small[0], small[1], t[:64] % 64).backward()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -379,7 +381,7 @@ def test_flce_gpu_memory_stays_below_logits():
     above = torch.cuda.max_memory_allocated() - before
     chunk = CE._chunk_size(n, h, v, 2)
     expected = 2 * (v * h + n * h + chunk * v)  # 1.102 GiB
-    assert above <= expected + (16 << 20), f"{above / 2**30:.3f} GiB above the inputs, expected {expected / 2**30:.3f}"
+    assert above <= expected + (32 << 20), f"{above / 2**30:.3f} GiB above the inputs, expected {expected / 2**30:.3f}"
     assert weight.grad is not None and hidden.grad is not None
 
 
@@ -387,6 +389,16 @@ def test_flce_gradients_are_taken_not_copied(device, monkeypatch):
     """The gradients made in the forward become .grad as they are: no Python wrapper of a gradient
     buffer outlives the forward (where autograd counts such a wrapper as a reference, it deep-copies
     the gradient: +grad_weight of memory), and .grad shares the forward's buffers."""
+    _check_gradients_taken(device, torch.float32, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_flce_gradients_are_taken_not_copied_gpu(monkeypatch):
+    """The same on the GPU's torch and bf16: run 5's extra 0.98 GiB was a copy of grad_weight."""
+    _check_gradients_taken("cuda", torch.bfloat16, monkeypatch)
+
+
+def _check_gradients_taken(device, dtype, monkeypatch):
     import gc
     import weakref
 
@@ -400,8 +412,8 @@ def test_flce_gradients_are_taken_not_copied(device, monkeypatch):
         return out
 
     monkeypatch.setattr(CE, "fused_linear_cross_entropy_fwd", spy)
-    hidden = torch.randn(20, 16, device=device, requires_grad=True)
-    weight = torch.randn(50, 16, device=device, requires_grad=True)
+    hidden = torch.randn(20, 16, device=device).to(dtype).requires_grad_()
+    weight = torch.randn(50, 16, device=device).to(dtype).requires_grad_()
     t = _targets(20, 50, device)
     with fuseformer.use_backend("triton"):
         loss = F.fused_linear_cross_entropy(hidden, weight, t)
