@@ -282,6 +282,20 @@ def test_fused_mlp_gpu(lead, h, i, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 32, 64])
+def test_fused_mlp_gpu_no_grad_decode_bench_shapes(t):
+    """The bench's decode calls: nothing requires grad (the SAVE_PRE=False kernels; test_fused_mlp_gpu
+    takes the backward at these T), H 4096, I 14336, bf16, the shipped configs on an H200/H100."""
+    from fuseformer.runtime import autotune
+
+    key = M.config_key(t, 4096, 14336, torch.bfloat16)
+    _, source = autotune.lookup(M.KERNEL, key, "cuda", M.generic_key(t, torch.bfloat16))
+    if autotune.gpu_family(autotune.gpu_name("cuda")) in ("H200", "H100"):
+        assert source in ("shipped", "cache"), source
+    _check((t,), 4096, 14336, torch.bfloat16, "cuda", backward=False)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["gelu_tanh", "gelu"])
 def test_fused_mlp_gpu_gelu(activation):
     _check((513,), 2048, 5632, torch.bfloat16, "cuda", activation)
