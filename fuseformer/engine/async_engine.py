@@ -117,6 +117,11 @@ class RequestStream:
         )
 
 
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream._queue.put_nowait(out)
+
+
 class AsyncEngine:
     """An ``LLM`` stepped on a background thread (see the module docstring).
 
@@ -236,8 +241,7 @@ class AsyncEngine:
                     self.num_steps += 1
                 # Stats before outputs: a client that has its last token sees its blocks freed.
                 self._stats = llm.scheduler.get_stats()
-                for out in outputs:
-                    self._deliver(out)
+                self._deliver(outputs)
         except BaseException as exc:  # a failed step: every waiting caller gets the error, not a hang
             self.error = exc
             for stream in self._streams.values():
@@ -288,16 +292,25 @@ class AsyncEngine:
         except RuntimeError:
             pass
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        for c in out.outputs:
-            if c.finished:
-                stream._done_indexes.add(c.index)
-        if out.finished:
-            del self._streams[out.request_id]
-        stream._put(out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per event loop, not one per request
+        (at 256 requests a step, 256 ``call_soon_threadsafe`` calls cost more than the step's scheduling)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            for c in out.outputs:
+                if c.finished:
+                    stream._done_indexes.add(c.index)
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(stream._loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
 
     def _abort_all(self) -> None:
         for request_id, stream in list(self._streams.items()):

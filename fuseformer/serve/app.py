@@ -294,6 +294,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     from fuseformer import __version__
 
     server = _Server(engine, model_name)
+    # Streams leave out deltas that add no text (held back: an incomplete character, a possible stop
+    # string), except without a tokenizer (token-id prompts, text always empty): then every delta is
+    # a chunk, the only sign of progress a client gets (the serving benchmark times its first one).
+    text_only = engine.tokenizer is not None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -429,7 +433,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     async for i, out in _merged(http_request, streams):
                         for c in out.outputs:
                             ch, index = update(i, c)
-                            if not c.text and c.finish_reason is None and params.logprobs is None:
+                            if not c.text and c.finish_reason is None and params.logprobs is None and text_only:
                                 continue  # text held back (an incomplete character, a possible stop string)
                             offset = len(ch.text) - len(c.text)
                             lps = None
@@ -504,7 +508,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     async for _, out in _merged(http_request, streams):
                         for c in out.outputs:
                             update(c)
-                            if not c.text and c.finish_reason is None and not req.logprobs:
+                            if not c.text and c.finish_reason is None and not req.logprobs and text_only:
                                 continue  # text held back (an incomplete character, a possible stop string)
                             lps = None
                             if req.logprobs and c.logprobs:

@@ -1,0 +1,28 @@
+"""bench_serve's code paths on the CPU at a tiny shape: offline, the server at unlimited rate, lone
+requests and requests at a fixed rate all run and report sane numbers."""
+
+import torch
+
+import fuseformer
+
+
+def test_bench_serve_code_paths_on_cpu():
+    from fuseformer.bench.serve import format_table, run_serve_case
+
+    shape = dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    with fuseformer.use_backend("reference"):
+        records = run_serve_case(
+            shape, 6, 8, 5, num_lone=2, num_rated=3, rate=10.0, device="cpu", dtype=torch.float32,
+            num_kv_blocks=64, block_size=4,
+        )  # fmt: skip
+    impls = [r["impl"] for r in records]
+    assert impls == ["offline LLM.generate", "server, unlimited rate", "server, lone request", "server, 10 req/s"]
+    offline, unlimited, lone, rated = records
+    assert offline["output_tok_s"] > 0 and unlimited["output_tok_s"] > 0
+    assert unlimited["ratio_to_offline"] == unlimited["output_tok_s"] / offline["output_tok_s"]
+    assert lone["requests"] == 2 and rated["requests"] == 3
+    assert 0 < lone["p50_ttft_ms"] < 10_000 and 0 < rated["p50_ttft_ms"] < 10_000
+    assert "server, unlimited rate" in format_table(records)
