@@ -70,14 +70,16 @@ def checkpoint(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running_server(checkpoint, api_key=None, timeout=120.0, **llm_kwargs):
-    """Yield (base URL, AsyncEngine) of a server on 127.0.0.1 (a free port), stopped on exit."""
+def running_server(checkpoint, api_key=None, timeout=120.0, backend="reference", **llm_kwargs):
+    """Yield (base URL, AsyncEngine) of a server on 127.0.0.1 (a free port), stopped on exit.
+    ``checkpoint``: a model directory, or an LLM to serve as it is."""
     import uvicorn
 
     from fuseformer.serve.app import create_app
 
-    with fuseformer.use_backend("reference"):
-        engine = AsyncEngine(LLM(checkpoint, **(LLM_KWARGS | llm_kwargs)), start=False)
+    with fuseformer.use_backend(backend):
+        llm = checkpoint if isinstance(checkpoint, LLM) else LLM(checkpoint, **(LLM_KWARGS | llm_kwargs))
+        engine = AsyncEngine(llm, start=False)
         app = create_app(engine, MODEL, api_key=api_key)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -196,3 +196,56 @@ def test_serve_cli_bad_arguments_exit_2(args, match, checkpoint, capsys):
         args = ["--model", str(checkpoint), *args]
     assert cli.main(["serve", *args]) == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_256_concurrent_streams_at_real_layer_sizes(dtype, start_server, read_metric):
+    """On the GPU (Triton kernels): hidden 1024, head dim 128, GQA 8/2, vocab 4096, random weights;
+    256 streaming clients with prompts of 20-700 tokens (half sharing a 300-token prefix) on a cache
+    too small for all of them at once: every request completes exactly once with its max_tokens, the
+    prefix cache hits, and the cache is empty afterwards."""
+    import torch
+
+    from fuseformer.bench.engine import build_models
+
+    shape = dict(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=4096, tie_word_embeddings=False,
+    )  # fmt: skip
+    _, model = build_models(shape, "cuda", getattr(torch, dtype))
+    llm = LLM(model, device="cuda", max_model_len=1024, num_kv_blocks=1 + 64 * 16, block_size=16)
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 4096, (300,), generator=gen).tolist()
+    lengths = torch.randint(20, 400, (256,), generator=gen).tolist()
+    prompts = [
+        (prefix if i % 2 else []) + torch.randint(0, 4096, (n,), generator=gen).tolist() for i, n in enumerate(lengths)
+    ]
+    max_tokens = [int(t) for t in torch.randint(1, 200, (256,), generator=gen)]
+
+    async def one(client, i):
+        body = dict(model=MODEL, prompt=prompts[i], max_tokens=max_tokens[i], temperature=0.8, seed=i, stream=True,
+                    ignore_eos=True, stream_options={"include_usage": True})  # fmt: skip
+        finishes, usage = [], None
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    finishes += [c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]]
+        return finishes, usage
+
+    async def run(url):
+        limits = httpx.Limits(max_connections=300)
+        async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(256))), 300)
+
+    with start_server(llm, backend="auto") as (url, engine):
+        results = asyncio.run(run(url))
+        for i, (finishes, usage) in enumerate(results):
+            assert finishes == ["length"], (i, finishes)
+            assert usage["completion_tokens"] == max_tokens[i] and usage["prompt_tokens"] == len(prompts[i])
+        _wait_until(lambda: read_metric(url, "fuseformer_kv_cache_usage_perc") == 0.0, 10, "KV usage 0")
+        assert read_metric(url, "fuseformer_prefix_cache_hit_rate") > 0.2
+        assert engine.llm.scheduler.num_preemptions > 0
