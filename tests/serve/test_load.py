@@ -146,14 +146,22 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0(checkpoint):
+@pytest.mark.parametrize("finishes", [True, False], ids=["in-flight-finishes", "past-timeout-aborted"])
+def test_sigterm_stops_accepting_and_exits_0(checkpoint, finishes):
+    """SIGTERM mid-stream: the in-flight request finishes (within --shutdown-timeout) or, past it, is
+    cut off and aborted; new connections are refused; the process exits 0."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"FUSEFORMER_BACKEND": "reference"}
     cmd = [
         sys.executable, "-m", "fuseformer.serve.cli", "serve", "--model", str(checkpoint), "--port", str(port),
-        "--host", "127.0.0.1", "--device", "cpu", "--num-kv-blocks", "64", "--block-size", "4",
-        "--max-model-len", "64", "--served-model-name", MODEL, "--log-level", "warning",
+        "--host", "127.0.0.1", "--device", "cpu", "--num-kv-blocks", "2048", "--block-size", "4",
+        "--max-model-len", "64", "--served-model-name", MODEL, "--log-level", "critical",
+        "--shutdown-timeout", "30" if finishes else "0.1",
     ]  # fmt: skip
+    # 40 tokens; or 128 completions x 60 tokens, which take well over 0.1 s on the CPU
+    body = dict(model=MODEL, prompt="Hello", max_tokens=40, stream=True)
+    if not finishes:
+        body |= dict(n=128, max_tokens=60, ignore_eos=True)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -166,16 +174,21 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(checkpoint):
                 return False
 
         _wait_until(healthy, 60, "the server to start")
-        with httpx.stream(
-            "POST", f"{url}/v1/completions", json=dict(model=MODEL, prompt="Hello", max_tokens=40, stream=True),
-            timeout=30,
-        ) as r:  # fmt: skip
+        rest = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
-            proc.send_signal(signal.SIGTERM)  # mid-stream: this request finishes, new connections are refused
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rest = [line for line in lines if line.startswith("data: ")]
+                cut = False
+            except httpx.RemoteProtocolError:  # the server cancelled the response
+                cut = True
+        if finishes:
+            assert not cut and rest[-1] == "data: [DONE]"
+            assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+        else:
+            assert cut or not rest or rest[-1] != "data: [DONE]"
         assert proc.wait(timeout=30) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=1)
