@@ -103,6 +103,8 @@ class _SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
         )
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:  # the engine's generators take int64
+            raise APIError(f"seed must be a 64-bit signed integer, got {self.seed}", "seed")
         if not 1 <= self.n <= MAX_N:
             raise APIError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:

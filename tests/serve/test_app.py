@@ -195,6 +195,7 @@ BAD_REQUESTS = [
     ("/v1/completions", dict(prompt="hi", logprobs=50), "logprobs"),
     ("/v1/completions", dict(prompt="hi", stop=[""]), "stop"),
     ("/v1/completions", dict(prompt="hi", seed="x"), "seed"),
+    ("/v1/completions", dict(prompt="hi", seed=2**70), "seed"),  # would fail the engine's step
     ("/v1/completions", dict(prompt="hi", stream="maybe"), "stream"),
     ("/v1/completions", dict(prompt=_LONG), "prompt"),
     ("/v1/completions", dict(prompt=[]), "prompt"),

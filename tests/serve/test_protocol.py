@@ -48,6 +48,8 @@ def test_chat_logprobs_and_max_tokens_fields():
         (dict(stop=["ok", ""]), "stop"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(logprobs=21), "logprobs"),
+        (dict(seed=2**63), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
     ],
 )
 def test_out_of_range_fields_name_the_field(fields, param):
