@@ -12,8 +12,8 @@ routes; 503 while shutting down. User input never gives a 500.
 
 A client that disconnects has its requests aborted, and their KV blocks freed, at once: the
 streaming body is cancelled by Starlette when the client goes (its ``finally`` closes the streams),
-and every wait for engine output also polls ``request.is_disconnected()`` (non-streaming requests
-get no cancellation from Starlette). The lifespan's exit runs ``engine.shutdown``: uvicorn on
+and a watcher task polls ``request.is_disconnected()`` while a request waits for engine output
+(non-streaming requests get no cancellation from Starlette). The lifespan's exit runs ``engine.shutdown``: uvicorn on
 SIGTERM stops accepting, waits for in-flight requests (up to its graceful timeout, then cancels
 them, which aborts them), then exits the lifespan.
 """
@@ -196,10 +196,16 @@ class _Server:
             self.metrics.count_tokens(generation=num_new)
 
 
-async def _merged(http_request: Request, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, delta) from all streams as they come. Leaving early, the client disconnecting
-    (polled) or a cancellation aborts every unfinished stream."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+_DISCONNECTED = object()
+
+
+async def _merged(
+    http_request: Request, streams: list[RequestStream]
+) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    """Batches of (prompt index, delta) from all streams: each batch is everything that arrived since
+    the previous one (one write per batch when the client falls behind). Leaving early, the client
+    disconnecting (polled by a watcher task) or a cancellation aborts every unfinished stream."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
@@ -210,36 +216,36 @@ async def _merged(http_request: Request, streams: list[RequestStream]) -> AsyncI
         finally:
             queue.put_nowait((i, None))
 
-    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    getter: asyncio.Future | None = None
+    async def watch() -> None:
+        while not await http_request.is_disconnected():
+            await asyncio.sleep(_DISCONNECT_POLL_S)
+        queue.put_nowait((-1, _DISCONNECTED))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    tasks.append(asyncio.ensure_future(watch()))
     remaining = len(streams)
-    next_check = time.monotonic() + _DISCONNECT_POLL_S
     try:
         while remaining:
-            if time.monotonic() >= next_check:  # also while outputs flow, not only when they pause
-                if await http_request.is_disconnected():
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            batch = []
+            for i, item in items:
+                if item is None:
+                    remaining -= 1
+                elif item is _DISCONNECTED:
                     return
-                next_check = time.monotonic() + _DISCONNECT_POLL_S
-            if getter is None:
-                getter = asyncio.ensure_future(queue.get())
-            done, _ = await asyncio.wait({getter}, timeout=max(next_check - time.monotonic(), 0.0))
-            if not done:
-                continue
-            i, item = getter.result()
-            getter = None
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    batch.append((i, item))
+            if batch:
+                yield batch
     finally:
-        if getter is not None:
-            getter.cancel()
         for s in streams:
             s.close()
-        for p in pumps:
-            p.cancel()
+        for t in tasks:
+            t.cancel()
 
 
 def _sse(data: dict[str, Any] | str) -> str:
@@ -430,17 +436,21 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             async def events() -> AsyncIterator[str]:
                 extra = {"usage": None} if req.include_usage else {}
                 try:
-                    async for i, out in _merged(http_request, streams):
-                        for c in out.outputs:
-                            ch, index = update(i, c)
-                            if not c.text and c.finish_reason is None and params.logprobs is None and text_only:
-                                continue  # text held back (an incomplete character, a possible stop string)
-                            offset = len(ch.text) - len(c.text)
-                            lps = None
-                            if params.logprobs is not None and c.logprobs:
-                                lps = _completion_logprobs(server, c.token_ids, c.logprobs, offset)
-                            choice = dict(index=index, text=c.text, logprobs=lps, finish_reason=c.finish_reason)
-                            yield _sse(head() | dict(choices=[choice]) | extra)
+                    async for batch in _merged(http_request, streams):
+                        chunks = []
+                        for i, out in batch:
+                            for c in out.outputs:
+                                ch, index = update(i, c)
+                                if not c.text and c.finish_reason is None and params.logprobs is None and text_only:
+                                    continue  # text held back (an incomplete character, a possible stop string)
+                                offset = len(ch.text) - len(c.text)
+                                lps = None
+                                if params.logprobs is not None and c.logprobs:
+                                    lps = _completion_logprobs(server, c.token_ids, c.logprobs, offset)
+                                choice = dict(index=index, text=c.text, logprobs=lps, finish_reason=c.finish_reason)
+                                chunks.append(_sse(head() | dict(choices=[choice]) | extra))
+                        if chunks:
+                            yield "".join(chunks)
                     if req.include_usage:
                         usage = _usage(num_prompt, sum(len(ch.token_ids) for ch in choices))
                         yield _sse(head() | dict(choices=[], usage=usage))
@@ -450,9 +460,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        async for i, out in _merged(http_request, streams):
-            for c in out.outputs:
-                update(i, c)
+        async for batch in _merged(http_request, streams):
+            for i, out in batch:
+                for c in out.outputs:
+                    update(i, c)
         if await http_request.is_disconnected():
             return Response(status_code=499)
         body_choices = []
@@ -505,8 +516,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                         delta = dict(role="assistant", content="")
                         choice = dict(index=index, delta=delta, logprobs=None, finish_reason=None)
                         yield _sse(head() | dict(choices=[choice]) | extra)
-                    async for _, out in _merged(http_request, streams):
-                        for c in out.outputs:
+                    async for batch in _merged(http_request, streams):
+                        chunks = []
+                        for c in (c for _, out in batch for c in out.outputs):
                             update(c)
                             if not c.text and c.finish_reason is None and not req.logprobs and text_only:
                                 continue  # text held back (an incomplete character, a possible stop string)
@@ -515,7 +527,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                 lps = _chat_logprobs(server, c.token_ids, c.logprobs, top)
                             delta = dict(content=c.text) if c.text or c.finish_reason is None else {}
                             choice = dict(index=c.index, delta=delta, logprobs=lps, finish_reason=c.finish_reason)
-                            yield _sse(head() | dict(choices=[choice]) | extra)
+                            chunks.append(_sse(head() | dict(choices=[choice]) | extra))
+                        if chunks:
+                            yield "".join(chunks)
                     if req.include_usage:
                         usage = _usage(len(ids), sum(len(ch.token_ids) for ch in choices))
                         yield _sse(head() | dict(choices=[], usage=usage))
@@ -525,8 +539,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        async for _, out in _merged(http_request, streams):
-            for c in out.outputs:
+        async for batch in _merged(http_request, streams):
+            for c in (c for _, out in batch for c in out.outputs):
                 update(c)
         if await http_request.is_disconnected():
             return Response(status_code=499)
