@@ -1,4 +1,4 @@
-"""The ``fuseformer`` command: ``info``, ``generate``, ``bench`` and ``train``."""
+"""The ``fuseformer`` command: ``info``, ``generate``, ``serve``, ``bench`` and ``train``."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks against peers on a GPU (table, JSON, PNG)")
     p.add_argument(
-        "suites", nargs="*", default=[], help="suites: ops (default), attention, mlp_ce, engine, train, sweep"
+        "suites", nargs="*", default=[], help="suites: ops (default), attention, mlp_ce, engine, serve, train, sweep"
     )
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG (default: bench-results)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
@@ -75,9 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_bench)
 
     from fuseformer.engine.cli import add_generate_parser
+    from fuseformer.serve.cli import add_serve_parser
     from fuseformer.train.cli import add_train_parser
 
     add_generate_parser(sub)
+    add_serve_parser(sub)
     add_train_parser(sub)
     return parser
 

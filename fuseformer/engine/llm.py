@@ -248,6 +248,9 @@ class LLM:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"LLM: stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            # torch.topk would raise inside the engine's step, taking every other request with it.
+            raise ValueError(f"LLM: logprobs {params.logprobs} is more than the vocabulary size {vocab}")
 
     # ---- streaming API -------------------------------------------------------------------------
 

@@ -91,6 +91,9 @@ class SamplingParams:
                 raise bad(name, "must be in [-2, 2]")
         if self.seed is not None and not _is_int(self.seed):
             raise TypeError(f"SamplingParams: seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            # torch.Generator.manual_seed raises outside this range, inside the engine's step.
+            raise ValueError(f"SamplingParams: seed must be in [-2**63, 2**64), got {self.seed}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "must be None or an int >= 0")
 

@@ -295,6 +295,7 @@ def test_default_sampling_params_from_generation_config(text_checkpoint):
         ([5], [GREEDY, GREEDY], "2 sampling_params for 2 prompts|sampling_params"),
         ([5], "greedy", "SamplingParams"),
         ([5], SamplingParams(stop_token_ids=[500]), "stop_token_ids"),
+        ([5], SamplingParams(logprobs=129), "logprobs 129 is more than the vocabulary size 128"),
     ],
 )
 def test_bad_input_raises_before_scheduling(prompt, params, match, checkpoint):

@@ -63,3 +63,9 @@ def test_bad_value_names_field(field, value):
 def test_bad_type_names_field(field, value):
     with pytest.raises(TypeError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_seed_outside_generator_range_is_rejected(seed):
+    with pytest.raises(ValueError, match="seed must be in"):
+        SamplingParams(seed=seed)
