@@ -38,6 +38,47 @@ _REQUIRED = {
 }
 
 
+def rope_inv_freq(
+    dim: int,
+    base: float,
+    rope_type: str,
+    scaling: dict,
+    max_position_embeddings: int,
+    seq_len: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """(dim / 2,) fp32 inverse frequencies, as transformers' ``ROPE_INIT_FUNCTIONS`` compute them.
+
+    The one copy of these formulas (the module below and the Llama-family model both use it).
+    "dynamic" with ``seq_len`` (a tensor of any shape, e.g. (T,) per token, no host sync) gives
+    (*seq_len.shape, dim / 2): a length past max_position_embeddings rescales the base, as HF's
+    forward does; without ``seq_len`` it is the init value (the plain frequencies).
+    """
+    if seq_len is not None:
+        device = seq_len.device
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    if rope_type == "dynamic" and seq_len is not None:
+        factor = scaling["factor"]
+        length = torch.clamp(seq_len.float(), min=max_position_embeddings)
+        scaled_base = base * ((factor * length / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (scaled_base[..., None] ** exponent)
+    inv_freq = 1.0 / (base**exponent)
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_context_len = scaling.get("original_max_position_embeddings", max_position_embeddings)
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (past old_len / low) are divided by factor, short ones (below
+        # old_len / high) kept, the band between interpolated smoothly.
+        scaled = torch.where(wavelen > old_context_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_context_len / high) * ~(wavelen > old_context_len / low)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for RoPE and their application to q and k.
 
@@ -101,37 +142,10 @@ class RotaryEmbedding(nn.Module):
     # ----------------------------------------------------------------------------------------
     def _inv_freq(self, device: torch.device, seq_len: int | None = None) -> torch.Tensor:
         """(rotary_dim / 2,) fp32. ``seq_len`` only matters for "dynamic" (None: the init value)."""
-        dim, base, s = self.rotary_dim, self.base, self.scaling
-        if self.rope_type == "dynamic":
-            factor, max_pos = s["factor"], self.max_position_embeddings
-            if seq_len is None:
-                base = base * ((factor * max_pos / max_pos) - (factor - 1)) ** (dim / (dim - 2))
-            else:
-                # As HF at run time: seq_len is an int64 tensor there, so this is fp32 tensor math.
-                length = torch.maximum(torch.tensor(seq_len), torch.tensor(max_pos))
-                base = base * ((factor * length / max_pos) - (factor - 1)) ** (dim / (dim - 2))
-        exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
-        inv_freq = 1.0 / (base**exponent)
-        if self.rope_type == "linear":
-            inv_freq /= s["factor"]
-        elif self.rope_type == "llama3":
-            inv_freq = self._llama3(inv_freq)
-        return inv_freq
-
-    def _llama3(self, inv_freq: torch.Tensor) -> torch.Tensor:
-        s = self.scaling
-        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old_context_len = s.get("original_max_position_embeddings", self.max_position_embeddings)
-        low_freq_wavelen = old_context_len / low
-        high_freq_wavelen = old_context_len / high
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths (past low_freq_wavelen) are divided by factor, short ones (below
-        # high_freq_wavelen) kept, the band between interpolated smoothly.
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
+        length = None if seq_len is None else torch.tensor(seq_len, device=device)
+        return rope_inv_freq(
+            self.rotary_dim, self.base, self.rope_type, self.scaling, self.max_position_embeddings, length, device
+        )
 
     def _table(self, inv_freq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (n, rotary_dim / 2) fp32 for positions 0..n-1 (HF's position * inv_freq)."""

@@ -8,7 +8,6 @@ checkpoint's weights). Parameter names follow Hugging Face's, except the packed 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ from torch import nn
 
 import fuseformer.ops as F
 from fuseformer.layers import RMSNorm
+from fuseformer.layers.rotary import rope_inv_freq as _rope_inv_freq
 from fuseformer.models.config import ModelConfig
 
 
@@ -48,35 +48,13 @@ class AttentionMetadata:
 
 
 def rope_inv_freq(config: ModelConfig, seq_len: torch.Tensor | None = None) -> torch.Tensor:
-    """(D/2,) fp32 inverse frequencies, computed as transformers' ``modeling_rope_utils`` does.
-
-    Types: default, linear, llama3, dynamic (NTK: a sequence of ``seq_len`` positions past
-    max_position_embeddings rescales the base, as HF's update in the forward does; ``seq_len`` any
-    shape, e.g. (T,) per token, giving (*seq_len.shape, D/2)).
-    """
-    dim, base, rs = config.head_dim, config.rope_theta, config.rope_scaling or {"rope_type": "default"}
-    rope_type = rs["rope_type"]
-    device = seq_len.device if seq_len is not None else None
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    if rope_type == "dynamic" and seq_len is not None:
-        max_pos = config.max_position_embeddings
-        seq_len = torch.clamp(seq_len.float(), min=max_pos)
-        factor = rs["factor"]
-        scaled_base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
-        return 1.0 / (scaled_base[..., None] ** exponents)
-    inv_freq = 1.0 / (base**exponents)
-    if rope_type == "linear":
-        inv_freq = inv_freq / rs["factor"]
-    elif rope_type == "llama3":
-        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-        old_len = rs["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-        inv_freq = torch.where(is_medium, smoothed, scaled)
-    return inv_freq
+    """(D/2,) fp32 inverse frequencies of ``config``'s rope (default, linear, llama3, dynamic), by
+    :func:`fuseformer.layers.rotary.rope_inv_freq`; for dynamic, ``seq_len`` of any shape (e.g. (T,)
+    per token) gives (*seq_len.shape, D/2)."""
+    rs = config.rope_scaling or {"rope_type": "default"}
+    return _rope_inv_freq(
+        config.head_dim, config.rope_theta, rs["rope_type"], rs, config.max_position_embeddings, seq_len
+    )
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
