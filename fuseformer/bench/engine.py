@@ -49,7 +49,7 @@ def build_models(shape: dict, device: str, dtype: torch.dtype) -> tuple[Any, Any
 
     from fuseformer.models.config import ModelConfig
     from fuseformer.models.llama import LlamaForCausalLM
-    from fuseformer.models.loader import _targets
+    from fuseformer.models.loader import checkpoint_targets
 
     hf_config = transformers.LlamaConfig(**shape, **_COMMON, eos_token_id=128001)
     hf_config.architectures = ["LlamaForCausalLM"]
@@ -69,7 +69,9 @@ def build_models(shape: dict, device: str, dtype: torch.dtype) -> tuple[Any, Any
     if config.tie_word_embeddings:
         ours.lm_head.weight = ours.model.embed_tokens.weight
     params = dict(ours.named_parameters())
-    targets = _targets(ours, config)  # checkpoint name -> (our parameter, first row, rows): packs q/k/v, gate/up
+    targets = checkpoint_targets(
+        ours, config
+    )  # checkpoint name -> (our parameter, first row, rows): packs q/k/v, gate/up
     with torch.no_grad():
         for name, tensor in hf.state_dict().items():
             if name not in targets:

@@ -30,7 +30,7 @@ _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
 
-def _shard_rows(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def shard_rows(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Rows each checkpoint module takes in its packed parameter, per packed module."""
     d = config.head_dim
     return {
@@ -39,9 +39,9 @@ def _shard_rows(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _targets(model: torch.nn.Module, config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+def checkpoint_targets(model: torch.nn.Module, config: ModelConfig) -> dict[str, tuple[str, int, int]]:
     """Checkpoint name -> (our parameter name, first row, row count); row count -1 = the whole tensor."""
-    rows = _shard_rows(config)
+    rows = shard_rows(config)
     targets = {}
     for name, _ in model.named_parameters():  # tied lm_head.weight is listed once, as the embedding
         parts = name.split(".")
@@ -116,7 +116,7 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters())
-    targets = _targets(model, config)
+    targets = checkpoint_targets(model, config)
     loaded: set[str] = set()
     unexpected: list[str] = []
     ignored = IGNORED_SUFFIXES + (("lm_head.weight",) if config.tie_word_embeddings else ())

@@ -154,3 +154,13 @@ def dispatch(
     if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return function.apply(*args)
     return impl(*args)
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under torch.autocast, the float inputs in the autocast dtype (as F.linear would take them;
+    the casts are differentiable, so fp32 master weights get their gradients); else unchanged."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)

@@ -42,6 +42,7 @@ import triton.language as tl
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
+    autocast_inputs,
     autograd_function,
     check_shape,
     check_tensor,
@@ -50,7 +51,6 @@ from fuseformer.ops._utils import (
     float_dtype_of,
     next_pow2,
 )
-from fuseformer.ops.mlp import autocast_inputs
 from fuseformer.runtime.backend import choose_backend
 
 REDUCTIONS = ("mean", "sum", "none")

@@ -41,6 +41,7 @@ import triton.language as tl
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
+    autocast_inputs,
     autograd_function,
     check_tensor,
     dispatch,
@@ -475,16 +476,6 @@ _FusedMLPFunction = autograd_function("_FusedMLPFunction", _fwd_impl, _setup_con
 # --------------------------------------------------------------------------------------------
 # Public function
 # --------------------------------------------------------------------------------------------
-def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Under torch.autocast, the float inputs in the autocast dtype (as F.linear would take them;
-    the casts are differentiable, so fp32 master weights get their gradients); else unchanged."""
-    device_type = tensors[0].device.type
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
-
-
 def fused_mlp(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,

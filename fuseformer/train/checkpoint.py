@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from fuseformer.models.config import ModelConfig
-from fuseformer.models.loader import PACKED_MODULES, _shard_rows, load_model
+from fuseformer.models.loader import PACKED_MODULES, load_model, shard_rows
 from fuseformer.train import distributed as D
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **extra: 
 def hf_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Our parameter names -> the checkpoint's: packed qkv_proj / gate_up_proj split back into
     q/k/v_proj and gate/up_proj (the loader's PACKED_MODULES table read backwards)."""
-    rows = _shard_rows(config)
+    rows = shard_rows(config)
     out = {}
     for name, tensor in state.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
