@@ -42,7 +42,15 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fuseformer.ops._utils import FLOAT_DTYPES, check_tensor, empty, float_dtype_of, next_pow2
+from fuseformer.ops._utils import (
+    FLOAT_DTYPES,
+    autograd_function,
+    check_tensor,
+    dispatch,
+    empty,
+    float_dtype_of,
+    next_pow2,
+)
 from fuseformer.runtime.backend import INTERPRET, choose_backend
 
 _OP = "flash_attention"
@@ -613,13 +621,28 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (max_q, max_k, scale, left, right)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = attention_bwd.flash_attention_bwd_op(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+def _backward_with(bwd):
+    """The backward calling ``bwd``: the custom op under compile/export, the plain launcher in the
+    eager autograd.Function (as every op does; see _utils.dispatch)."""
+
+    def _backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+    return _backward
 
 
-_flash_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+# attention_bwd imports this module's helpers, so the backward functions are looked up at call time.
+_flash_attention_fwd_op.register_autograd(
+    _backward_with(lambda *a: attention_bwd.flash_attention_bwd_op(*a)), setup_context=_setup_context
+)
+_FlashAttentionFunction = autograd_function(
+    "_FlashAttentionFunction",
+    flash_attention_fwd,
+    _setup_context,
+    _backward_with(lambda *a: attention_bwd.flash_attention_bwd(*a)),
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -741,7 +764,10 @@ def flash_attention(
         return flash_attention_ref(
             q, k, v, False, scale, (left, right), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse
         )
-    out, lse = _flash_attention_fwd_op(
+    out, lse = dispatch(
+        _flash_attention_fwd_op,
+        _FlashAttentionFunction,
+        flash_attention_fwd,
         q,
         k,
         v,

@@ -371,7 +371,10 @@ def reshape_and_cache(
         return
     k = k if k.stride(2) == 1 else k.contiguous()
     v = v if v.stride(2) == 1 else v.contiguous()
-    _reshape_and_cache_op(k, v, k_cache, v_cache, slot_mapping.contiguous())
+    # The custom op only under torch.compile: eager (the engine's per-layer decode path) calls the
+    # launcher itself and skips the dispatcher's host time.
+    run = _reshape_and_cache_op if torch.compiler.is_compiling() else reshape_and_cache_fwd
+    run(k, v, k_cache, v_cache, slot_mapping.contiguous())
 
 
 def paged_attention(
@@ -434,7 +437,8 @@ def paged_attention(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch > 0 else 0
     q = q if q.stride(2) == 1 else q.contiguous()
-    return _paged_attention_op(
+    run = _paged_attention_op if torch.compiler.is_compiling() else paged_attention_fwd  # see reshape_and_cache
+    return run(
         q,
         k_cache,
         v_cache,
