@@ -59,3 +59,28 @@ def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, base: torch.Te
             f"{name}: max error {err:.3e} > tolerance {tol:.3e} "
             f"(baseline error {max_err(base, ref):.3e}, dtype {out.dtype})"
         )
+
+
+def save_tiny_tokenizer(path, corpus: list[str], chat_template: str, vocab_size: int = 300) -> int:
+    """Train a byte-level BPE on ``corpus`` and save it as a Hugging Face tokenizer directory
+    (tokenizer.json + tokenizer_config.json with <s>/</s> and ``chat_template``) in ``path``.
+
+    For tests that need a real tokenizer without downloading one. Returns the id of </s>.
+    """
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path = Path(path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": chat_template}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.token_to_id("</s>")

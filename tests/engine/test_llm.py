@@ -6,7 +6,6 @@ stop ids; chat template; bad input refused before anything is scheduled; the str
 runs the Triton kernels (interpreted on the CPU)."""
 
 import copy
-import json
 import math
 import os
 import subprocess
@@ -15,12 +14,12 @@ import sys
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import fuseformer
 from fuseformer.engine.llm import LLM
 from fuseformer.engine.outputs import RequestOutput
 from fuseformer.engine.sampling_params import SamplingParams
+from fuseformer.testing import save_tiny_tokenizer
 
 _BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
 # name -> (HF model class, config class, arguments): GQA, tied/untied, QKV bias, q/k norm, sliding window.
@@ -95,17 +94,7 @@ def checkpoint(tmp_path_factory):
 def text_checkpoint(tmp_path_factory):
     """A Llama checkpoint with a byte-level BPE tokenizer trained here, a chat template and EOS."""
     path = tmp_path_factory.mktemp("with_tokenizer")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    eos = tok.token_to_id("</s>")
-    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    eos = save_tiny_tokenizer(path, CORPUS, CHAT_TEMPLATE)
     _save(path, "llama", vocab_size=320, bos_token_id=0, eos_token_id=eos)
     return path
 

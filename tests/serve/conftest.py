@@ -4,7 +4,6 @@ uvicorn on a thread for the length of a ``with`` block (models on their PyTorch 
 is the server)."""
 
 import contextlib
-import json
 import math
 import socket
 import threading
@@ -14,11 +13,11 @@ import httpx
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import fuseformer
 from fuseformer.engine.async_engine import AsyncEngine
 from fuseformer.engine.llm import LLM
+from fuseformer.testing import save_tiny_tokenizer
 
 CORPUS = [
     "Hello world, this is a tiny corpus for a tiny tokenizer.",
@@ -34,17 +33,7 @@ LLM_KWARGS = dict(num_kv_blocks=256, block_size=4, max_model_len=64, device="cpu
 
 
 def make_checkpoint(path):
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    eos = tok.token_to_id("</s>")
-    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    eos = save_tiny_tokenizer(path, CORPUS, CHAT_TEMPLATE)
     hf_config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=320, bos_token_id=0, eos_token_id=eos,
