@@ -54,10 +54,14 @@ def _error(message: str, code: int) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``fuseformer serve``; returns the exit code."""
-    if args.model is None:
-        return _error("no --model given", 2)
-    if not Path(args.model).is_dir():
-        return _error(f"--model {args.model} is not a directory", 2)
+    from fuseformer.engine.cli import DEFAULT_MODEL
+
+    # The same default as `fuseformer generate` (the built-in model, once one ships).
+    model = args.model or DEFAULT_MODEL
+    if model is None:
+        return _error("no --model given and no built-in model is installed", 2)
+    if not Path(model).is_dir():
+        return _error(f"--model {model} is not a directory", 2)
     if not 0 <= args.port < 65536:
         return _error(f"--port must be in [0, 65535], got {args.port}", 2)
     if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
@@ -73,7 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         llm = LLM(
-            args.model,
+            model,
             dtype=args.dtype,
             device=args.device,
             max_model_len=args.max_model_len,
@@ -87,7 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     except (FileNotFoundError, ValueError) as exc:
         return _error(str(exc), 1)
-    name = args.served_model_name or Path(args.model).resolve().name
+    name = args.served_model_name or Path(model).resolve().name
     app = create_app(AsyncEngine(llm, start=False), name, api_key=args.api_key)
     config = uvicorn.Config(
         app,
