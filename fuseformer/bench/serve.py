@@ -138,6 +138,10 @@ def run_serve_case(
     from fuseformer.engine.llm import LLM
     from fuseformer.engine.sampling_params import SamplingParams
 
+    def progress(msg: str) -> None:
+        print(f"bench serve: {msg}", flush=True)
+
+    progress(f"building {shape_name} ...")
     hf, ours = build_models(shape, device, dtype)
     del hf
     gc.collect()
@@ -162,6 +166,7 @@ def run_serve_case(
     records.append(
         dict(bench="serve", impl="offline LLM.generate", **case, seconds=offline_s, output_tok_s=offline_tok_s)
     )
+    progress(f"offline {offline_tok_s:.0f} output tok/s; starting the server")
 
     url, stop = _start_server(llm, name)
     try:
@@ -173,6 +178,7 @@ def run_serve_case(
                 ratio_to_offline=tok_s / offline_tok_s,
             )
         )  # fmt: skip
+        progress(f"server, unlimited rate: {tok_s:.0f} output tok/s ({tok_s / offline_tok_s:.3f} of offline)")
         lone = asyncio.run(_lone(url, name, light[:num_lone], output_len))
         lone_p50 = statistics.median(lone)
         records.append(
@@ -183,6 +189,7 @@ def run_serve_case(
                 p50_ttft_ms=1e3 * lone_p50,
             )
         )
+        progress(f"lone requests: p50 TTFT {1e3 * lone_p50:.1f} ms")
         rated = asyncio.run(_at_rate(url, name, light[num_lone:], output_len, rate))
         rated_p50 = statistics.median(rated)
         records.append(

@@ -11,8 +11,10 @@ import argparse
 import sys
 from pathlib import Path
 
-# The model used when --model is not given: none yet (a later issue ships a built-in one).
-DEFAULT_MODEL: str | None = None
+# The model used when --model is not given: the built-in one shipped in the package
+# (fuseformer/assets/builtin, trained by `fuseformer train --preset builtin`); None if it is absent.
+BUILTIN_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "builtin"
+DEFAULT_MODEL: str | None = str(BUILTIN_MODEL_DIR) if (BUILTIN_MODEL_DIR / "config.json").is_file() else None
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -21,7 +23,11 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     """Add ``generate`` to a ``fuseformer`` subcommand set."""
     p = subparsers.add_parser("generate", help="complete a prompt with a local model, streaming the text")
     p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
-    p.add_argument("--model", default=None, help="Hugging Face model directory (config.json, safetensors, tokenizer)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model directory (config.json, safetensors, tokenizer); default: the built-in model",
+    )
     p.add_argument("--max-tokens", type=int, default=None, help="output tokens at most (default 256)")
     p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the model's, else 1)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")

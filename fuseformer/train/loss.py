@@ -31,6 +31,10 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, target:
     if fused is not None:
         # The op returns the loss in hidden's dtype: a bf16/fp16 sum over thousands of tokens would
         # round badly (fp16 overflows past 65504), so ask for the mean (O(1)) and scale it in fp32.
+        # Without grad (eval) take the per-token losses and sum them in fp32: a bf16 mean keeps
+        # three digits, too few for a held-out loss.
+        if not torch.is_grad_enabled():
+            return fused(hidden, weight, target, ignore_index=IGNORE_INDEX, reduction="none").float().sum()
         valid = (target != IGNORE_INDEX).sum().float()
         return fused(hidden, weight, target, ignore_index=IGNORE_INDEX, reduction="mean").float() * valid
     total = hidden.new_zeros((), dtype=torch.float32)
