@@ -5,8 +5,12 @@ weights copied into ours, so both run the same numbers), 256 requests x (256 pro
 tokens, greedy, EOS ignored. Reported per implementation: output tok/s (output tokens / wall time of
 the whole batch), mean time to first token (from submission; all requests are submitted at once, so
 it includes queueing, as vLLM's offline benchmark measures it) and mean time per output token after
-the first. Peers: transformers' continuous-batching ``generate_batch`` and ``generate`` at batch 64.
-``quick``: a Llama-3.2-1B shape and 64 requests.
+the first. Ours runs twice on CUDA, eager and with CUDA graphs for decode steps
+(``cuda_graphs=True``: graph capture happens when the LLM is built, outside the timed part; the row
+adds the capture time, the graphs' memory pool and the share of steps that replayed a graph); on
+the CPU the graphs row is left out (CUDA graphs need a CUDA device). Peers: transformers'
+continuous-batching ``generate_batch`` and ``generate`` at batch 64. ``quick``: a Llama-3.2-1B shape
+and 64 requests.
 """
 
 from __future__ import annotations
@@ -91,22 +95,42 @@ def _record(impl: str, case: dict, **fields: Any) -> Record:
     return {"bench": "engine", "impl": impl, **case, **fields}
 
 
-def _run_ours(model, prompts: list[list[int]], output_len: int, case: dict, device: str, **llm_kwargs) -> Record:
+def _run_ours(
+    model,
+    prompts: list[list[int]],
+    output_len: int,
+    case: dict,
+    device: str,
+    impl: str = "fuseformer LLM",
+    **llm_kwargs,
+) -> Record:
     from fuseformer.engine.llm import LLM
     from fuseformer.engine.sampling_params import SamplingParams
 
     llm = LLM(model, device=device, max_model_len=len(prompts[0]) + output_len, **llm_kwargs)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    extra: Record = {}
+    graphs = None
     try:
         llm.generate(prompts[: min(8, len(prompts))], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        graphs = llm.runner.decode_graphs
+        replays_before = sum(graphs.replays.values()) if graphs is not None else 0
+        steps_before = llm.runner.num_steps
         _sync(device)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         _sync(device)
         seconds = time.perf_counter() - start
+        extra["steps"] = llm.runner.num_steps - steps_before
+        if graphs is not None:
+            extra |= dict(
+                graph_steps=sum(graphs.replays.values()) - replays_before,
+                graph_capture_s=graphs.capture_seconds,
+                graph_pool_mib=graphs.pool_bytes / 2**20,
+            )
     finally:
         num_blocks = llm.runner.num_blocks
-        del llm
+        del llm, graphs  # the graphs hold the cache and their memory pool
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -119,7 +143,7 @@ def _run_ours(model, prompts: list[list[int]], output_len: int, case: dict, devi
         if len(o.outputs[0].token_ids) > 1
     ]
     return _record(
-        "fuseformer LLM",
+        impl,
         case,
         seconds=seconds,
         output_tokens=num_out,
@@ -127,6 +151,7 @@ def _run_ours(model, prompts: list[list[int]], output_len: int, case: dict, devi
         mean_ttft_ms=1e3 * sum(ttft) / len(ttft),
         mean_tpot_ms=1e3 * sum(tpot) / max(len(tpot), 1),
         kv_blocks=num_blocks,
+        **extra,
     )
 
 
@@ -174,16 +199,23 @@ def run_case(
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
     peers: bool = True,
+    cuda_graphs: bool | None = None,
     **llm_kwargs: Any,
 ) -> list[Record]:
-    """Our engine, then each peer (a peer that fails is recorded with its error), on one set of
-    random weights and random prompts."""
+    """Our engine (eager, then with CUDA graphs), then each peer (a run that fails is recorded with
+    its error), on one set of random weights and random prompts. ``cuda_graphs``: add the graphs
+    row; None: on CUDA only."""
     hf, ours = build_models(shape, device, dtype)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, shape["vocab_size"], (num_requests, input_len), generator=gen).tolist()
     case = dict(model=shape_name, requests=num_requests, input_len=input_len, output_len=output_len, dtype=str(dtype))
     records = []
     runs = [("fuseformer LLM", lambda: _run_ours(ours, prompts, output_len, case, device, **llm_kwargs))]
+    if cuda_graphs if cuda_graphs is not None else device.startswith("cuda"):
+        graphs = "fuseformer LLM + CUDA graphs"
+        runs.append(
+            (graphs, lambda: _run_ours(ours, prompts, output_len, case, device, graphs, cuda_graphs=True, **llm_kwargs))
+        )
     if peers:
         runs.append(("HF generate_batch", lambda: _run_hf_generate_batch(hf, prompts, output_len, case, device)))
         runs.append(("HF generate bs 64", lambda: _run_hf_generate(hf, prompts, output_len, case, device)))
@@ -199,14 +231,20 @@ def run_case(
 
 
 def format_table(records: list[Record]) -> str:
-    lines = [f"{'impl':<22} {'output tok/s':>12} {'TTFT ms':>9} {'TPOT ms':>8} {'seconds':>8}"]
+    lines = [f"{'impl':<28} {'output tok/s':>12} {'TTFT ms':>9} {'TPOT ms':>8} {'seconds':>8}"]
     for r in records:
         if "error" in r:
-            lines.append(f"{r['impl']:<22} error: {r['error'][:200]}")
+            lines.append(f"{r['impl']:<28} error: {r['error'][:200]}")
             continue
         ttft = f"{r['mean_ttft_ms']:.0f}" if "mean_ttft_ms" in r else "-"
         tpot = f"{r['mean_tpot_ms']:.1f}" if "mean_tpot_ms" in r else "-"
-        lines.append(f"{r['impl']:<22} {r['output_tok_s']:>12.0f} {ttft:>9} {tpot:>8} {r['seconds']:>8.1f}")
+        line = f"{r['impl']:<28} {r['output_tok_s']:>12.0f} {ttft:>9} {tpot:>8} {r['seconds']:>8.1f}"
+        if "graph_steps" in r:
+            line += (
+                f"  ({r['graph_steps']}/{r['steps']} steps on graphs, capture {r['graph_capture_s']:.1f} s, "
+                f"pool {r['graph_pool_mib']:.0f} MiB)"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -4,18 +4,26 @@ It owns the per-layer K/V caches, allocated once (``[num_blocks, block_size, Hkv
 the seeded requests' ``torch.Generator``s. ``execute`` flattens the step's scheduled tokens into one
 varlen batch (input ids, positions, ``cu_seqlens_q``, context lengths, slot mapping, block tables),
 runs the model, computes logits only for the rows that sample (each request's last scheduled token
-when it reaches the end of its sequence), and samples on the device. Plain eager execution: CUDA
-graphs and overlapped host work are a later issue.
+when it reaches the end of its sequence), and samples on the device.
+
+CUDA graphs (``cuda_graphs=True``, vLLM's default, its ``enforce_eager=False``): a decode-only step
+(every scheduled request computes exactly one token) replays a graph of the model forward captured
+at engine start for a padded batch size, instead of launching ~14 kernels per layer from Python; see
+``_DecodeGraphs``. Steps with a prefill chunk, and decode steps larger than the largest captured
+size, run eagerly. Logits and sampling always run eagerly, on the graph's output rows.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+import time
 from dataclasses import dataclass
 
 import torch
 
 from fuseformer.engine.sampler import SamplingMetadata, make_generator, sample
-from fuseformer.engine.scheduler import SchedulerOutput
+from fuseformer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fuseformer.models.config import ModelConfig
 from fuseformer.models.llama import AttentionMetadata
 
@@ -59,6 +67,143 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[dict[int, float]]] | None = None
 
 
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """The decode batch sizes captured as CUDA graphs, vLLM's pattern: 1, 2, 4, every multiple of 8
+    up to 256, then every multiple of 16, and ``max_batch`` itself. A step of n decodes replays the
+    smallest size >= n, so padding wastes at most 7 rows (15 above 256)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch]
+    sizes += [b for b in range(8, min(max_batch, 256) + 1, 8)] + [b for b in range(272, max_batch + 1, 16)]
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class _DecodeGraphs:
+    """The model forward of decode-only steps over static input buffers, one CUDA graph per padded
+    batch size.
+
+    Static buffers, sized for the largest batch ``Bmax`` (each graph reads the first B rows):
+    input_ids, positions, slot_mapping (Bmax,) int64; context_lens (Bmax,) int32; cu_seqlens_q
+    (Bmax+1,) int32 = 0, 1, ..., Bmax (one query per row, padding included: constant);
+    block_tables (Bmax, max_blocks) int32. A step of n decodes takes the smallest size B >= n, copies
+    its rows into rows [0, n) and pads rows [n, B) so they are harmless: input id 0, position 0,
+    slot -1 (``reshape_and_cache`` skips it: nothing is written), context length 1 and block-table
+    column 0 = the null block 0 (never handed to a request), so a padded row attends to slot 0 of the
+    null block and its output row is finite garbage that nothing reads. Only columns [0, width) of
+    the block table are rewritten each step (width: the step's longest table): the attention kernel
+    reads a row's columns below ceil(context_len / block_size) only, and those are rewritten.
+
+    ``capture=True`` (CUDA): ``capture()`` warms each size up (Triton JIT, cuBLAS heuristics, the
+    ops' launch-config caches: nothing may compile or sync inside capture) and captures it, largest
+    first, all graphs in one memory pool (a smaller graph reuses the larger ones' intermediates;
+    graphs replay one at a time). ``capture=False`` (the CPU tests): ``run`` calls the forward on the
+    same padded static buffers, so the padding is tested without CUDA.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        sizes: list[int],
+        *,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+        capture: bool,
+    ) -> None:
+        if capture and device.type != "cuda":
+            raise ValueError(f"_DecodeGraphs: CUDA graphs need a CUDA device, got {device}")
+        self.model, self.kv_caches = model, kv_caches
+        self.sizes = sorted(sizes)
+        self.block_size, self.max_blocks, self.device, self.use_graphs = block_size, max_blocks_per_seq, device, capture
+        b = self.sizes[-1]
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        # rows: input_ids, positions, slot_mapping: one host-to-device copy per step for the three.
+        self._ids_pos_slots = torch.tensor([[0] * b, [0] * b, [-1] * b], **i64)
+        self.input_ids, self.positions, self.slot_mapping = self._ids_pos_slots.unbind(0)
+        self.context_lens = torch.ones(b, **i32)
+        self.cu_seqlens_q = torch.arange(b + 1, **i32)
+        self.block_tables = torch.zeros(b, max_blocks_per_seq, **i32)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # size -> (B, H) hidden states the graph writes
+        self.replays: dict[int, int] = dict.fromkeys(self.sizes, 0)  # steps run per size
+        self.padded_rows = 0  # padding rows computed, over all steps (the cost of fixed sizes)
+        self.pool_bytes = 0  # GPU memory the graphs' pool holds (measured after capture)
+        self.capture_seconds = 0.0
+
+    def _forward(self, b: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            cu_seqlens_q=self.cu_seqlens_q[: b + 1],
+            max_seqlen_q=1,
+            kv_caches=self.kv_caches,
+            context_lens=self.context_lens[:b],
+            slot_mapping=self.slot_mapping[:b],
+            block_tables=self.block_tables[:b],
+        )
+        return self.model(self.input_ids[:b], self.positions[:b], meta)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up and capture every size (no-op without ``capture``). The static buffers hold
+        padding meanwhile (slots -1), so neither the warm-ups nor the graphs write the KV cache."""
+        if not self.use_graphs:
+            return
+        start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.sizes):  # largest first: the smaller ones fit in its freed memory
+            self._forward(b)  # warm-up, outside capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self._forward(b)
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        self.capture_seconds = time.perf_counter() - start
+
+    def padded_size(self, scheduled: list[ScheduledRequest]) -> int | None:
+        """The captured size for this step, or None when it must run eagerly: a request computes more
+        than one token (a prefill chunk), more requests than the largest size, or a longer block table
+        than the static one."""
+        n = len(scheduled)
+        if n > self.sizes[-1]:
+            return None
+        for s in scheduled:
+            if len(s.token_ids) != 1 or len(s.block_ids) > self.max_blocks:
+                return None
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    def run(self, scheduled: list[ScheduledRequest], b: int) -> torch.Tensor:
+        """Load the step into rows [0, n) of the static buffers, pad [n, B), replay the size-``b``
+        graph (or run the forward, without graphs). Returns hidden states (B, H); rows [0, n) are the
+        step's, in scheduled order; the tensor is overwritten by the next run."""
+        bs, pad = self.block_size, b - len(scheduled)
+        ids, pos, slots, ctx, tables = [], [], [], [], []
+        for s in scheduled:
+            p = s.start_position
+            ids.append(s.token_ids[0])
+            pos.append(p)
+            slots.append(s.block_ids[p // bs] * bs + p % bs)
+            ctx.append(p + 1)
+            tables.append(s.block_ids)
+        width = max(len(t) for t in tables)
+        rows = [t + (0,) * (width - len(t)) for t in tables] + [(0,) * width] * pad
+        # Host-to-device copies, stream-ordered before the replay that reads them.
+        self._ids_pos_slots[:, :b].copy_(
+            torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad], dtype=torch.int64), non_blocking=True
+        )
+        self.context_lens[:b].copy_(torch.tensor(ctx + [1] * pad, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:b, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        self.replays[b] += 1
+        self.padded_rows += pad
+        if not self.use_graphs:
+            return self._forward(b)
+        self.graphs[b].replay()
+        return self.outputs[b]
+
+
 class ModelRunner:
     """Executes scheduled steps of ``model`` (a ``LlamaForCausalLM``) over its own paged KV cache.
 
@@ -67,6 +212,11 @@ class ModelRunner:
         config: the model's ModelConfig.
         cache_config: KV cache sizing.
         max_num_batched_tokens, max_num_seqs: the scheduler's limits (size the memory profile of a step).
+        max_model_len: prompt + output tokens of one request at most (the width of the graphs' block table).
+        cuda_graphs: capture decode-only steps as CUDA graphs at start (see ``_DecodeGraphs``), after
+            the KV cache is allocated (the cache is a graph input); the cache sizing leaves room for
+            the graphs' memory pool. Needs a CUDA device: True elsewhere raises ValueError (the graphs
+            are what was asked for; silently running eager would hide it).
     """
 
     def __init__(
@@ -78,7 +228,10 @@ class ModelRunner:
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 256,
         max_model_len: int = 4096,
+        cuda_graphs: bool = False,
     ) -> None:
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"ModelRunner: cuda_graphs must be a bool, got {cuda_graphs!r}")
         self.model = model
         self.config = config
         self.cache_config = cache_config
@@ -88,11 +241,40 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(
+                f"ModelRunner: cuda_graphs=True needs a CUDA device, the model is on {self.device}; "
+                "pass cuda_graphs=False (eager steps)"
+            )
+        self.cuda_graphs = cuda_graphs
+        # A decode step of n requests computes n tokens: both scheduler limits bound the graph sizes.
+        self.graph_sizes = graph_batch_sizes(min(max_num_seqs, max_num_batched_tokens)) if cuda_graphs else []
         self.num_blocks = cache_config.num_kv_blocks or self._blocks_from_memory()
         shape = config.kv_cache_shape(self.num_blocks, self.block_size)
         kw = dict(dtype=self.dtype, device=self.device)
         self.kv_caches = [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in range(config.num_hidden_layers)]
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' RNGs, by request id
+        self.decode_graphs: _DecodeGraphs | None = None
+        self.num_steps = 0  # non-empty steps run (graph replays: decode_graphs.replays)
+        if cuda_graphs:
+            self.decode_graphs = self.make_decode_graphs(self.graph_sizes, capture=True)
+            self.decode_graphs.capture()
+
+    def make_decode_graphs(self, sizes: list[int], *, capture: bool) -> _DecodeGraphs:
+        """Static buffers (and, with ``capture``, CUDA graphs) over this runner's model and cache for
+        decode steps of ``sizes``; block tables ceil(max_model_len / block_size) wide (at most the
+        blocks there are). ``capture=False`` runs the padded static-buffer path without graphs (tests
+        on the CPU set it as ``decode_graphs``)."""
+        max_blocks = min(math.ceil(self.max_model_len / self.block_size), self.num_blocks - 1)
+        return _DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            sizes,
+            max_blocks_per_seq=max_blocks,
+            block_size=self.block_size,
+            device=self.device,
+            capture=capture,
+        )
 
     # ---- KV cache sizing -------------------------------------------------------------------
 
@@ -101,19 +283,44 @@ class ModelRunner:
         if self.device.type != "cuda":
             return max(2, int(self.cache_config.cpu_kv_cache_gib * 2**30) // block_bytes)
         activation_peak = self._profile_step()
+        graph_bytes = self._graph_pool_estimate() if self.cuda_graphs else 0
         free, total = torch.cuda.mem_get_info(self.device)
         # What others (and this process: weights, the profile's cached blocks) already use is taken
-        # from the share we may have; the profile's peak is kept free for the steps to come.
-        budget = total * self.cache_config.gpu_memory_utilization - (total - free) - activation_peak
+        # from the share we may have; the profile's peak is kept free for the steps to come, and the
+        # graphs' pool (captured after the cache is allocated: the cache is a graph input) is set aside.
+        budget = total * self.cache_config.gpu_memory_utilization - (total - free) - activation_peak - graph_bytes
         num_blocks = int(budget // block_bytes)
         if num_blocks < 2:
             raise ValueError(
                 f"ModelRunner: no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free of "
                 f"{total / 2**30:.1f}, gpu_memory_utilization {self.cache_config.gpu_memory_utilization}, "
-                f"a step's activations take "
-                f"{activation_peak / 2**30:.2f} GiB); raise gpu_memory_utilization or lower max_num_batched_tokens"
+                f"a step's activations take {activation_peak / 2**30:.2f} GiB, the CUDA graphs "
+                f"{graph_bytes / 2**30:.2f} GiB); raise gpu_memory_utilization or lower max_num_batched_tokens"
             )
         return num_blocks
+
+    @torch.inference_mode()
+    def _graph_pool_estimate(self) -> int:
+        """Bytes the decode graphs' pool will take: the activation peak of a forward of the largest
+        graph size (measured here, as that many 1-token sequences without the cache: the same
+        activation shapes as a decode), plus each graph's output rows (kept), plus 128 MiB for the
+        capture stream's cuBLAS and cuBLASLt workspaces (allocated in the pool during capture, up to
+        32 MiB each on Hopper) and the allocator's rounding (20 MiB segments for 1-10 MB tensors).
+        For the 8B shape at 256 rows: ~30 MB + 35 MB + 128 MiB, 0.1% of an H200; the pool actually
+        taken is ``decode_graphs.pool_bytes``."""
+        b = self.graph_sizes[-1]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ids = torch.zeros(b, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, ids, AttentionMetadata.varlen([1] * b, device=self.device))
+        del hidden, ids
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        torch.cuda.empty_cache()
+        outputs = sum(self.graph_sizes) * self.config.hidden_size * self.dtype.itemsize
+        return peak + outputs + 128 * 2**20
 
     @torch.inference_mode()
     def _profile_step(self) -> int:
@@ -182,14 +389,28 @@ class ModelRunner:
         return dev(torch.tensor(input_ids, dtype=torch.int64)), dev(pos), meta, sample_rows
 
     @torch.inference_mode()
+    def forward(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """The model forward of a non-empty step: hidden states (T', H) and the rows whose logits
+        sample. A decode-only step that fits a captured size replays its graph (T' = the padded size,
+        rows [0, n) the step's); any other step runs eagerly (T' = the step's token count)."""
+        self.num_steps += 1
+        graphs = self.decode_graphs
+        scheduled = scheduler_output.scheduled
+        b = graphs.padded_size(scheduled) if graphs is not None else None
+        if b is not None:
+            hidden = graphs.run(scheduled, b)
+            return hidden, [i for i, s in enumerate(scheduled) if s.sample]
+        input_ids, positions, meta, sample_rows = self.prepare(scheduler_output)
+        return self.model(input_ids, positions, meta), sample_rows
+
+    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; sample a token for each request whose ``sample`` is set."""
         for rid in scheduler_output.finished_request_ids:
             self.generators.pop(rid, None)
         if scheduler_output.is_empty:
             return ModelRunnerOutput({})
-        input_ids, positions, meta, sample_rows = self.prepare(scheduler_output)
-        hidden = self.model(input_ids, positions, meta)
+        hidden, sample_rows = self.forward(scheduler_output)
         sampling = [s.request for s in scheduler_output.scheduled if s.sample]
         if not sampling:
             return ModelRunnerOutput({})

@@ -1,0 +1,324 @@
+"""Decode steps on CUDA graphs (ModelRunner's ``_DecodeGraphs``): padded static buffers, fallback to eager.
+
+On the CPU the padded static-buffer path runs without graphs (``make_decode_graphs(capture=False)``):
+every step of a scheduler-driven run (chunked prefills next to decodes, batch sizes that pad, batches
+past the largest size) gives the hidden states of the eager path by DESIGN.md §3 (against an fp64
+run, the eager one as baseline), writes the KV cache only at the step's own slots (the rest bitwise
+unchanged, the null block included), and runs eagerly exactly when a step is not decode-only or is
+too large. Through ``LLM`` (preemption, prefix caching) the greedy tokens are the eager ones. On a
+GPU the same with captured graphs, and end to end from a checkpoint: ``LLM(cuda_graphs=True)``
+gives the greedy tokens of ``cuda_graphs=False``, except at near-ties of the eager run's logprobs.
+"""
+
+import contextlib
+import copy
+import math
+
+import pytest
+import torch
+
+import fuseformer
+from fuseformer.engine.llm import LLM
+from fuseformer.engine.model_runner import CacheConfig, ModelRunner, graph_batch_sizes
+from fuseformer.engine.request import Request
+from fuseformer.engine.sampling_params import SamplingParams
+from fuseformer.engine.scheduler import Scheduler, SchedulerConfig
+from fuseformer.models.config import ModelConfig
+from fuseformer.models.llama import LlamaForCausalLM
+from fuseformer.testing import assert_close
+
+CONFIG = dict(
+    architecture="Qwen2ForCausalLM",
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attention_bias=True,
+)
+
+
+def _model(device="cpu", dtype=torch.float32, **overrides):
+    """A random model with O(1)-O(10) logits (greedy choices are decisive)."""
+    config = ModelConfig(**(CONFIG | overrides))
+    gen = torch.Generator().manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=gen)
+            if p.dim() > 1:
+                p.copy_(r * (1.0 if "embed" in name else 1.5 / math.sqrt(p.shape[1])))
+            elif "norm" not in name:
+                p.copy_(0.3 * r)
+    return model.to(device, dtype).eval(), config
+
+
+def _backend(name):
+    return fuseformer.use_backend(name) if name != "auto" else contextlib.nullcontext()
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = graph_batch_sizes(256)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 256 and len(sizes) == 35
+    assert graph_batch_sizes(300)[-4:] == [256, 272, 288, 300]
+
+
+def test_cuda_graphs_need_a_cuda_device():
+    model, config = _model()
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+        ModelRunner(model, config, CacheConfig(block_size=4, num_kv_blocks=8), cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs must be a bool"):
+        ModelRunner(model, config, CacheConfig(block_size=4, num_kv_blocks=8), cuda_graphs=1)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+        LLM(model, device="cpu", num_kv_blocks=8, block_size=4, max_model_len=16, cuda_graphs=True)
+
+
+def _drive(device, dtype, backend, sizes, capture):
+    """One scheduler drives three runners over the same model: eager, padded (``sizes``; CUDA graphs
+    when ``capture``) and an fp64 eager reference. Every step is checked; returns step counts."""
+    model, config = _model(device, dtype)
+    ref_model = copy.deepcopy(model).double()
+    cache = CacheConfig(block_size=4, num_kv_blocks=40)
+    eager, padded, ref = (ModelRunner(m, config, cache) for m in (model, model, ref_model))
+    padded.decode_graphs = graphs = padded.make_decode_graphs(sizes, capture=capture)
+    gen = torch.Generator().manual_seed(1)
+    for k, v in padded.kv_caches:  # random, not zeros: a write anywhere but the step's slots shows
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    graphs.capture()
+    sched = Scheduler(
+        SchedulerConfig(num_blocks=40, block_size=4, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64)
+    )
+    prompts = [(7, 9), (2, 4), (11, 6), (5, 12), (1, 3), (9, 7)]  # (prompt length, max_tokens)
+    for i, (n, max_tokens) in enumerate(prompts):
+        ids = torch.randint(0, config.vocab_size, (n,), generator=gen).tolist()
+        sched.add_request(Request(str(i), ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+    counts = dict(graph=0, mixed=0, too_large=0)
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        before = [(k.clone(), v.clone()) for k, v in padded.kv_caches]
+        replays = sum(graphs.replays.values())
+        with _backend(backend):
+            h_eager, rows = eager.forward(out)
+            h_padded, rows_padded = padded.forward(out)
+        with fuseformer.use_backend("reference"):
+            h_ref, _ = ref.forward(out)
+        t, n = out.num_batched_tokens, len(out.scheduled)
+        decode_only = t == n
+        used_graph = sum(graphs.replays.values()) == replays + 1
+        assert used_graph == (decode_only and n <= max(sizes)), (n, t, used_graph)
+        counts["graph"] += used_graph
+        counts["mixed"] += not decode_only
+        counts["too_large"] += decode_only and not used_graph
+        assert rows_padded == rows
+        if used_graph:
+            assert h_padded.shape[0] == min(b for b in sizes if b >= n)
+        assert_close("hidden", h_padded[:t], h_ref, h_eager)
+
+        slots = eager.prepare(out)[2].slot_mapping.cpu()
+        written = torch.zeros(padded.num_blocks * 4, dtype=torch.bool)
+        written[slots] = True
+        for layer, caches in enumerate(zip(padded.kv_caches, before, eager.kv_caches, ref.kv_caches)):
+            for i, name in enumerate(("k", "v")):
+                after, old, e, r = (c[i].flatten(0, 1).cpu() for c in caches)  # (slots, Hkv, D)
+                assert torch.equal(after[~written], old[~written]), f"layer {layer} {name}: a padded row wrote"
+                assert_close(f"layer {layer} {name} cache", after[written], r[written], e[written])
+
+        if rows:
+            idx = torch.tensor(rows, device=device)
+            logits_eager = model.compute_logits(h_eager, idx)
+            logits_padded = model.compute_logits(h_padded, idx)
+            if dtype == torch.float32:  # half precision may break a near-tie either way
+                assert logits_padded.argmax(-1).tolist() == logits_eager.argmax(-1).tolist()
+            tokens = ref_model.compute_logits(h_ref, idx).argmax(-1).tolist()
+            sampled = [s.request_id for s in out.scheduled if s.sample]
+            sched.update_from_output(out, {rid: [tok] for rid, tok in zip(sampled, tokens)})
+        else:
+            sched.update_from_output(out, {})
+    assert sched.kv.pool.num_free_blocks == 39
+    return counts, graphs
+
+
+@pytest.mark.parametrize(
+    "backend, dtype",
+    [("reference", torch.float32), ("auto", torch.float32), ("auto", torch.float16)],
+    ids=["reference-fp32", "kernels-fp32", "kernels-fp16"],  # kernels: interpreted on the CPU
+)
+def test_padded_decode_matches_eager_and_writes_only_its_slots(backend, dtype):
+    counts, graphs = _drive("cpu", dtype, backend, sizes=[2, 4], capture=False)
+    assert counts["graph"] > 0 and counts["mixed"] > 0 and counts["too_large"] > 0, counts
+    assert graphs.replays[2] > 0 and graphs.replays[4] > 0 and graphs.padded_rows > 0
+
+
+def _near_tie_or_equal(eager, graphs, tol):
+    """Each request's tokens are equal, or first differ where the eager run's top-2 logprobs
+    (``logprobs=2``) are within ``tol``; after the split the continuations are not comparable."""
+    identical = 0
+    for e, g in zip(eager, graphs):
+        e, g = e.outputs[0], g.outputs[0]
+        if e.token_ids == g.token_ids:
+            identical += 1
+            continue
+        j = next(i for i, (a, b) in enumerate(zip(e.token_ids, g.token_ids)) if a != b)
+        lp = e.logprobs[j]
+        assert g.token_ids[j] in lp, f"step {j}: graphs' token {g.token_ids[j]} is not in eager's top 2 {lp}"
+        gap = lp[e.token_ids[j]] - lp[g.token_ids[j]]
+        assert gap <= tol, f"step {j}: logprob gap {gap:.3g} is no near-tie: {e.token_ids} != {g.token_ids}"
+    return identical
+
+
+def _workload(vocab, num, seed=0):
+    """``num`` prompts of 1..40 tokens, every other one behind a shared 12-token prefix, with
+    max_tokens 3..19: a batch that shrinks through many padded sizes."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, vocab, (12,), generator=gen).tolist()
+    prompts, params = [], []
+    for i in range(num):
+        n = int(torch.randint(1, 41, (1,), generator=gen))
+        tail = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        prompts.append(shared + tail[: max(1, n - 12)] if i % 2 else tail)
+        params.append(SamplingParams(temperature=0, max_tokens=3 + (7 * i) % 17, ignore_eos=True, logprobs=2))
+    return prompts, params
+
+
+def test_padded_decode_through_llm_changes_no_token():
+    """Preemption (a small cache), prefix caching and padded sizes 1..8 through LLM on the CPU."""
+    model, _ = _model()
+    prompts, params = _workload(CONFIG["vocab_size"], 12)
+    kw = dict(num_kv_blocks=40, block_size=4, max_model_len=64, max_num_batched_tokens=24, max_num_seqs=12)
+    with fuseformer.use_backend("reference"):
+        eager = LLM(model, **kw)
+        expected = eager.generate(prompts, params, use_tqdm=False)
+        llm = LLM(model, **kw)
+        llm.runner.decode_graphs = graphs = llm.runner.make_decode_graphs([1, 2, 4, 8], capture=False)
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert _near_tie_or_equal(expected, got, tol=1e-4) == len(prompts)
+    assert llm.scheduler.num_preemptions > 0 and llm.scheduler.kv.pool.prefix_stats.hits > 0
+    assert sum(c > 0 for c in graphs.replays.values()) >= 3 and graphs.padded_rows > 0
+    assert llm.scheduler.kv.pool.num_free_blocks == 39
+
+
+# ---- on a GPU: captured graphs ---------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_graph_decode_matches_eager_and_writes_only_its_slots_gpu(dtype):
+    """The CPU test's run with captured graphs (sizes 1, 2, 4): every step's hidden states and cache
+    writes by §3 against fp64, eager as baseline; mixed and too-large steps run eagerly."""
+    counts, graphs = _drive("cuda", dtype, "auto", sizes=[1, 2, 4], capture=True)
+    assert counts["graph"] > 0 and counts["mixed"] > 0 and counts["too_large"] > 0, counts
+    assert set(graphs.graphs) == {1, 2, 4} and graphs.padded_rows > 0
+
+
+def _llama_checkpoint(path, dtype="float32", **overrides):
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
+    ) | overrides  # fmt: skip
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            r = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.3 * r if name.endswith("norm.weight") else r / math.sqrt(p.shape[1]) if p.dim() > 1 else r)
+    hf.to(getattr(torch, dtype)).save_pretrained(path)
+    return cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-3), ("bfloat16", 0.25)])
+def test_cuda_graphs_greedy_equals_eager_gpu(dtype, tol, tmp_path):
+    """48 requests of 1..40 tokens at once (half share a 12-token prefix), max_tokens 3..19, chunked
+    in 32-token steps over a cache too small for all (preemption): ``cuda_graphs=True`` gives the
+    greedy tokens of ``cuda_graphs=False``, except at near-ties of the eager logprobs (bf16: a padded
+    GEMM may round differently from an unpadded one). Graphs of sizes up to 32 replay, with padding;
+    capture writes nothing to the cache."""
+    overrides = dict(head_dim=128, hidden_size=256, num_attention_heads=4) if dtype == "bfloat16" else {}
+    cfg = _llama_checkpoint(tmp_path, dtype, **overrides)
+    prompts, params = _workload(cfg["vocab_size"], 48)
+    kw = dict(
+        device="cuda", num_kv_blocks=60, block_size=4, max_model_len=64, max_num_batched_tokens=32, max_num_seqs=48
+    )
+    eager = LLM(tmp_path, **kw)
+    expected = eager.generate(prompts, params, use_tqdm=False)
+    llm = LLM(tmp_path, cuda_graphs=True, **kw)
+    graphs = llm.runner.decode_graphs
+    assert sorted(graphs.graphs) == [1, 2, 4, 8, 16, 24, 32]  # min(max_num_seqs, max_num_batched_tokens)
+    assert all(k.count_nonzero() == 0 and v.count_nonzero() == 0 for k, v in llm.runner.kv_caches)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    identical = _near_tie_or_equal(expected, got, tol)
+    assert identical >= (0.9 if dtype == "float32" else 0.75) * len(prompts), identical
+    assert all(len(o.outputs[0].token_ids) == p.max_tokens for o, p in zip(got, params))
+    assert llm.scheduler.num_preemptions > 0 and llm.scheduler.kv.pool.prefix_stats.hits > 0
+    assert sum(c > 0 for c in graphs.replays.values()) >= 4 and graphs.padded_rows > 0, graphs.replays
+    assert llm.scheduler.kv.pool.num_free_blocks == 59
+
+
+@pytest.mark.gpu
+def test_cache_sizing_leaves_room_for_the_graph_pool_gpu():
+    """With graphs on, the KV cache is sized after setting aside the pool's estimate; the pool the
+    capture takes stays within it, and steps at the full budget (eager) and decode steps (graphs)
+    stay within gpu_memory_utilization."""
+    model, config = _model(
+        "cuda", torch.bfloat16, hidden_size=2048, intermediate_size=5632, num_attention_heads=16, vocab_size=32000
+    )
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    util = (total - free) / total + 0.2
+    runner = ModelRunner(
+        model,
+        config,
+        CacheConfig(block_size=16, gpu_memory_utilization=util),
+        max_num_batched_tokens=4096,
+        max_num_seqs=128,
+        cuda_graphs=True,
+    )
+    graphs = runner.decode_graphs
+    assert 0 < graphs.pool_bytes <= runner._graph_pool_estimate(), (graphs.pool_bytes, runner._graph_pool_estimate())
+    sched = Scheduler(
+        SchedulerConfig(num_blocks=runner.num_blocks, block_size=16, max_num_batched_tokens=4096, max_num_seqs=128)
+    )
+    for i in range(128):
+        sched.add_request(Request(str(i), list(range(1, 33)), SamplingParams(temperature=0, max_tokens=3)))
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out).sampled_token_ids)
+    assert graphs.replays[128] == 2  # the two decode steps of the 128 requests
+    assert torch.cuda.memory_reserved() <= util * total
+
+
+def test_bench_graphs_row_code_path_on_cpu(monkeypatch):
+    """The bench's graphs row (on the CPU an LLM whose runner pads decode steps without graphs stands
+    in for cuda_graphs=True): it runs the same workload and reports its graph steps."""
+    import fuseformer.engine.llm as llm_module
+    from fuseformer.bench.engine import format_table, run_case
+
+    class PaddedLLM(llm_module.LLM):
+        def __init__(self, *args, cuda_graphs=False, **kwargs):
+            super().__init__(*args, **kwargs)
+            if cuda_graphs:
+                self.runner.decode_graphs = self.runner.make_decode_graphs([1, 2, 4], capture=False)
+
+    monkeypatch.setattr(llm_module, "LLM", PaddedLLM)
+    shape = dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    with fuseformer.use_backend("reference"):
+        records = run_case(
+            shape, 4, 8, 3, device="cpu", dtype=torch.float32, peers=False, cuda_graphs=True,
+            num_kv_blocks=64, block_size=4,
+        )  # fmt: skip
+    assert [r["impl"] for r in records] == ["fuseformer LLM", "fuseformer LLM + CUDA graphs"]
+    eager, graphs = records
+    assert "error" not in graphs and graphs["output_tokens"] == eager["output_tokens"] == 12, graphs
+    assert graphs["graph_steps"] == 2 and graphs["steps"] == eager["steps"] == 3  # prefill, then 2 decodes
+    assert "graph_steps" not in eager
+    assert "2/3 steps on graphs" in format_table(records)
