@@ -18,9 +18,20 @@ Everything below autograd lives here (STYLE.md §1): the references ``reshape_an
 ``paged_attention_fwd`` (the engine calls these), the ``torch.library`` registration and the public
 functions.
 
-The attention kernel is the straightforward one: one program per (sequence, q tile, q head), a loop
-over the sequence's keys BLOCK_N at a time (pages looked up per key, so any block_size works),
-online softmax in fp32. Split-K for long decodes and GQA packing are a later (tuning) issue.
+The attention kernel packs GQA groups: one program per (sequence, q tile, KV head), whose BLOCK_M
+rows are (query, q head of the group) pairs (row r: query m_tile * ROWS + r // HEADS, q head
+kv_head * GROUP + r % HEADS, ROWS = BLOCK_M // HEADS), so each K/V tile is read once per KV head
+instead of once per q head (4x less K/V traffic for Llama-3-8B's 32/8 heads). Groups that do not
+divide BLOCK_M leave masked rows; a group wider than BLOCK_M is split over several tiles (head
+chunks). The program loops over its keys BLOCK_N at a time (pages looked up per key, so any
+block_size works; one table entry per tile when BLOCK_N divides block_size), with online softmax
+in fp32, masks only on the blocks at the edges of the causal/window range. Decodes in a step with
+a long prefill get the prefill's q-tile count and their extra tiles exit at once.
+
+Split-K ("flash-decoding"): when a step's queries fit one tile per (sequence, KV head) and those
+programs are too few to fill the GPU (few sequences, long contexts), each one's keys are split
+into runs; the programs write fp32 partial outputs with their log-sum-exp, and a small second
+kernel merges them.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseformer.ops._utils import FLOAT_DTYPES, KERNEL_DTYPES, check_shape, check_tensor, empty, next_pow2
+from fuseformer.ops._utils import FLOAT_DTYPES, KERNEL_DTYPES, check_shape, check_tensor, empty, next_pow2, sm_count
 from fuseformer.runtime.backend import choose_backend
 
 _OP_CACHE = "reshape_and_cache"
@@ -134,46 +145,145 @@ def _reshape_and_cache_kernel(
 
 
 @triton.jit
+def _paged_attention_loop(
+    acc, l_i, m_i, q, q_pos, k_base, v_base, table, stride_kb, stride_ks, stride_vb, stride_vs,
+    qk_scale, window, start, end, hi,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over the keys [start, end) (start a multiple of BLOCK_N). acc (BLOCK_M, BLOCK_D)
+    fp32; l_i, m_i (BLOCK_M,) running sum and max in log2 units; q_pos (BLOCK_M,) absolute positions.
+    MASK: mask keys >= hi and the causal/window bounds (blocks at the edges of the tile's range)."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + offs_n0
+        n_ok = offs_n < hi
+        if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page: one table entry
+            page = tl.load(table + start_n // PAGE_SIZE).to(tl.int64)
+            k_rows = page * stride_kb + (start_n % PAGE_SIZE + offs_n0).to(tl.int64) * stride_ks
+            v_rows = page * stride_vb + (start_n % PAGE_SIZE + offs_n0).to(tl.int64) * stride_vs
+        else:
+            if MASK:
+                page = tl.load(table + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            else:
+                page = tl.load(table + offs_n // PAGE_SIZE).to(tl.int64)
+            slot = (offs_n % PAGE_SIZE).to(tl.int64)
+            k_rows = page * stride_kb + slot * stride_ks
+            v_rows = page * stride_vb + slot * stride_vs
+        k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]  # (BLOCK_N, BLOCK_D)
+        v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
+        if MASK:
+            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif HEAD_DIM != BLOCK_D:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        if MASK:
+            valid = n_ok[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                valid = valid & (offs_n[None, :] > q_pos[:, None] - window)
+            s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _paged_attention_fwd_kernel(
-    Q, K_CACHE, V_CACHE, OUT, CU_Q, CTX_LENS, BLOCK_TABLES,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    Q, K_CACHE, V_CACHE, OUT, LSE, CU_Q, CTX_LENS, BLOCK_TABLES,
+    stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
-    qk_scale, window, block_size, group,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    qk_scale, window, q_tiles, num_splits,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0)
-    m_tile = tl.program_id(1)
-    head = tl.program_id(2)
-    q_start = tl.load(CU_Q + seq).to(tl.int64)
-    q_len = (tl.load(CU_Q + seq + 1) - tl.load(CU_Q + seq)).to(tl.int32)
-    if m_tile * BLOCK_M >= q_len:
+    # Grid (B * q_tiles, Hkv * CHUNKS * num_splits). A tile's BLOCK_M rows are (query, q head)
+    # pairs of one KV group: row r is query m_tile * ROWS + r // HEADS of the sequence with q head
+    # kv_head * GROUP + chunk * HEADS + r % HEADS, so each K/V tile is loaded once for the group.
+    # SPLIT: this program covers 1/num_splits of the keys and writes fp32 partials (OUT) and their
+    # log2-sum-exp (LSE), indexed by split; _paged_attention_merge_kernel combines them.
+    ROWS: tl.constexpr = BLOCK_M // HEADS  # queries per tile
+    CHUNKS: tl.constexpr = (GROUP + HEADS - 1) // HEADS  # tiles per group (> 1 only when GROUP > BLOCK_M)
+    pid = tl.program_id(0)
+    seq = pid // q_tiles
+    pid_m = pid % q_tiles
+    pid_h = tl.program_id(1)
+    split = 0
+    if SPLIT:
+        split = pid_h % num_splits
+        pid_h = pid_h // num_splits
+        OUT += split.to(tl.int64) * stride_os
+        LSE += split.to(tl.int64) * stride_ls
+    kv_head = (pid_h // CHUNKS).to(tl.int64)
+    chunk = pid_h % CHUNKS
+    q_start = tl.load(CU_Q + seq)
+    q_len = tl.load(CU_Q + seq + 1) - q_start
+    n_tiles = tl.cdiv(q_len, ROWS)
+    # Tiles past this sequence's queries (e.g. decodes in a step with a long prefill) leave at once.
+    if pid_m >= n_tiles:
         return
-    ctx = tl.load(CTX_LENS + seq).to(tl.int32)
-    kv_head = (head // group).to(tl.int64)
+    m_tile = pid_m
+    if CAUSAL:  # each sequence's heaviest (last) tile starts first
+        m_tile = n_tiles - 1 - pid_m
+    ctx = tl.load(CTX_LENS + seq)
 
-    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = tl.arange(0, BLOCK_M)
+    qi = m_tile * ROWS + r // HEADS  # (BLOCK_M,) query index within the sequence's new tokens
+    hg = chunk * HEADS + r % HEADS  # (BLOCK_M,) q head within the group
+    row_ok = qi < q_len
+    if BLOCK_M % HEADS != 0:
+        row_ok = row_ok & (r < ROWS * HEADS)
+    if GROUP % HEADS != 0:
+        row_ok = row_ok & (hg < GROUP)
+    q_pos = ctx - q_len + qi  # (BLOCK_M,) absolute positions of the rows' queries
+    tok = q_start.to(tl.int64) + qi.to(tl.int64)
+    head = kv_head * GROUP + hg.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < q_len
-    d_mask = offs_d < HEAD_DIM
-    q_pos = ctx - q_len + offs_m  # (BLOCK_M,) absolute positions of this tile's queries
-    rows = q_start + offs_m.to(tl.int64)
+    d_ok = offs_d < HEAD_DIM
     q = tl.load(
-        Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :],
+        Q + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
 
-    # Keys this tile can see: [kv_start, kv_end).
+    # Keys of this tile: [lo, hi). Every row sees [full_lo, full_hi) whole (no mask); the blocks
+    # before and after it are partly visible. Block edges are multiples of BLOCK_N (lo is one).
+    p_first = ctx - q_len + m_tile * ROWS
+    p_last = ctx - q_len + tl.minimum((m_tile + 1) * ROWS, q_len) - 1
+    lo = 0
+    full_lo = 0
     if CAUSAL:
-        kv_end = tl.minimum(ctx, ctx - q_len + (m_tile + 1) * BLOCK_M)
+        hi = p_last + 1
+        full_hi = ((p_first + 1) // BLOCK_N) * BLOCK_N
     else:
-        kv_end = ctx
-    kv_start = 0
+        hi = ctx
+        full_hi = (ctx // BLOCK_N) * BLOCK_N
     if HAS_WINDOW:
-        kv_start = tl.maximum(ctx - q_len + m_tile * BLOCK_M - window + 1, 0)
-        kv_start = (kv_start // BLOCK_N) * BLOCK_N
+        lo = (tl.maximum(p_first - window + 1, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(p_last - window + 1, 0), BLOCK_N) * BLOCK_N
+    no_full = full_hi <= full_lo
+    full_lo = tl.where(no_full, lo, full_lo)
+    full_hi = tl.where(no_full, lo, full_hi)
+    s_lo = lo
+    s_hi = hi
+    if SPLIT:  # this program's share: a run of whole blocks
+        per_split = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+        s_lo = lo + split * per_split
+        s_hi = tl.minimum(s_lo + per_split, hi)
 
     # Finite start for the running max: a row whose keys are all masked in a tile keeps p = 0
     # instead of exp(-inf - -inf) = NaN.
@@ -181,42 +291,59 @@ def _paged_attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
-    for start_n in range(kv_start, kv_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        page = tl.load(table + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-        slot = (offs_n % block_size).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K_CACHE + (page * stride_kb + slot * stride_ks + kv_head * stride_kh)[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            V_CACHE + (page * stride_vb + slot * stride_vs + kv_head * stride_vh)[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        valid = n_mask[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            valid = valid & (offs_n[None, :] > q_pos[:, None] - window)
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    k_base = K_CACHE + kv_head * stride_kh
+    v_base = V_CACHE + kv_head * stride_vh
+    acc, l_i, m_i = _paged_attention_loop(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table, stride_kb, stride_ks, stride_vb, stride_vs,
+        qk_scale, window, s_lo, tl.minimum(s_hi, full_lo), hi,
+        True, CAUSAL, HAS_WINDOW, DOT_PRECISION, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+    )  # fmt: skip
+    acc, l_i, m_i = _paged_attention_loop(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table, stride_kb, stride_ks, stride_vb, stride_vs,
+        qk_scale, window, tl.maximum(s_lo, full_lo), tl.minimum(s_hi, full_hi), hi,
+        False, CAUSAL, HAS_WINDOW, DOT_PRECISION, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+    )  # fmt: skip
+    acc, l_i, m_i = _paged_attention_loop(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table, stride_kb, stride_ks, stride_vb, stride_vs,
+        qk_scale, window, tl.maximum(s_lo, full_hi), s_hi, hi,
+        True, CAUSAL, HAS_WINDOW, DOT_PRECISION, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+    )  # fmt: skip
 
-    out = acc / l_i[:, None]
-    tl.store(
-        OUT + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(OUT.dtype.element_ty),
-        mask=m_mask[:, None] & d_mask[None, :],
-    )
+    o_ptrs = OUT + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        # A row that saw no key in this split: out 0 and lse -inf, no weight in the merge.
+        empty_row = l_i == 0.0
+        out = acc / tl.where(empty_row, 1.0, l_i)[:, None]
+        lse = tl.where(empty_row, float("-inf"), m_i + tl.math.log2(l_i))  # log2 units
+        tl.store(o_ptrs, out, mask=o_mask)
+        tl.store(LSE + tok * stride_lt + head, lse, mask=row_ok)
+    else:
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _paged_attention_merge_kernel(
+    O_PART, LSE, OUT, num_splits,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    # One program per (token, q head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse).
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(LSE + offs_s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
+    w = tl.math.exp2(lse - tl.max(lse, 0))
+    o = tl.load(
+        O_PART + offs_s[:, None].to(tl.int64) * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # (BLOCK_S, BLOCK_D) fp32
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(OUT + t * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,18 +367,54 @@ def reshape_and_cache_fwd(
     )  # fmt: skip
 
 
-def _attn_config(max_seqlen_q: int, head_dim: int, element_size: int) -> dict:
-    # Untuned defaults (tuning is a later issue): BLOCK_M 16 for decode-heavy steps, 64 for prefill.
-    # Wide tiles (fp32, or head dim > 128) take smaller blocks and one stage to stay within shared
-    # memory (fp32 D=256: K and V tiles 32x256x4 B = 32 KiB each).
-    block_m = 16 if max_seqlen_q <= 16 else 64
-    block_n, num_stages = 64, 2
-    if head_dim > 128 or element_size == 4:
-        block_n = 32
-    if head_dim > 128 and element_size == 4:
-        block_m, num_stages = min(block_m, 32), 1
-    num_warps = 8 if block_m == 64 and head_dim > 128 else 4
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+# Launch configuration. Rows of a tile are (query, q head of the group) pairs, so the tile height
+# follows max_seqlen_q * GROUP up to a cap: a Llama-3-8B decode step (GROUP 4) takes BLOCK_M 16 (4
+# rows used; mma needs 16), its prefill BLOCK_M 128 (32 queries x 4 heads). Chosen so that ptxas
+# (Triton 3.6, sm_90, offline compile) reports no register spills; untimed on the H200:
+#   bf16 hd 128 decode 16x64, 4 warps, 3 stages: 168 regs, 38 KiB smem (K/V prefetched one tile ahead
+#     by cp.async, the page numbers two); prefill 128x64, 8 warps, 3 stages: 184 regs, 96 KiB.
+#     (128x128 reaches 255 regs and 160 KiB.)
+#   bf16 hd 64 prefill 128x64, 8 warps: 117 regs. bf16 hd 256: decode 16x32, 8 warps: 128 regs
+#     (4 warps: 8 B of spill); prefill 64x32, 8 warps: 184 regs, 96 KiB.
+#   fp32 ("ieee" products run on FMA, not tensor cores, and take far more registers): BLOCK_N 32,
+#     8 warps, 1 stage; BLOCK_M 32 at hd <= 64 (62 regs), else 16 (hd 128: 79 regs, hd 256: 122).
+#     At hd 128, BLOCK_M 32 spills 64 B; the old 64x32, 4 warps, 2 stages spilled 17 KB.
+# Sweeps: fields set here (e.g. CONFIG_OVERRIDES["decode"] = {"BLOCK_N": 32, "num_stages": 2})
+# replace the chosen ones for decode steps (max_seqlen_q == 1) or for the others ("prefill").
+CONFIG_OVERRIDES: dict[str, dict[str, int]] = {"decode": {}, "prefill": {}}
+
+
+def _attn_config(max_seqlen_q: int, group: int, head_dim: int, element_size: int) -> dict:
+    """BLOCK_M, BLOCK_N, HEADS (q heads per tile), num_warps, num_stages for one step."""
+    block_d = max(16, next_pow2(head_dim))
+    rows = max(16, next_pow2(max_seqlen_q * group))
+    if element_size == 4:
+        block_m = min(rows, 32 if block_d <= 64 else 16)
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=8, num_stages=1)
+    elif block_d <= 128:
+        block_m = min(rows, 128)
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if block_m >= 128 else 4, num_stages=3)
+    else:
+        cfg = dict(BLOCK_M=min(rows, 64), BLOCK_N=32, num_warps=8, num_stages=2)
+    cfg.update(CONFIG_OVERRIDES["decode" if max_seqlen_q == 1 else "prefill"])
+    cfg["HEADS"] = min(group, cfg["BLOCK_M"])
+    return cfg
+
+
+# Split-K ("flash-decoding"): when all of a step's queries fit one tile per (sequence, KV group) and
+# those programs cannot fill the GPU (fewer than _SPLIT_FILL x SMs), each one's keys are split into
+# runs of at least _SPLIT_MIN_KEYS; a second kernel merges the fp32 partials by their log-sum-exp.
+_SPLIT_FILL = 2
+_SPLIT_MIN_KEYS = 512
+_MAX_SPLITS = 64
+
+
+def _num_splits(programs: int, max_keys: int, sms: int) -> int:
+    """Key splits for ``programs`` (sequence, KV group) programs over at most ``max_keys`` keys each."""
+    target = _SPLIT_FILL * sms
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), max_keys // _SPLIT_MIN_KEYS, _MAX_SPLITS))
 
 
 def paged_attention_fwd(
@@ -273,20 +436,46 @@ def paged_attention_fwd(
     if t == 0 or batch == 0 or max_seqlen_q == 0:
         return out
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    cfg = _attn_config(max_seqlen_q, d, q.element_size())
-    grid = (batch, triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), hq)
-    _paged_attention_fwd_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    cfg = _attn_config(max_seqlen_q, group, d, q.element_size())
+    q_tiles = triton.cdiv(max_seqlen_q, cfg["BLOCK_M"] // cfg["HEADS"])
+    head_programs = hkv * triton.cdiv(group, cfg["HEADS"])
+    splits = 1
+    if q_tiles == 1:
+        # Keys per sequence are at most the block table's width in tokens (known without a sync).
+        max_keys = block_tables.shape[1] * page_size
+        if window > 0:
+            max_keys = min(max_keys, window + max_seqlen_q)
+        splits = _num_splits(batch * head_programs, max_keys, sm_count(q))
+    consts = dict(
+        CAUSAL=causal, HAS_WINDOW=window > 0, SPLIT=splits > 1,
+        # fp32 inputs: true fp32 products (tf32 would fail the §3 criterion against fp32 PyTorch).
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), **cfg,
+    )  # fmt: skip
+    if splits == 1:
+        o, lse = out, out  # LSE unused
+        o_strides = (0, out.stride(0), out.stride(1), 0, 0)
+    else:
+        o = empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
+        lse = empty((splits, t, hq), dtype=torch.float32, device=q.device)
+        o_strides = (o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1))
+    _paged_attention_fwd_kernel[(batch * q_tiles, head_programs * splits)](
+        q, k_cache, v_cache, o, lse, cu_seqlens_q, context_lens, block_tables,
+        q.stride(0), q.stride(1), *o_strides,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        softmax_scale * 1.4426950408889634, window, k_cache.shape[1], hq // k_cache.shape[2],
-        CAUSAL=causal, HAS_WINDOW=window > 0,
-        # fp32 inputs: true fp32 products (tf32 would fail the §3 criterion against fp32 PyTorch).
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), **cfg,
+        softmax_scale * 1.4426950408889634, window, q_tiles, splits,
+        **consts,
     )  # fmt: skip
+    if splits > 1:
+        _paged_attention_merge_kernel[(t, hq)](
+            o, lse, out, splits,
+            o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_S=next_pow2(splits), num_warps=4,
+        )  # fmt: skip
     return out
 
 

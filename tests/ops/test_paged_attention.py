@@ -1,6 +1,8 @@
 """paged_attention and reshape_and_cache: the Triton kernels against plain attention over the contiguous
-sequence in fp64 (DESIGN.md §3), steps mixing prefix + chunk + decode, GQA, windows, bad input, compile."""
+sequence in fp64 (DESIGN.md §3), steps mixing prefix + chunk + decode, GQA packing (the q heads of a KV
+group share a tile), split-K decode, windows, bad input, compile."""
 
+import importlib
 import math
 
 import pytest
@@ -9,6 +11,8 @@ import torch
 import fuseformer
 import fuseformer.ops as F
 from fuseformer.testing import assert_close
+
+PA = importlib.import_module("fuseformer.ops.paged_attention")  # the module (F.paged_attention is the op)
 
 
 def _dense(q, k, v, q_len, causal, window, dtype):
@@ -112,6 +116,136 @@ def test_paged_attention_matches_contiguous_attention(seqs, hq, hkv, d, block_si
     out, ref, base = _step(seqs, hq, hkv, d, block_size, dtype, device)
     assert out.dtype == dtype
     assert_close("out", out, ref, base)
+
+
+# GQA packing: a tile's rows are (query, q head) pairs of one KV group. Groups 1 (MHA), 2, 3, 4, 8,
+# MQA (Hkv 1), groups that do not divide BLOCK_M (24: rows left over) or exceed it (fp32 decode of 24
+# heads: two head chunks of 16), decode-only and mixed steps, block sizes 1, 16, odd, 64 (>= BLOCK_N:
+# one table entry per tile), head dims 64, 80, 128.
+DECODE = [(45, 1), (17, 1), (3, 1), (130, 1)]
+MIX_SMALL = [(21, 21), (40, 9), (20, 1), (1, 1)]  # prefill, chunk after a prefix, decodes
+PACK_CASES = [
+    # seqs, hq, hkv, d, block_size, dtype
+    (DECODE, 8, 2, 128, 16, torch.float16),  # Llama-3-8B's group 4, decode
+    (DECODE, 8, 2, 128, 16, torch.float32),
+    (DECODE, 16, 2, 64, 1, torch.float16),  # group 8
+    (DECODE, 6, 2, 80, 7, torch.float32),  # group 3
+    (DECODE, 5, 1, 64, 16, torch.float16),  # MQA, group 5
+    (DECODE, 24, 1, 64, 5, torch.float16),  # group 24: BLOCK_M 32, 8 rows left over
+    ([(70, 1), (9, 1)], 24, 1, 128, 16, torch.float32),  # fp32 BLOCK_M 16 < group 24: 2 head chunks
+    ([(24, 17), (30, 1), (1, 1)], 8, 2, 128, 16, torch.float16),  # 8B's group 4: 128 rows = 32 queries x 4
+    ([(30, 12), (25, 1), (1, 1)], 6, 2, 80, 1, torch.float32),  # group 3, block_size 1
+    (MIX_SMALL, 4, 2, 64, 5, torch.float16),  # group 2
+    (MIX_SMALL, 3, 3, 64, 16, torch.float32),  # MHA
+    (MIX_SMALL, 8, 1, 64, 7, torch.float16),  # MQA, group 8
+    ([(40, 6), (150, 1), (7, 7)], 24, 1, 64, 16, torch.float16),  # group 24 in 128 rows: 5 queries per tile
+    ([(100, 40), (130, 1)], 8, 2, 64, 64, torch.float16),  # pages of 64 = BLOCK_N
+]
+
+
+@pytest.mark.parametrize("seqs, hq, hkv, d, block_size, dtype", PACK_CASES)
+def test_paged_attention_gqa_packing(seqs, hq, hkv, d, block_size, dtype, device):
+    out, ref, base = _step(seqs, hq, hkv, d, block_size, dtype, device)
+    assert_close("out", out, ref, base)
+
+
+@pytest.mark.parametrize(
+    "seqs, hq, hkv, window, causal",
+    [
+        (MIX_SMALL, 8, 2, 7, True),  # group 4
+        ([(90, 60), (60, 1)], 6, 2, 33, True),  # group 3, queries of a tile at the window's edge
+        ([(150, 1), (60, 1), (5, 1)], 8, 1, 20, True),  # MQA decode
+        ([(60, 40), (33, 1)], 6, 2, 9, False),  # group 3, window without causal
+    ],
+)
+def test_paged_attention_gqa_packing_window(seqs, hq, hkv, window, causal, device):
+    out, ref, base = _step(seqs, hq, hkv, 64, 16, torch.float16, device, window=window, causal=causal)
+    assert_close("out", out, ref, base)
+
+
+def test_attn_config_packs_the_group():
+    """Decode of Llama-3-8B (GROUP 4, hd 128, bf16): one 16-row tile holds the group's 4 heads;
+    prefill: 128 rows = 32 queries x 4 heads; a group wider than the tile is split into head chunks."""
+    decode = PA._attn_config(1, 4, 128, 2)
+    assert (decode["BLOCK_M"], decode["HEADS"], decode["BLOCK_N"]) == (16, 4, 64)
+    prefill = PA._attn_config(4096, 4, 128, 2)
+    assert (prefill["BLOCK_M"], prefill["HEADS"], prefill["num_warps"]) == (128, 4, 8)
+    assert PA._attn_config(1, 32, 128, 2)["BLOCK_M"] == 32
+    assert PA._attn_config(1, 24, 128, 4)["HEADS"] == 16
+    for q, g, d, es in [(1, 1, 256, 2), (4096, 7, 80, 2), (1, 64, 64, 4), (37, 3, 256, 4)]:
+        cfg = PA._attn_config(q, g, d, es)
+        assert cfg["HEADS"] <= cfg["BLOCK_M"] and cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1) == 0
+
+
+def test_num_splits():
+    # 8B decode at 256 sequences: 2048 programs fill 132 SMs; no split.
+    assert PA._num_splits(256 * 8, 300, 132) == 1
+    # 2 sequences x 8 KV heads over 8k tokens: split to about 2 x 132 programs.
+    assert PA._num_splits(16, 8192, 132) == 16
+    # Short contexts are not split below _SPLIT_MIN_KEYS keys per run.
+    assert PA._num_splits(16, 700, 132) == 1
+    assert PA._num_splits(1, 10**6, 132) == PA._MAX_SPLITS
+
+
+@pytest.fixture
+def merges(monkeypatch):
+    """A record of the split-K merge kernel's launches (their grids)."""
+    calls = []
+    real = PA._paged_attention_merge_kernel
+
+    class _Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(PA, "_paged_attention_merge_kernel", _Spy())
+    return calls
+
+
+@pytest.fixture
+def force_split(monkeypatch, merges):
+    """Split-K on CPU-sized steps (runs of >= 16 keys; 4 x 4 "SMs" to fill); returns the merges."""
+    monkeypatch.setattr(PA, "_SPLIT_MIN_KEYS", 16)
+    monkeypatch.setattr(PA, "_SPLIT_FILL", 4)
+    return merges
+
+
+@pytest.mark.parametrize(
+    "seqs, hq, hkv, d, block_size, dtype, window",
+    [
+        ([(200, 1), (77, 1), (1, 1)], 8, 2, 64, 16, torch.float16, -1),  # empty splits for the short ones
+        ([(150, 1), (31, 1)], 6, 2, 80, 7, torch.float32, -1),  # group 3, odd pages
+        ([(200, 1), (100, 1)], 4, 1, 64, 16, torch.float16, 50),  # MQA with a window
+        ([(150, 3), (90, 2)], 8, 2, 64, 16, torch.float16, -1),  # a few queries per sequence (one tile)
+    ],
+)
+def test_paged_attention_split_k(seqs, hq, hkv, d, block_size, dtype, window, device, force_split):
+    out, ref, base = _step(seqs, hq, hkv, d, block_size, dtype, device, window=window)
+    assert len(force_split) == 1, "the split-K path did not run"
+    assert_close("out", out, ref, base)
+
+
+def test_paged_attention_split_k_nan_propagates(device, force_split):
+    q = torch.randn(2, 4, 16, device=device)
+    q[1, 2, 5] = float("nan")
+    k_cache = torch.randn(20, 16, 2, 16, device=device)
+    v_cache = torch.randn(20, 16, 2, 16, device=device)
+    args = (
+        torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
+        torch.tensor([100, 70], dtype=torch.int32, device=device),
+        torch.arange(40, dtype=torch.int32, device=device).remainder(20).reshape(2, 20),
+    )
+    with fuseformer.use_backend("triton"):
+        out = F.paged_attention(q, k_cache, v_cache, *args)
+    assert len(force_split) == 1
+    ref = F.paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), *args)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert_close(
+        "out",
+        out.nan_to_num(),
+        ref.nan_to_num(),
+        F.paged_attention_ref(q, k_cache, v_cache, *args, upcast=False).nan_to_num(),
+    )
 
 
 @pytest.mark.parametrize("window", [1, 7, 20])
@@ -276,3 +410,81 @@ def test_paged_attention_gpu(seqs, hq, hkv, d, block_size, dtype):
 def test_paged_attention_window_gpu(window):
     out, ref, base = _step([(3000, 800), (2000, 1), (50, 50)], 32, 8, 128, 16, torch.bfloat16, "cuda", window=window)
     assert_close("out", out, ref, base)
+
+
+# Llama-3-8B decode as the engine runs it (32 q heads, 8 KV heads, hd 128, bf16, pages of 16): 256
+# sequences of ~300 tokens (2048 programs, no split), and a few long ones (split-K).
+DECODE_8B = [(280 + (37 * i) % 41, 1) for i in range(256)]
+
+
+@pytest.mark.gpu
+def test_paged_attention_llama3_8b_decode_gpu(merges):
+    out, ref, base = _step(DECODE_8B, 32, 8, 128, 16, torch.bfloat16, "cuda")
+    assert not merges, "256 sequences fill the GPU: no split-K expected"
+    assert_close("out", out, ref, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [-1, 2000])  # a window of 2000 keys: 3 runs of >= 512
+def test_paged_attention_split_k_gpu(window, merges):
+    seqs = [(8192, 1), (5000, 1), (3000, 1), (1, 1)]
+    out, ref, base = _step(seqs, 32, 8, 128, 16, torch.bfloat16, "cuda", window=window)
+    assert len(merges) == 1, "4 sequences x 8 KV heads leave the GPU idle: split-K expected"
+    assert_close("out", out, ref, base)
+
+
+_OFFLINE_COMPILE = r"""
+import importlib, os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+PA = importlib.import_module("fuseformer.ops.paged_attention")
+K = PA._paged_attention_fwd_kernel
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+PTRS = {"Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "OUT": "*bf16", "LSE": "*fp32",
+        "CU_Q": "*i32", "CTX_LENS": "*i32", "BLOCK_TABLES": "*i32"}
+
+
+def build(max_seqlen_q, split):
+    cfg = PA._attn_config(max_seqlen_q, 4, 128, 2)
+    opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    consts = dict(CAUSAL=True, HAS_WINDOW=False, SPLIT=split, DOT_PRECISION="tf32", GROUP=4, PAGE_SIZE=16,
+                  HEAD_DIM=128, BLOCK_D=128, **cfg)
+    ptrs = dict(PTRS, OUT="*fp32") if split else PTRS
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in K.arg_names}
+    aligned = [i for i, n in enumerate(K.arg_names) if n in ptrs or n.startswith("stride_")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    k = triton.compile(ASTSource(fn=K, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=opts)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    # Register spills live in the stack frame: none allowed in the shipped configs.
+    assert stack == 0 and k.metadata.shared <= 227 * 1024, (max_seqlen_q, split, regs, stack, k.metadata.shared)
+    print(max_seqlen_q, split, cfg, opts, "regs", regs, "smem", k.metadata.shared)
+
+
+build(1, False)  # Llama-3-8B decode
+build(1, True)  # the same, split-K
+build(4096, False)  # its prefill
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile these for real")
+def test_llama3_8b_configs_compile_for_sm90_offline():
+    """The bf16 configs of Llama-3-8B's decode (also split-K) and prefill compile for sm_90 (Triton's
+    bundled ptxas, no GPU needed) without register spills and fit in shared memory."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _OFFLINE_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    if proc.returncode != 0 and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr) and "not found" in proc.stderr:
+        pytest.skip("no ptxas/cuobjdump bundled with this Triton")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
