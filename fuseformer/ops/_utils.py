@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +28,11 @@ def check_tensor(
     """Check one input and raise a ValueError naming it: type, dtype, rank and device.
 
     ``device``/``device_of``: the device the tensor must share, and the argument it comes from.
+    A valid input costs one isinstance, one dtype lookup and (with ``device``) one device compare;
+    the messages are built only when a check fails.
     """
+    if isinstance(t, torch.Tensor) and t.dtype in dtypes and ndim is None and (device is None or t.device == device):
+        return t  # the common case, checked with the fewest attribute reads
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -44,9 +49,10 @@ def check_tensor(
     return t
 
 
-def check_shape(op: str, name: str, t: torch.Tensor, expected: tuple[int, ...], what: str = "") -> None:
+def check_shape(op: str, name: str, t: torch.Tensor, expected: Sequence[int], what: str = "") -> None:
     """Raise a ValueError naming ``name`` if ``t.shape != expected``."""
-    if tuple(t.shape) != tuple(expected):
+    # torch.Size is a tuple: compared with a tuple (or another Size) without converting either.
+    if t.shape != (expected if isinstance(expected, tuple) else tuple(expected)):
         suffix = f" ({what})" if what else ""
         raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}; expected {tuple(expected)}{suffix}")
 
@@ -98,7 +104,8 @@ def empty(shape: tuple[int, ...] | list[int], *, dtype: torch.dtype, device: tor
     if _POISON:
         fill = float("nan") if dtype.is_floating_point else -1
         return torch.full(tuple(shape), fill, dtype=dtype, device=device)
-    return torch.empty(tuple(shape), dtype=dtype, device=device)
+    # Sizes as separate ints: torch's argument parser takes them ~0.7 us faster than one tuple.
+    return torch.empty(*shape, dtype=dtype, device=device) if shape else torch.empty((), dtype=dtype, device=device)
 
 
 @contextlib.contextmanager
@@ -112,11 +119,18 @@ def poison_outputs() -> Iterator[None]:
         _POISON = previous
 
 
+# functorch internals the classic Function.apply goes through (torch/autograd/function.py); when a
+# torch build lacks one, every call takes Function.apply itself.
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+_unwrap_if_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+
+
 def autograd_function(
     name: str,
     forward: Callable[..., Any],
     setup_context: Callable[..., None],
     backward: Callable[..., Any],
+    returns: Callable[[Any], Any] | None = None,
 ) -> type[torch.autograd.Function]:
     """An autograd.Function from the same three pieces a custom op's ``register_autograd`` takes.
 
@@ -125,18 +139,40 @@ def autograd_function(
     the classic ``forward(ctx, ...)`` style on purpose: a Function with a separate
     ``setup_context`` makes every ``apply`` call ``inspect.signature`` (~60% of the host time of
     an eager call, measured with cProfile on the CPU).
+
+    ``returns`` maps forward's output to what the Function returns (default: all of it), so that
+    outputs kept only for ``setup_context`` (saved statistics) are not Function outputs: each output
+    costs autograd ~0.5 us, and an output nobody differentiates would get a zero-filled gradient.
+
+    The class also gets ``fast_apply``, which :func:`dispatch` calls: what ``Function.apply`` does
+    for a classic-style Function outside functorch transforms (unwrap dead functorch wrappers, then
+    the C++ apply), without its Python frame, its setup_context probe and its generator (~2 us of
+    ~15 on the CPU). Inside functorch transforms it is ``apply`` itself.
     """
 
     def _forward(ctx, *args):
         output = forward(*args)
         setup_context(ctx, args, output)
-        return output
+        return output if returns is None else returns(output)
 
-    return type(
+    cls = type(
         name,
         (torch.autograd.Function,),
         {"forward": staticmethod(_forward), "backward": staticmethod(backward)},
     )
+    if _functorch_active is None or _unwrap_if_dead is None:
+        cls.fast_apply = cls.apply
+        return cls
+    c_apply = super(torch.autograd.Function, cls).apply  # torch._C._FunctionBase.apply, bound to cls
+    full_apply = cls.apply
+
+    def fast_apply(*args):
+        if _functorch_active():
+            return full_apply(*args)
+        return c_apply(*[_unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in args])
+
+    cls.fast_apply = staticmethod(fast_apply)
+    return cls
 
 
 def dispatch(
@@ -151,8 +187,11 @@ def dispatch(
     """
     if torch.compiler.is_compiling():
         return op(*args)
-    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-        return function.apply(*args)
+    if torch.is_grad_enabled():
+        for a in args:  # a plain loop: a generator in any() costs ~0.5 us a call
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                apply = getattr(function, "fast_apply", None) or function.apply
+                return apply(*args)
     return impl(*args)
 
 
@@ -164,3 +203,242 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# Low-overhead Triton launches
+# --------------------------------------------------------------------------------------------
+# ``kernel[grid](...)`` costs ~15-25 us of host time per launch on the H200 host (Triton 3.6):
+# JITFunction.run binds every argument, specializes it, builds a cache-key string, looks up the
+# current device, builds launch metadata for the launch hooks; the C launcher then calls
+# ``data_ptr()`` and ``cuPointerGetAttribute`` for every pointer and calls the (empty) enter/exit
+# hook chains. After the first launch of a specialization, :class:`Launcher` keeps the compiled
+# kernel under a key that determines Triton's own key and calls its C launcher directly.
+#
+# FUSEFORMER_FAST_LAUNCH=0 (read at import) or ``fast_launch(False)`` turn it off: every launch
+# is then ``kernel[grid](...)``.
+_fast_launch_on = os.environ.get("FUSEFORMER_FAST_LAUNCH", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def fast_launch_enabled() -> bool:
+    """Whether :class:`Launcher` calls compiled kernels directly after their first launch."""
+    return _fast_launch_on
+
+
+@contextlib.contextmanager
+def fast_launch(enabled: bool) -> Iterator[None]:
+    """Within the block, turn the direct launch path on or off (process-wide; tests and benchmarks)."""
+    global _fast_launch_on
+    previous, _fast_launch_on = _fast_launch_on, bool(enabled)
+    try:
+        yield
+    finally:
+        _fast_launch_on = previous
+
+
+class LaunchConfig:
+    """The constexprs and launch options (num_warps, ...) of one kernel configuration.
+
+    Get one from :func:`launch_config`, which returns the same object for the same values: the
+    direct-launch cache is keyed on its identity (a cheap hash), never on its contents.
+    """
+
+    __slots__ = ("kwargs",)
+
+    def __init__(self, kwargs: dict[str, Any]):
+        self.kwargs = kwargs
+
+    def __repr__(self) -> str:
+        return f"LaunchConfig({self.kwargs})"
+
+
+@functools.cache
+def launch_config(**kwargs: Any) -> LaunchConfig:
+    """The (one) :class:`LaunchConfig` for these constexprs and options; values must be hashable."""
+    return LaunchConfig(dict(kwargs))
+
+
+def spec_key(tensors: Sequence[torch.Tensor], ints: Sequence[int]) -> tuple[list[int], tuple]:
+    """The pointers of ``tensors``, and a key that determines Triton 3.6's specialization of these
+    arguments (it may be finer, never coarser).
+
+    Triton specializes a pointer on its dtype and on ``ptr % 16 == 0``; an int on being 1 (then a
+    constexpr), on ``% 16 == 0`` and on its range (i32 within [-2^31, 2^31), else i64 / u64). The
+    key holds each dtype and ``ptr & 15``, and per int: the value itself below 16,
+    ``16 | (v & 15)`` in [16, 2^31), the value itself from 2^31 on. The three ranges map to disjoint
+    key values, so equal keys mean equal specializations (tests check this against Triton's own
+    ``native_specialize_impl``). Plain loops: list comprehensions cost ~0.3 us each on 3.11.
+    """
+    ptrs = []
+    key = []
+    for t in tensors:
+        p = t.data_ptr()
+        ptrs.append(p)
+        key.append(t.dtype)
+        key.append(p & 15)
+    for v in ints:
+        key.append(v if v < 16 else (v & 15) | 16 if v < 0x80000000 else v)
+    return ptrs, tuple(key)
+
+
+# Resolved at the first direct launch: a CPU build of torch has no _cuda_* functions.
+_cuda_get_device: Callable[[], int] | None = None
+_cuda_current_stream: Callable[[int], int] | None = None
+
+
+class Launcher:
+    """Launch one ``@triton.jit`` kernel as ``kernel[grid](*tensors, *ints, *floats, **config)``,
+    with a direct path for launches Triton has already compiled.
+
+    The kernel's parameters must be, in this order: the pointers (``tensors``), the integers
+    (``ints``, Python ints), the floats (``floats``, Python floats), then constexprs only (from
+    ``config``, or their defaults). The first launch of each key goes through ``kernel[grid]``
+    (which compiles); its CompiledKernel is kept under (config, current device, Triton's debug
+    and instrumentation knobs, :func:`spec_key`): together what Triton keys its own cache on, or
+    finer. Later launches with that key call the kernel's C launcher with the pointers as
+    integers. Everything unusual takes ``kernel[grid]``: a Triton other than 3.6, the interpreter,
+    fast launch turned off, launch hooks installed (e.g. the proton profiler), tensors on a device
+    other than the current one, and compiled kernels that need scratch memory, tensor
+    descriptors, global-variable checks or pre-run hooks.
+
+    What the direct path skips, per launch (Triton 3.6, read from jit.py, compiler.py and the
+    nvidia driver): JITFunction.run's kwargs handling, the Python binder and its specialization of
+    every argument (replaced by :func:`spec_key`), the cache-key tuple of specializations and
+    ``str(options)``, ``torch.cuda.current_device()`` through the lazy driver proxy, the
+    global-variable check loop, ``launch_metadata`` (a LazyDict built for the launch hooks on
+    every launch, since the hook chains are never None), CudaLauncher.__call__ (a Python frame and
+    two scratch-allocation calls), and in C, per pointer, a ``data_ptr()`` method call and a
+    ``cuPointerGetAttribute`` driver call, plus the two empty hook-chain calls. Kept: argument
+    parsing and ``cuLaunchKernelEx``.
+    """
+
+    __slots__ = ("kernel", "misses", "_cache", "_direct")
+
+    _MAX_ENTRIES = 4096  # keys with values >= 2^31 are exact: bound the cache, just in case
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+        self.misses = 0  # launches through kernel[grid] (tests check that the direct path is taken)
+        self._cache: dict[tuple, tuple] = {}
+        self._direct: bool | None = None  # decided at the first launch
+
+    def __call__(
+        self,
+        grid: tuple[int, ...],
+        config: LaunchConfig,
+        tensors: Sequence[torch.Tensor],
+        ints: Sequence[int],
+        floats: Sequence[float] = (),
+    ) -> None:
+        key = None
+        if _fast_launch_on and (self._direct or (self._direct is None and self._decide())):
+            device = _cuda_get_device()
+            if tensors[0].get_device() == device:
+                ptrs, spec = spec_key(tensors, ints)
+                # Triton's key also holds the options: config's, and the debug and instrumentation knobs.
+                knobs = _triton_knobs
+                key = (config, device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, spec)
+                entry = self._cache.get(key)
+                if entry is not None and not self.kernel.pre_run_hooks:
+                    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+                    if (enter is None or (type(enter) is _HookChain and not enter.calls)) and (
+                        exit_ is None or (type(exit_) is _HookChain and not exit_.calls)
+                    ):
+                        launch, function, packed_metadata, cooperative, pdl, constexprs = entry
+                        n = len(grid)
+                        launch(
+                            grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                            _cuda_current_stream(device), function, cooperative, pdl, None, None,
+                            packed_metadata, None, None, None, *ptrs, *ints, *floats, *constexprs,
+                        )  # fmt: skip
+                        return
+                if entry is not None:
+                    key = None  # hooks installed (e.g. a profiler's): Triton's own launch calls them
+        self.misses += 1
+        compiled = self.kernel[grid](*tensors, *ints, *floats, **config.kwargs)
+        if key is not None:
+            entry = self._entry(compiled, config, len(tensors), len(ints), len(floats))
+            if entry is None:
+                self._direct = False  # this kernel's compiled form is not one the direct path handles
+                return
+            if len(self._cache) >= self._MAX_ENTRIES:
+                self._cache.clear()
+            self._cache[key] = entry
+
+    def _decide(self) -> bool:
+        self._direct = self._direct_possible()
+        return self._direct
+
+    def _direct_possible(self) -> bool:
+        """Triton 3.6 (the runtime this was written against: launcher argument layout, knobs,
+        CompiledKernel fields), a compiled (not interpreted) kernel, and CUDA."""
+        global _cuda_get_device, _cuda_current_stream, _triton_knobs, _HookChain
+        try:
+            import triton
+            from triton import knobs
+            from triton.backends.nvidia import driver as nvidia_driver
+            from triton.runtime.jit import JITFunction
+
+            ok = (
+                triton.__version__.startswith("3.6.")
+                and getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO"
+                and isinstance(self.kernel, JITFunction)
+                and not knobs.runtime.interpret
+                and isinstance(knobs.compilation.instrumentation_mode, str)
+                and isinstance(knobs.runtime.launch_enter_hook, knobs.HookChain)
+                and torch.cuda.is_available()
+            )
+        except Exception:
+            return False
+        if not ok:
+            return False
+        _triton_knobs, _HookChain = knobs, knobs.HookChain
+        _cuda_get_device = torch._C._cuda_getDevice
+        _cuda_current_stream = torch._C._cuda_getCurrentRawStream
+        return True
+
+    def _entry(self, compiled: Any, config: LaunchConfig, n_ptr: int, n_int: int, n_float: int) -> tuple | None:
+        """(C launch, CUfunction, packed metadata, cooperative, pdl, constexpr values) for a compiled
+        kernel, or None when it is not the plain form the direct call handles."""
+        kernel = self.kernel
+        if kernel.used_global_vals or kernel.pre_run_hooks or type(compiled).__name__ != "CompiledKernel":
+            return None
+        launcher = getattr(compiled, "_run", None)
+        if type(launcher).__name__ != "CudaLauncher" or compiled.function is None:
+            return None
+        if launcher.global_scratch_size or launcher.profile_scratch_size:
+            return None
+        signature = list(compiled.src.signature.values())
+        params = kernel.params
+        n_runtime = n_ptr + n_int + n_float
+        if len(signature) != len(params) or len(params) < n_runtime:
+            return None
+        for i, ty in enumerate(signature):
+            if not isinstance(ty, str):
+                return None
+            if i < n_ptr:
+                ok = ty.startswith("*") and not params[i].is_constexpr
+            elif i < n_ptr + n_int:
+                ok = ty in ("i32", "i64", "u64", "constexpr") and not params[i].is_constexpr
+            elif i < n_runtime:
+                ok = ty == "fp32" and not params[i].is_constexpr
+            else:
+                ok = ty == "constexpr" and params[i].is_constexpr
+            if not ok:
+                return None
+        constexprs = []
+        for p in params[n_runtime:]:
+            if p.name in config.kwargs:
+                constexprs.append(config.kwargs[p.name])
+            elif p.has_default:
+                constexprs.append(p.default)
+            else:
+                return None
+        return (
+            launcher.launch, compiled.function, compiled.packed_metadata,
+            launcher.launch_cooperative_grid, launcher.launch_pdl, tuple(constexprs),
+        )  # fmt: skip
+
+
+_triton_knobs: Any = None
+_HookChain: Any = None

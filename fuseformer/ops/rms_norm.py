@@ -13,7 +13,13 @@ registers in one pass; longer rows are streamed in chunks (sum of squares, then 
 
 Backward: dx = rstd * (dy*w - xhat * mean(dy*w*xhat)) (+ dh, the gradient reaching the h output),
 dw = sum over rows of dy * xhat. A persistent grid (a few programs per SM) walks the rows and keeps
-its partial dw in registers; the partials ((programs, N) fp32) are summed at the end.
+its partial dw in registers; the partials ((programs, N) fp32) are summed by a second small kernel
+that writes dw in weight's dtype.
+
+Host overhead matters at small row counts (4096x1024 bf16 moves 16 MB, ~4 us of HBM time): launch
+configurations are cached per (row length, flags), kernels go through ``_utils.Launcher`` (direct
+calls of the compiled kernel after the first launch), and the eager paths allocate nothing they do
+not return.
 """
 
 from __future__ import annotations
@@ -27,15 +33,18 @@ import triton.language as tl
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
+    LaunchConfig,
+    Launcher,
     autograd_function,
     check_shape,
     check_tensor,
     dispatch,
     empty,
     float_dtype_of,
+    launch_config,
     next_pow2,
+    num_sms,
     rows_2d,
-    sm_count,
 )
 from fuseformer.runtime.backend import choose_backend
 
@@ -82,7 +91,7 @@ def _rms_norm_fwd_kernel(
     X, R, W, Y, H, RSTD,
     stride_x, stride_r, stride_y, stride_h,
     M, N, eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr, SINGLE_PASS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -98,7 +107,8 @@ def _rms_norm_fwd_kernel(
             h += r.to(tl.float32)
             tl.store(H + rows[:, None] * stride_h + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
         rstd = tl.rsqrt(tl.sum(h * h, axis=1) / N + eps)
-        tl.store(RSTD + rows, rstd, mask=row_mask)
+        if STORE_RSTD:
+            tl.store(RSTD + rows, rstd, mask=row_mask)
         y = h * rstd[:, None]
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -117,7 +127,8 @@ def _rms_norm_fwd_kernel(
                 tl.store(H + rows[:, None] * stride_h + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
             sum_sq += tl.sum(h * h, axis=1)
         rstd = tl.rsqrt(sum_sq / N + eps)
-        tl.store(RSTD + rows, rstd, mask=row_mask)
+        if STORE_RSTD:
+            tl.store(RSTD + rows, rstd, mask=row_mask)
         # Pass 2: normalize, re-reading the row (mostly from L2).
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
@@ -216,6 +227,24 @@ def _rms_norm_bwd_kernel(
                 tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rms_norm_dw_kernel(
+    DW_PARTIAL, DW,
+    P, N,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # dw[cols] = sum over the P partial rows (fp32), stored in DW's dtype: one launch where
+    # torch's sum(0) then .to(dtype) took two (and ~2x the host time).
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for start in range(0, P, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        mask = (rows < P)[:, None] & col_mask[None, :]
+        acc += tl.load(DW_PARTIAL + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+
+
 # --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
@@ -258,6 +287,34 @@ def _bwd_config(n: int) -> tuple[dict, int]:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps), per_sm
 
 
+# The per-call launch plans: everything a launch needs that depends only on the row length, the
+# flags and the device, computed once (the host time of a small call is the whole call).
+@functools.cache
+def _fwd_plan(n: int, has_residual: bool, has_weight: bool, store_rstd: bool) -> tuple[LaunchConfig, int]:
+    """(launch config, BLOCK_M) of the forward kernel."""
+    cfg = _fwd_config(n)
+    flags = dict(HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight, STORE_RSTD=store_rstd)
+    return launch_config(**flags, **cfg), cfg["BLOCK_M"]
+
+
+@functools.cache
+def _bwd_plan(n: int, has_dh: bool, has_weight: bool, device_index: int) -> tuple[LaunchConfig, int, int]:
+    """(launch config, BLOCK_M, most persistent programs) of the backward kernel."""
+    cfg, per_sm = _bwd_config(n)
+    programs = num_sms(device_index) * per_sm
+    return launch_config(HAS_DH=has_dh, HAS_WEIGHT=has_weight, **cfg), cfg["BLOCK_M"], programs
+
+
+@functools.cache
+def _dw_plan(n: int) -> tuple[LaunchConfig, int]:
+    """(launch config, BLOCK_N) of the dw reduction: about 128+ programs (one per SM), each a
+    column strip of at least 8 fp32 (one 32-byte sector a row) summed 4096 elements a step, so
+    that all of a strip's partials (P <= 4 programs per SM) are in flight at once for N <= 4096.
+    Unmeasured on the GPU; it replaces torch's sum(0) + .to(dtype), two launches."""
+    block_n = max(8, min(64, next_pow2((n + 127) // 128)))
+    return launch_config(BLOCK_P=4096 // block_n, BLOCK_N=block_n, num_warps=4), block_n
+
+
 # --------------------------------------------------------------------------------------------
 # Launchers (no autograd; inputs already checked; x and residual as (M, N) with unit col stride)
 # --------------------------------------------------------------------------------------------
@@ -267,31 +324,42 @@ def rms_norm_fwd(
     residual: torch.Tensor | None,
     eps: float,
     config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    store_rstd: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x, residual (M, N) -> y (M, N) in x's dtype, h = x + residual (M, N) or None, rstd (M,) fp32.
 
+    ``store_rstd=False`` (no backward to come) returns rstd None and skips its buffer and stores.
     ``config`` overrides the launch configuration (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps); for
     tuning sweeps.
     """
     m, n = x.shape
-    y = empty((m, n), dtype=x.dtype, device=x.device)
-    h = empty((m, n), dtype=x.dtype, device=x.device) if residual is not None else None
-    rstd = empty((m,), dtype=torch.float32, device=x.device)
+    dtype, device = x.dtype, x.device
+    y = empty((m, n), dtype=dtype, device=device)
+    h = empty((m, n), dtype=dtype, device=device) if residual is not None else None
+    rstd = empty((m,), dtype=torch.float32, device=device) if store_rstd else None
     if m == 0 or n == 0:
-        if n == 0:
+        if n == 0 and rstd is not None:
             rstd.fill_(eps**-0.5 if eps > 0 else float("inf"))
         return y, h, rstd
-    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-    cfg = config or _fwd_config(n)  # cached; never mutated
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
-    _rms_norm_fwd_kernel[grid](
-        x, residual if residual is not None else x, weight if weight is not None else x, y,
-        h if h is not None else y, rstd,
-        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
-        h.stride(0) if h is not None else 0,
-        m, n, eps,
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, **cfg,
-    )  # fmt: skip
+    sx = x.stride()  # one call for both strides (x.stride(i) costs as much as x.stride())
+    sr = residual.stride() if residual is not None else (0, 1)
+    assert sx[1] == 1 and sr[1] == 1
+    if config is None:
+        cfg, block_m = _fwd_plan(n, residual is not None, weight is not None, store_rstd)
+    else:
+        cfg = launch_config(
+            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, STORE_RSTD=store_rstd, **config
+        )
+        block_m = config["BLOCK_M"]
+    # y and h are fresh (m, n) tensors: row stride n. Without rstd, RSTD points at y (never written).
+    rstd_arg = rstd if rstd is not None else y
+    if residual is None:
+        tensors = (x, x, weight if weight is not None else x, y, y, rstd_arg)
+        ints = (sx[0], 0, n, 0, m, n)
+    else:
+        tensors = (x, residual, weight if weight is not None else x, y, h, rstd_arg)
+        ints = (sx[0], sr[0], n, n, m, n)
+    _fwd_launcher(((m + block_m - 1) // block_m,), cfg, tensors, ints, (float(eps),))
     return y, h, rstd
 
 
@@ -311,26 +379,41 @@ def rms_norm_bwd(
     launch configuration (for tuning sweeps).
     """
     m, n = x.shape
-    dx = empty((m, n), dtype=x.dtype, device=x.device)
+    device = x.device
+    dx = empty((m, n), dtype=x.dtype, device=device)
     if m == 0 or n == 0:
         if dh is not None:
             dx.copy_(dh)
         dw = torch.zeros_like(weight) if weight is not None else None
         return dx, dw
-    assert x.stride(1) == 1 and dy.stride(1) == 1 and (dh is None or dh.stride(1) == 1)
-    default_cfg, default_per_sm = _bwd_config(n)
-    cfg = config or default_cfg
-    per_sm = programs_per_sm or default_per_sm
-    programs = max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), sm_count(x) * per_sm))
-    dw_partial = empty((programs, n), dtype=torch.float32, device=x.device) if weight is not None else rstd
-    _rms_norm_bwd_kernel[(programs,)](
-        x, weight if weight is not None else x, dy, dh if dh is not None else dy, rstd, dx, dw_partial,
-        x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0),
-        m, n,
-        HAS_DH=dh is not None, HAS_WEIGHT=weight is not None, **cfg,
+    sx, sdy = x.stride(), dy.stride()
+    sdh = dh.stride() if dh is not None else (0, 1)
+    assert sx[1] == 1 and sdy[1] == 1 and sdh[1] == 1
+    cfg, block_m, max_programs = _bwd_plan(n, dh is not None, weight is not None, x.get_device())
+    if config is not None or programs_per_sm is not None:
+        default_cfg, default_per_sm = _bwd_config(n)
+        config = config or default_cfg
+        cfg = launch_config(HAS_DH=dh is not None, HAS_WEIGHT=weight is not None, **config)
+        block_m = config["BLOCK_M"]
+        max_programs = num_sms(x.get_device()) * (programs_per_sm or default_per_sm)
+    programs = min((m + block_m - 1) // block_m, max_programs)
+    dw_partial = empty((programs, n), dtype=torch.float32, device=device) if weight is not None else rstd
+    _bwd_launcher(
+        (programs,), cfg,
+        (x, weight if weight is not None else x, dy, dh if dh is not None else dy, rstd, dx, dw_partial),
+        (sx[0], sdy[0], sdh[0], n, m, n),
     )  # fmt: skip
-    dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
+    if weight is None:
+        return dx, None
+    dw = empty((n,), dtype=weight.dtype, device=device)
+    dw_cfg, dw_block_n = _dw_plan(n)
+    _dw_launcher(((n + dw_block_n - 1) // dw_block_n,), dw_cfg, (dw_partial, dw), (programs, n))
     return dx, dw
+
+
+_fwd_launcher = Launcher(_rms_norm_fwd_kernel)
+_bwd_launcher = Launcher(_rms_norm_bwd_kernel)
+_dw_launcher = Launcher(_rms_norm_dw_kernel)
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,10 +460,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_with(bwd):
     """The backward calling ``bwd``: the custom op under compile/export (so traces stay
-    opaque, also under aot_function), the plain implementation in the eager autograd.Function."""
+    opaque, also under aot_function), the plain implementation in the eager autograd.Function
+    (which returns y, or (y, h): its backward gets one or two gradients, possibly None)."""
 
-    def _backward(ctx, dy, dh, _drstd):
+    def _backward(ctx, dy, dh=None, _drstd=None):
         xn, weight, rstd = ctx.saved_tensors
+        if dy is None:  # eager only (grads not materialized): y was unused, only h was
+            dy = torch.zeros_like(xn)
         dy = dy.contiguous()
         dh = dh.contiguous() if (ctx.has_residual and dh is not None) else None
         dx, dw = bwd(dy, xn, weight, rstd, dh)
@@ -389,8 +475,33 @@ def _backward_with(bwd):
     return _backward
 
 
+def _setup_context_eager(ctx, inputs, output):
+    """The custom op's, and unused output gradients stay None: autograd would otherwise fill a
+    zero gradient for an unused h (an allocation and a fill kernel in the backward)."""
+    _setup_context(ctx, inputs, output)
+    ctx.set_materialize_grads(False)
+
+
+def _eager_outputs(output):
+    """What the eager Function returns: y, or (y, h). rstd stays inside (saved for the backward,
+    not an output: no gradient is ever built for it)."""
+    y, h, _ = output
+    return y if h is None else (y, h)
+
+
+def _fwd_no_grad(
+    x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Eager call with nothing to differentiate: y or (y, h), and no rstd allocated or stored."""
+    y, h, _ = rms_norm_fwd(x, weight, residual, eps, store_rstd=False)
+    return y if h is None else (y, h)
+
+
 _rms_norm_fwd_op.register_autograd(_backward_with(_rms_norm_bwd_op), setup_context=_setup_context)
-_RMSNormFunction = autograd_function("_RMSNormFunction", _fwd_impl, _setup_context, _backward_with(_bwd_impl))
+# Eager: rms_norm_fwd itself as the forward (h is None without a residual: no placeholder tensor).
+_RMSNormFunction = autograd_function(
+    "_RMSNormFunction", rms_norm_fwd, _setup_context_eager, _backward_with(rms_norm_bwd), _eager_outputs
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -415,26 +526,32 @@ def rms_norm(
         the new residual stream (as flash-attn's and Liger's fused add-norm return it).
     """
     check_tensor(_OP, "x", x, dtypes=FLOAT_DTYPES)
-    if x.dim() == 0:
+    ndim = x.dim()
+    if ndim == 0:
         raise ValueError(f"{_OP}: x must have at least 1 dim, got a scalar")
-    n = x.shape[-1]
+    shape, device = x.shape, x.device
+    n = shape[-1]
     if weight is not None:
-        check_tensor(_OP, "weight", weight, dtypes=FLOAT_DTYPES, device=x.device)
+        check_tensor(_OP, "weight", weight, dtypes=FLOAT_DTYPES, device=device)
         check_shape(_OP, "weight", weight, (n,), "the last dim of x")
     if residual is not None:
-        check_tensor(_OP, "residual", residual, dtypes=(x.dtype,), device=x.device)
-        check_shape(_OP, "residual", residual, tuple(x.shape), "the shape of x")
+        check_tensor(_OP, "residual", residual, dtypes=(x.dtype,), device=device)
+        check_shape(_OP, "residual", residual, shape, "the shape of x")
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"{_OP}: eps must be a non-negative float, got {eps!r}")
     supported = x.dtype in KERNEL_DTYPES and (weight is None or weight.dtype in KERNEL_DTYPES)
-    backend = choose_backend(_OP, x.device, supported, "float64 runs on the reference")
+    backend = choose_backend(_OP, device, supported, "float64 runs on the reference")
     if backend == "reference":
         return rms_norm_ref(x, weight, eps, residual)
 
-    shape = x.shape
     x2 = rows_2d(x)
     r2 = rows_2d(residual) if residual is not None else None
     w = weight.contiguous() if weight is not None else None
-    y, h, _ = dispatch(_rms_norm_fwd_op, _RMSNormFunction, _fwd_impl, x2, w, r2, float(eps))
-    y = y.view(shape)
-    return (y, h.view(shape)) if residual is not None else y
+    # Eager: y, or (y, h). Under torch.compile, the custom op's (y, h or a 0-size stand-in, rstd).
+    out = dispatch(_rms_norm_fwd_op, _RMSNormFunction, _fwd_no_grad, x2, w, r2, float(eps))
+    y, h = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+    if ndim != 2:  # 2-D inputs come back in their own shape: no view needed
+        y = y.view(*shape)  # sizes as ints: ~2 us faster than passing the torch.Size
+        if residual is not None:
+            h = h.view(*shape)
+    return (y, h) if residual is not None else y

@@ -171,3 +171,134 @@ def test_rms_norm_custom_ops_pass_opcheck(residual, device):
     with fuseformer.use_backend("triton"):
         torch.library.opcheck(_rms_norm_fwd_op, (x, w, r, 1e-6))
         torch.library.opcheck(_rms_norm_bwd_op, (torch.randn(5, 40, device=device), xn, w.detach(), rstd, dh))
+
+
+# --------------------------------------------------------------------------------------------
+# Host-overhead paths: the no-grad launcher, unused outputs, the dw reduction, the direct launch
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_no_grad_matches_reference(residual, device):
+    """The inference path (no rstd buffer, STORE_RSTD=False) against the fp64 reference."""
+    x = torch.randn(2, 5, 300, device=device)
+    r = torch.randn(2, 5, 300, device=device) if residual else None
+    w = torch.randn(300, device=device)
+    with torch.no_grad(), fuseformer.use_backend("triton"):
+        out = F.rms_norm(x, w, residual=r)
+    refs = F.rms_norm_ref(x.double(), w.double(), residual=None if r is None else r.double())
+    bases = F.rms_norm_ref(x, w, residual=r, upcast=False)
+    for name, o, rf, b in zip(["y", "h"], *(v if residual else [v] for v in (out, refs, bases))):
+        assert o.shape == x.shape
+        assert_close(name, o, rf, b)
+
+
+@pytest.mark.parametrize("use", ["y", "h"])
+def test_rms_norm_residual_backward_with_one_output_unused(use, device):
+    """The eager Function leaves unused output gradients as None (no zero fill): the backward must
+    handle dy None (only h used) and dh None (only y used)."""
+    x, r = (torch.randn(6, 130, device=device, requires_grad=True) for _ in range(2))
+    w = torch.randn(130, device=device, requires_grad=True)
+    with fuseformer.use_backend("triton"):
+        y, h = F.rms_norm(x, w, residual=r)
+    (y if use == "y" else h).square().sum().backward()
+    xd, rd, wd = (t.detach().double().requires_grad_() for t in (x, r, w))
+    yd, hd = F.rms_norm_ref(xd, wd, residual=rd)
+    (yd if use == "y" else hd).square().sum().backward()
+    torch.testing.assert_close(x.grad, xd.grad.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(r.grad, rd.grad.float(), rtol=1e-4, atol=1e-4)
+    # Only h used: the reference leaves w without a gradient; ours is zero (dy taken as zeros).
+    w_ref = wd.grad.float() if wd.grad is not None else torch.zeros_like(w)
+    torch.testing.assert_close(w.grad, w_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_rms_norm_dw_reduction_over_many_partials(device):
+    """dw from more partial rows than one step of the reduction kernel takes (N 5000: BLOCK_P 64;
+    one row a program in the backward, so M 100 gives 100 partial rows)."""
+    from fuseformer.ops.rms_norm import _dw_plan, rms_norm_bwd, rms_norm_fwd
+
+    m, n = 100, 5000
+    assert _dw_plan(n)[0].kwargs["BLOCK_P"] < m
+    x, dy = torch.randn(m, n, device=device), torch.randn(m, n, device=device)
+    w = torch.randn(n, device=device)
+    _, _, rstd = rms_norm_fwd(x, w, None, 1e-6)
+    # Enough programs per SM for one program a row (CPU stand-in: 4 "SMs").
+    dx, dw = rms_norm_bwd(dy, x, w, rstd, None, programs_per_sm=512)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    F.rms_norm_ref(xd, wd).backward(dy.double())
+    torch.testing.assert_close(dx, xd.grad.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dw, wd.grad.float(), rtol=1e-4, atol=1e-3)
+
+
+def test_spec_key_determines_triton_specialization():
+    """Equal spec_key entries mean equal Triton specializations (the direct launch's cache is
+    keyed on spec_key): checked against Triton's own native_specialize_impl, per argument."""
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    from triton.backends.compiler import BaseBackend
+
+    from fuseformer.ops._utils import spec_key
+
+    def triton_spec(arg):
+        return libtriton.native_specialize_impl(BaseBackend, arg, False, True, True)
+
+    ints = [0, 1, 2, 15, 16, 17, 31, 32, 33, 48, 1023, 1024, 1025, 4096, 70001, 2**31 - 16, 2**31 - 1]
+    ints += [2**31, 2**31 + 1, 2**31 + 16, 2**32, 2**40 + 3, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16]
+    ints += [-1, -15, -16, -17, -(2**31), -(2**31) - 1, -(2**31) - 16, -(2**63)]
+    seen: dict = {}
+    for v in ints:
+        _, key = spec_key((), (v,))
+        assert seen.setdefault(("int", key), triton_spec(v)) == triton_spec(v), v
+    buf = torch.zeros(256, dtype=torch.uint8)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int64):
+        size = dtype.itemsize
+        for offset in range(0, 64, size):  # every alignment the dtype allows
+            t = buf[offset : offset + 8 * size].view(dtype)
+            ptrs, key = spec_key((t,), ())
+            assert ptrs == [t.data_ptr()]
+            assert seen.setdefault(("ptr", key), triton_spec(t)) == triton_spec(t), (dtype, offset)
+    # Keys of different kinds never collide (a pointer key holds a dtype; an int key does not).
+    assert len({k for kind, k in seen}) == len(seen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_fast_launch_matches_normal_launch(dtype, residual):
+    """The direct launch path gives bitwise the outputs and gradients of kernel[grid](...), and is
+    taken: across shapes, a second dtype, misaligned (offset) and row-strided views."""
+    from fuseformer.ops._utils import fast_launch
+    from fuseformer.ops.rms_norm import _bwd_launcher, _dw_launcher, _fwd_launcher
+
+    launchers = (_fwd_launcher, _bwd_launcher, _dw_launcher)
+
+    def views(m, n):
+        base = torch.randn(m * (n + 3) + 8, dtype=dtype, device="cuda")
+        yield base[: m * n].view(m, n)  # contiguous, aligned
+        yield base[1 : 1 + m * n].view(m, n)  # pointer off 16-byte alignment
+        yield base[: m * (n + 3)].view(m, n + 3)[:, :n]  # row stride n + 3
+
+    def run(x, r, w, dy):
+        # detach(): the same storage and strides (a clone would be a fresh, aligned tensor).
+        xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
+        rs = r.detach().requires_grad_() if r is not None else None
+        out = F.rms_norm(xs, ws, residual=rs)
+        outs = list(out) if residual else [out]
+        torch.autograd.backward(outs, [dy] * len(outs))
+        with torch.no_grad():
+            inference = F.rms_norm(x, w, residual=r)
+        grads = [xs.grad, ws.grad] + ([rs.grad] if residual else [])
+        return [o.detach() for o in outs] + grads + (list(inference) if residual else [inference])
+
+    for m, n in [(1, 1), (37, 769), (4096, 1024), (3, 70001)]:
+        w = 1 + 0.5 * torch.randn(n, dtype=dtype, device="cuda")
+        for x, r in zip(views(m, n), views(m, n)):
+            r = r if residual else None
+            dy = torch.randn(m, n, dtype=dtype, device="cuda")
+            with fast_launch(False):
+                expected = run(x, r, w, dy)
+            with fast_launch(True):
+                run(x, r, w, dy)  # first launch of each key: compiles, fills the cache
+                misses = [la.misses for la in launchers]
+                got = run(x, r, w, dy)
+                assert [la.misses for la in launchers] == misses, "direct path not taken"
+            for e, g in zip(expected, got):
+                assert torch.equal(e, g) or (torch.isnan(e).any() and torch.equal(e.isnan(), g.isnan()))
+    torch.cuda.synchronize()
