@@ -3,28 +3,32 @@
 Random weights at the Llama-3-8B shape (``bench/engine.py``'s model building), one ``LLM`` shared by
 both measurements (the offline run first, then the server wraps the same object), prompts as random
 token ids, greedy, EOS ignored. The server runs in this process on a loopback port (uvicorn on a
-thread), and so does the client (asyncio + httpx, streaming, SSE lines counted, not parsed): its CPU
-time competes with the server's, as a client on the same host would.
+thread, as ``fuseformer serve`` runs it). The client (asyncio streams, a connection per request, SSE
+events counted, not parsed) runs in a process of its own, started once (spawn) and given one phase at
+a time, as vLLM's benchmark_serving is a process of its own: a client in the server's process took
+the GIL from the server and the engine thread (on the CPU proxy, more of it than the server did).
 
 Records:
 - ``offline``: ``LLM.generate`` on N requests -> output tok/s.
 - ``server, unlimited rate``: the same N requests sent at once over HTTP (streaming) -> output tok/s,
   and its ratio to offline (issue 6's bar: >= 0.9).
-- ``server, lone request``: p50 TTFT (client-side: request sent -> first token chunk) of requests sent
-  one at a time.
+- ``server, lone request``: p50 TTFT (client-side: connect and send -> first token chunk) of requests
+  sent one at a time.
 - ``server, 1 req/s``: p50 TTFT of requests arriving once a second (Poisson arrivals would be vLLM's
   choice; fixed 1 s gaps make runs comparable), and its ratio to the lone p50 (the bar: <= 1.1).
-Every phase is bounded in requests and in wall time (``_PHASE_TIMEOUT_S``).
-"""
+Every phase is bounded in requests and in wall time (``_PHASE_TIMEOUT_S``)."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import multiprocessing
 import socket
 import statistics
 import threading
 import time
+import urllib.parse
 from typing import Any
 
 import torch
@@ -42,7 +46,12 @@ def _start_server(llm, model_name: str):
 
     engine = AsyncEngine(llm, start=False)
     app = create_app(engine, model_name)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (as
+    # uvicorn's own, made by getaddrinfo, do). Without it Nagle held a response's first token chunk
+    # behind its headers until the client's delayed ACK, ~40 ms, on reused connections: the lone p50
+    # TTFT on the CPU proxy was 45 ms for ~5 ms of work.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
@@ -62,60 +71,125 @@ def _start_server(llm, model_name: str):
     return url, stop
 
 
-async def _one(client, model_name: str, prompt: list[int], output_len: int) -> tuple[float, float, int]:
-    """(TTFT s, total s, token chunks) of one streamed completion."""
-    body = dict(
-        model=model_name, prompt=prompt, max_tokens=output_len, temperature=0, ignore_eos=True, stream=True
-    )  # fmt: skip
+async def _one(url: str, model_name: str, prompt: list[int], output_len: int) -> tuple[float, float, int]:
+    """(TTFT s, total s, token chunks) of one streamed completion, on a connection of its own (as
+    vLLM's benchmark_serving opens one per request). HTTP/1.1 on asyncio streams, not httpx: the
+    client counts ``data: {`` in what it reads instead of parsing each line, so that it costs a few
+    microseconds per read, not tens per token (httpx's h11 parsing, on the CPU proxy, took more CPU
+    per token than the server did, and it must keep up with 256 streams at the engine's rate)."""
+    split = urllib.parse.urlsplit(url)
+    body = json.dumps(
+        dict(model=model_name, prompt=prompt, max_tokens=output_len, temperature=0, ignore_eos=True, stream=True)
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {split.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
     start = time.perf_counter()
-    ttft, chunks = None, 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"bench serve: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                chunks += 1
+    reader, writer = await asyncio.open_connection(split.hostname, split.port)
+    ttft, chunks, first, tail, done = None, 0, b"", b"", False
+    try:
+        writer.write(head + body)
+        while data := await reader.read(1 << 16):
+            # A marker split across two reads is found once: the tail kept is shorter than "data: {".
+            n = (tail[-6:] + data).count(b"data: {")
+            if n and ttft is None:
+                ttft = time.perf_counter() - start
+            chunks += n
+            done = done or b"data: [DONE]" in tail + data
+            first = first or data
+            tail = data[-16:]
+    finally:
+        writer.close()
+    if not first.startswith(b"HTTP/1.1 200") or not done:
+        raise RuntimeError(f"bench serve: the request failed: {first[:300]!r}")
     return ttft if ttft is not None else float("nan"), time.perf_counter() - start, chunks
 
 
 async def _unlimited(url: str, model_name: str, prompts: list[list[int]], output_len: int) -> float:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=_PHASE_TIMEOUT_S, limits=limits) as client:
-        await _one(client, model_name, prompts[0][:8], 4)  # warm the connection path
-        start = time.perf_counter()
-        await asyncio.wait_for(
-            asyncio.gather(*(_one(client, model_name, p, output_len) for p in prompts)), _PHASE_TIMEOUT_S
-        )
-        return time.perf_counter() - start
+    await _one(url, model_name, prompts[0][:8], 4)  # warm the path
+    start = time.perf_counter()
+    await asyncio.wait_for(asyncio.gather(*(_one(url, model_name, p, output_len) for p in prompts)), _PHASE_TIMEOUT_S)
+    return time.perf_counter() - start
 
 
 async def _lone(url: str, model_name: str, prompts: list[list[int]], output_len: int) -> list[float]:
-    import httpx
-
-    async with httpx.AsyncClient(base_url=url, timeout=_PHASE_TIMEOUT_S) as client:
-        ttfts = []
-        deadline = time.monotonic() + _PHASE_TIMEOUT_S
-        for p in prompts:
-            if time.monotonic() > deadline:
-                break
-            ttfts.append((await _one(client, model_name, p, output_len))[0])
-        return ttfts
+    ttfts = []
+    deadline = time.monotonic() + _PHASE_TIMEOUT_S
+    for p in prompts:
+        if time.monotonic() > deadline:
+            break
+        ttfts.append((await _one(url, model_name, p, output_len))[0])
+    return ttfts
 
 
 async def _at_rate(url: str, model_name: str, prompts: list[list[int]], output_len: int, rate: float) -> list[float]:
-    import httpx
+    tasks = []
+    for p in prompts:
+        tasks.append(asyncio.ensure_future(_one(url, model_name, p, output_len)))
+        await asyncio.sleep(1.0 / rate)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), _PHASE_TIMEOUT_S)
+    return [r[0] for r in results]
 
-    async with httpx.AsyncClient(base_url=url, timeout=_PHASE_TIMEOUT_S) as client:
-        tasks = []
-        for p in prompts:
-            tasks.append(asyncio.ensure_future(_one(client, model_name, p, output_len)))
-            await asyncio.sleep(1.0 / rate)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), _PHASE_TIMEOUT_S)
-        return [r[0] for r in results]
+
+_PHASES = {"unlimited": _unlimited, "lone": _lone, "rated": _at_rate}
+
+
+def _client_main(conn, url: str, model_name: str) -> None:
+    """The client process: runs the phases the parent sends, ``(name, args)``, until it sends None;
+    answers ("ok", result) or ("error", message) for each."""
+    conn.send(("ok", "ready"))
+    while (msg := conn.recv()) is not None:
+        phase, args = msg
+        try:
+            result = asyncio.run(_PHASES[phase](url, model_name, *args))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        else:
+            conn.send(("ok", result))
+    conn.close()
+
+
+class _ClientProcess:
+    """The benchmark's client in a process of its own (spawned: no copy of the parent's threads or CUDA
+    state), so that its CPU time and GIL are not the server's."""
+
+    def __init__(self, url: str, model_name: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_client_main, args=(child, url, model_name), daemon=True)
+        self._proc.start()
+        child.close()
+        self._call(None, 120.0)  # started and imported
+
+    def run(self, phase: str, *args: Any) -> Any:
+        return self._call((phase, args), _PHASE_TIMEOUT_S + 30)
+
+    def _call(self, msg: Any, timeout: float) -> Any:
+        if msg is not None:
+            self._conn.send(msg)
+        if not self._conn.poll(timeout):
+            self.close()
+            raise RuntimeError(f"bench serve: the client process did not answer within {timeout:.0f} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"bench serve: the client process died (exit code {self._proc.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"bench serve: the client failed: {value}")
+        return value
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._conn.send(None)
+            except OSError:
+                pass
+            self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
 
 
 def run_serve_case(
@@ -169,8 +243,10 @@ def run_serve_case(
     progress(f"offline {offline_tok_s:.0f} output tok/s; starting the server")
 
     url, stop = _start_server(llm, name)
+    client = None
     try:
-        seconds = asyncio.run(_unlimited(url, name, prompts, output_len))
+        client = _ClientProcess(url, name)
+        seconds = client.run("unlimited", prompts, output_len)
         tok_s = num_requests * output_len / seconds
         records.append(
             dict(
@@ -179,7 +255,7 @@ def run_serve_case(
             )
         )  # fmt: skip
         progress(f"server, unlimited rate: {tok_s:.0f} output tok/s ({tok_s / offline_tok_s:.3f} of offline)")
-        lone = asyncio.run(_lone(url, name, light[:num_lone], output_len))
+        lone = client.run("lone", light[:num_lone], output_len)
         lone_p50 = statistics.median(lone)
         records.append(
             dict(
@@ -190,7 +266,7 @@ def run_serve_case(
             )
         )
         progress(f"lone requests: p50 TTFT {1e3 * lone_p50:.1f} ms")
-        rated = asyncio.run(_at_rate(url, name, light[num_lone:], output_len, rate))
+        rated = client.run("rated", light[num_lone:], output_len, rate)
         rated_p50 = statistics.median(rated)
         records.append(
             dict(
@@ -200,6 +276,8 @@ def run_serve_case(
             )
         )  # fmt: skip
     finally:
+        if client is not None:
+            client.close()
         stop()
         del llm
         gc.collect()

@@ -3,13 +3,18 @@
 A model step is blocking compute (seconds on a CPU, milliseconds on a GPU), so it runs on its own
 thread and never on the event loop. All ``LLM`` calls happen on that thread: ``add_request`` and
 ``abort`` from the event loop are queued as commands, which the thread applies between steps (at
-once when it is idle), so the scheduler is never touched by two threads. Outputs go back to each
-request's asyncio queue with ``loop.call_soon_threadsafe``.
+once when it is idle), so the scheduler is never touched by two threads. A step's outputs go back to
+the event loop in one ``loop.call_soon_threadsafe`` call (not one per request: at 256 requests a step
+those calls cost more than the step's scheduling), which appends each delta to its request's buffer
+and wakes that request's reader; the thread then waits for the event loop to finish that work (the
+handoff), and under load hands outputs over every few steps instead of every step (``AsyncEngine``
+says why: the two threads share the GIL).
 
     engine = AsyncEngine(LLM(path))
     stream = await engine.add_request("req-1", "Hello", SamplingParams(max_tokens=8))  # ValueError if bad
     async for delta in stream:  # RequestOutput deltas, as LLM.step returns them; the last has finished=True
         ...
+    batch = await stream.get_batch()  # or: every delta that arrived since the last call ([] at the end)
 
 Leaving the stream early (``break``, a cancelled task, ``await stream.aclose()``) aborts the request,
 and its KV blocks are freed before the next step. ``await engine.shutdown(grace_s)`` stops accepting
@@ -52,7 +57,10 @@ class _Add:
 class RequestStream:
     """The deltas of one request, in order; async-iterable. The last delta has ``finished=True``.
 
-    Closing it (``aclose``, or a task cancelled while it waits) before the end aborts the request.
+    ``get_batch()`` returns every delta that arrived since the previous call at once: a reader that
+    falls behind the engine (the server, writing to many clients) catches up in one wake-up, not one
+    per step. Closing the stream (``aclose``, or a task cancelled while it waits) before the end aborts
+    the request.
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, n: int, loop: asyncio.AbstractEventLoop) -> None:
@@ -61,32 +69,67 @@ class RequestStream:
         self.n = n
         self.finished = False
         self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._items: collections.deque[RequestOutput] = collections.deque()  # loop thread only
+        self._error: BaseException | None = None  # raised once the items before it are read
+        self._waiter: asyncio.Future | None = None
         self._done_indexes: set[int] = set()  # completions that finished (engine thread only)
+        self._handed_any = False  # an output was handed to the loop (engine thread only)
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        if not self._items and self._error is None:
+            await self._wait()
+        if self._items:
+            item = self._items.popleft()
+            if item.finished:
+                self.finished = True
+            return item
+        self._raise_error()
+        raise StopAsyncIteration  # closed while waiting
+
+    async def get_batch(self) -> list[RequestOutput]:
+        """Every delta that arrived since the last call, waiting for one if none has; ``[]`` once the
+        stream has ended (or was closed). An engine error is raised after the deltas before it."""
+        if not self._items and self._error is None:
+            await self._wait()
+        if self._items:
+            batch = list(self._items)
+            self._items.clear()
+            if batch[-1].finished:
+                self.finished = True
+            return batch
+        self._raise_error()
+        return []
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self.finished = True
+            raise error
+
+    async def _wait(self) -> None:
         if self.finished:
-            raise StopAsyncIteration
+            return
+        self._waiter = self._loop.create_future()
         try:
-            item = await self._queue.get()
+            await self._waiter
         except asyncio.CancelledError:
             self.close()
             raise
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
+        finally:
+            self._waiter = None
 
     def close(self) -> None:
-        """Abort the request unless it finished (safe to call more than once, from the loop's thread)."""
+        """Abort the request unless it finished (safe to call more than once, from the loop's thread).
+        A reader waiting on the stream wakes and sees it end."""
         if not self.finished:
             self.finished = True
+            self._items.clear()
+            self._error = None
             self.engine.abort(self.request_id)
+            self._wake()
 
     async def aclose(self) -> None:
         self.close()
@@ -97,11 +140,27 @@ class RequestStream:
     async def __aexit__(self, *exc: Any) -> None:
         self.close()
 
+    # ---- event loop, called from the engine thread's call_soon_threadsafe --------------------------
+
+    def _push(self, item: RequestOutput | BaseException) -> None:
+        if self.finished:  # closed by the reader: the rest is dropped
+            return
+        if isinstance(item, BaseException):
+            self._error = item
+        else:
+            self._items.append(item)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     # ---- engine thread -------------------------------------------------------------------------
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._push, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
@@ -117,9 +176,59 @@ class RequestStream:
         )
 
 
-def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
-    for stream, out in items:
-        stream._queue.put_nowait(out)
+# Two callbacks in a row this close together: nothing ran between them, the event loop is idle. An idle
+# loop turns around in ~5-15 us (an epoll_wait with no timeout and the callback).
+_IDLE_GAP_S = 50e-6
+# The least time a handoff may take, however short the step was (a thread wake-up is ~50 us).
+_MIN_HANDOFF_S = 1e-3
+
+
+class _Handoff:
+    """Set (``done``) once an event loop has handled a step's outputs and then had nothing left to do,
+    or at ``deadline`` (``time.perf_counter``). Idleness is seen from the loop's side: a callback that
+    re-schedules itself runs again at once when nothing else is ready."""
+
+    __slots__ = ("loop", "done", "deadline", "_last")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        self.loop = loop
+        self.done = threading.Event()
+        self.deadline = deadline
+        self._last = 0.0
+
+    def deliver(self, items: list[tuple[RequestStream, RequestOutput]]) -> None:
+        """In the loop: hand the outputs to their streams, then watch for idleness."""
+        for stream, out in items:
+            stream._push(out)
+        self._last = time.perf_counter()
+        self.loop.call_soon(self._probe)  # runs after the readers woken above, which were scheduled first
+
+    def _probe(self) -> None:
+        now = time.perf_counter()
+        if now - self._last < _IDLE_GAP_S or now >= self.deadline:
+            self.done.set()
+        else:
+            self._last = now
+            self.loop.call_soon(self._probe)
+
+
+def _join(into: RequestOutput, out: RequestOutput) -> None:
+    """Append delta ``out`` to the held delta ``into`` of the same request (objects of the engine
+    thread's own, from ``LLM.step``)."""
+    by_index = {c.index: c for c in into.outputs}
+    for c in out.outputs:
+        prev = by_index.get(c.index)
+        if prev is None:
+            into.outputs.append(c)
+            continue
+        prev.text += c.text
+        prev.token_ids += c.token_ids
+        if c.logprobs is not None:
+            prev.logprobs = (prev.logprobs or []) + c.logprobs
+        prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+        prev.cumulative_logprob = c.cumulative_logprob
+    into.finished = out.finished
+    into.metrics = out.metrics
 
 
 class AsyncEngine:
@@ -128,9 +237,30 @@ class AsyncEngine:
     Args:
         llm: the engine to drive; from now on only this object's thread may call it.
         start: start the thread now (else on the first ``add_request`` or ``start()``).
+        max_stream_overhead: the share of the engine's time that handing outputs to the event loop may
+            take (see "Under load" below); ``None`` or 0: every step's outputs are handed over at once.
+
+    The handoff: the step loop is host-bound Python, and so is the event loop's work (an SSE write per
+    stream per step, parsing new requests). Run at the same time they share the GIL badly: each socket
+    call in the event loop releases the GIL, the engine thread takes it, and the event loop waits for
+    the switch interval (5 ms) to get it back: one write or one request parsed per 5 ms while the
+    engine computes. So after a step with outputs the engine thread waits (GIL released) until each
+    event loop has handled them and has nothing left to do (new requests parsed and queued too: they
+    join the next step), for at most as long as the step took (1 ms at least). The wait costs the
+    engine no throughput (the event loop's Python work holds the GIL either way), and the bound leaves
+    the engine half of the time under any flood of HTTP work (or a blocked event loop).
+
+    Under load: the event loop's work per handoff grows with the number of streams (one SSE write
+    each through Starlette, uvicorn and h11: ~25 ms for 256 streams on the 2-core CPU-proxy machine,
+    ~100 us a write) while a step's time grows less (a 256-request decode step of an 8B model on an
+    H200: 40 ms, host-bound). When the last handoff took more than ``max_stream_overhead`` of the
+    engine's time since, outputs are held and joined per request (text, tokens, logprobs) and handed
+    over with a later step's, every few steps: the same text, in fewer, larger chunks, and the server
+    costs the engine at most that share of its throughput (5%: at 40 ms steps and a 10 ms handoff,
+    every 5 steps). A request's first output, a finished one and an abort are never held.
     """
 
-    def __init__(self, llm: LLM, start: bool = True) -> None:
+    def __init__(self, llm: LLM, start: bool = True, max_stream_overhead: float | None = 0.05) -> None:
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
@@ -143,6 +273,12 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._stats = llm.scheduler.get_stats()
         self.num_steps = 0
+        self.max_stream_overhead = max_stream_overhead
+        # Outputs not yet handed over, joined per request (engine thread only); the steps they cover;
+        # how long the last handoff of all held outputs kept the engine waiting.
+        self._held: dict[str, tuple[RequestStream, RequestOutput]] = {}
+        self._held_steps = 0
+        self._handoff_s = 0.0
         if start:
             self.start()
 
@@ -236,12 +372,13 @@ class AsyncEngine:
                     self._abort_all()
                     return
                 outputs = []
+                start = time.perf_counter()
                 if llm.has_unfinished_requests():
                     outputs = llm.step()
                     self.num_steps += 1
                 # Stats before outputs: a client that has its last token sees its blocks freed.
                 self._stats = llm.scheduler.get_stats()
-                self._deliver(outputs)
+                self._deliver(outputs, time.perf_counter() - start)
         except BaseException as exc:  # a failed step: every waiting caller gets the error, not a hang
             self.error = exc
             for stream in self._streams.values():
@@ -275,7 +412,14 @@ class AsyncEngine:
             if stream is not None:
                 self.llm.abort(request_id)
                 self._stats = self.llm.scheduler.get_stats()
-                stream._put(stream._abort_output())
+                self._put_abort(stream)
+
+    def _put_abort(self, stream: RequestStream) -> None:
+        """The stream's held outputs, then its last "abort" delta."""
+        held = self._held.pop(stream.request_id, None)
+        if held is not None:
+            stream._put(held[1])
+        stream._put(stream._abort_output())
 
     @staticmethod
     def _resolve(command: _Add, error: BaseException | None) -> None:
@@ -292,10 +436,11 @@ class AsyncEngine:
         except RuntimeError:
             pass
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their streams: one wake-up per event loop, not one per request
-        (at 256 requests a step, 256 ``call_soon_threadsafe`` calls cost more than the step's scheduling)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+    def _deliver(self, outputs: list[RequestOutput], step_s: float) -> None:
+        """Hold a step's outputs or hand them, with those held, to their streams (see the class doc):
+        one wake-up per event loop, not one per request (at 256 requests a step, 256
+        ``call_soon_threadsafe`` calls cost more than the step's scheduling); then the handoff."""
+        urgent = False
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -305,15 +450,41 @@ class AsyncEngine:
                     stream._done_indexes.add(c.index)
             if out.finished:
                 del self._streams[out.request_id]
+            if out.finished or not stream._handed_any:
+                urgent = True
+            held = self._held.get(out.request_id)
+            if held is None:
+                self._held[out.request_id] = (stream, out)
+            else:
+                _join(held[1], out)
+        if not self._held:
+            return
+        self._held_steps += 1
+        budget = self.max_stream_overhead
+        if not urgent and budget and self._handoff_s > budget * step_s * self._held_steps:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for stream, out in self._held.values():
+            stream._handed_any = True
             by_loop.setdefault(stream._loop, []).append((stream, out))
+        self._held.clear()
+        self._held_steps = 0
+        start = time.perf_counter()
+        deadline = start + max(step_s, _MIN_HANDOFF_S)
+        handoffs = []
         for loop, items in by_loop.items():
+            handoff = _Handoff(loop, deadline)
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(handoff.deliver, items)
             except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+                continue
+            handoffs.append(handoff)
+        for handoff in handoffs:
+            handoff.done.wait(max(0.0, deadline - time.perf_counter()))
+        self._handoff_s = time.perf_counter() - start
 
     def _abort_all(self) -> None:
         for request_id, stream in list(self._streams.items()):
             self.llm.abort(request_id)
-            stream._put(stream._abort_output())
+            self._put_abort(stream)
         self._streams.clear()

@@ -40,6 +40,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     p.add_argument(
+        "--max-stream-overhead",
+        type=float,
+        default=0.05,
+        help="share of the engine's time that streaming outputs to clients may take; above it, under load, "
+        "tokens go out every few steps in larger chunks (0: every step; default 0.05)",
+    )
+    p.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish at shutdown"
     )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -68,6 +75,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return _error(f"--device must be cpu or cuda, got {args.device!r}", 2)
     if args.api_key is not None and not args.api_key:
         return _error("--api-key must not be empty", 2)
+    if not 0 <= args.max_stream_overhead < 1:
+        return _error(f"--max-stream-overhead must be in [0, 1), got {args.max_stream_overhead}", 2)
 
     import uvicorn
 
@@ -92,7 +101,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         return _error(str(exc), 1)
     name = args.served_model_name or Path(model).resolve().name
-    app = create_app(AsyncEngine(llm, start=False), name, api_key=args.api_key)
+    engine = AsyncEngine(llm, start=False, max_stream_overhead=args.max_stream_overhead)
+    app = create_app(engine, name, api_key=args.api_key)
     config = uvicorn.Config(
         app,
         host=args.host,

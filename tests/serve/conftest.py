@@ -70,7 +70,9 @@ def running_server(checkpoint, api_key=None, timeout=120.0, backend="reference",
         llm = checkpoint if isinstance(checkpoint, LLM) else LLM(checkpoint, **(LLM_KWARGS | llm_kwargs))
         engine = AsyncEngine(llm, start=False)
         app = create_app(engine, MODEL, api_key=api_key)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (uvicorn's own do);
+        # without it a reused connection's first chunk waits ~40 ms for the client's delayed ACK.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

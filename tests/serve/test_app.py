@@ -291,3 +291,47 @@ def test_api_key(checkpoint, start_server):
         # Probes and scrapers stay open.
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_sse_templates_equal_the_dict_encoding(include_usage):
+    """The streamed chunk templates give what json.dumps of the chunk dict gives, for any text."""
+    from fuseformer.serve.app import _Events, _sse
+
+    head = dict(id="cmpl-ab12", object="text_completion", created=1764460800, model="tiny-llama")
+    usage = {"usage": None} if include_usage else {}
+    events = _Events(head, include_usage)
+    for text in ["", "hello", 'a "quote" \\ back\nslash\t', "é中😀", "\u2028\x00"]:
+        choice = dict(index=3, text=text, logprobs=None, finish_reason=None)
+        assert events.text(3, text) == _sse(head | dict(choices=[choice]) | usage)
+        choice = dict(index=1, delta=dict(content=text), logprobs=None, finish_reason=None)
+        assert events.content(1, text) == _sse(head | dict(choices=[choice]) | usage)
+        choice = dict(index=0, text=text, logprobs=None, finish_reason="stop")
+        assert events.choice(choice) == _sse(head | dict(choices=[choice]) | usage)
+
+
+def test_latency_histograms_count_every_token():
+    """ServerMetrics' lock-free histograms: n tokens arriving together count n inter-token latencies of
+    seconds / n each, in Prometheus' cumulative buckets."""
+    from fuseformer.engine.scheduler import SchedulerStats
+    from fuseformer.serve.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    m.observe_first_token(0.03)
+    m.observe_inter_token(0.012, 3)  # 3 tokens, 4 ms each
+    m.observe_inter_token(0.5)
+    m.count_tokens(prompt=7, generation=4)
+    stats = SchedulerStats(
+        num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0, num_preemptions=0
+    )
+    lines = dict(line.rsplit(" ", 1) for line in m.render(stats).decode().splitlines() if not line.startswith("#"))
+    itl = "fuseformer_inter_token_latency_seconds"
+    assert float(lines[f'{itl}_bucket{{le="0.0025",model_name="m"}}']) == 0
+    assert float(lines[f'{itl}_bucket{{le="0.005",model_name="m"}}']) == 3
+    assert float(lines[f'{itl}_bucket{{le="0.5",model_name="m"}}']) == 4
+    assert float(lines[f'{itl}_bucket{{le="+Inf",model_name="m"}}']) == 4
+    assert float(lines[f'{itl}_count{{model_name="m"}}']) == 4
+    assert float(lines[f'{itl}_sum{{model_name="m"}}']) == pytest.approx(0.512)
+    assert float(lines['fuseformer_time_to_first_token_seconds_count{model_name="m"}']) == 1
+    assert float(lines['fuseformer_generation_tokens_total{model_name="m"}']) == 4
+    assert float(lines['fuseformer_prompt_tokens_total{model_name="m"}']) == 7

@@ -143,3 +143,74 @@ def test_a_failed_step_reaches_every_caller(engine):
 
     _run(main())
     assert not engine.is_running
+
+
+async def _collect_all(stream):
+    """Per completion index: tokens, text, logprobs; and the deltas as they came."""
+    deltas, tokens, texts, logprobs = [], {}, {}, {}
+    async for out in stream:
+        deltas.append(out)
+        for c in out.outputs:
+            tokens.setdefault(c.index, []).extend(c.token_ids)
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.logprobs is not None:
+                logprobs.setdefault(c.index, []).extend(c.logprobs)
+    return deltas, tokens, texts, logprobs
+
+
+def test_outputs_held_under_load_are_joined_not_lost(checkpoint, llm_kwargs):
+    """An engine whose handoffs always cost more than its budget: after a request's first output, its
+    outputs are held and joined until it finishes. The streams still hold what LLM.generate returns
+    (tokens, text, logprobs, every completion of n=2), in fewer deltas than tokens."""
+    prompts = ["Hello world", "The quick brown fox"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=9, ignore_eos=True),
+    ]
+    with fuseformer.use_backend("reference"):
+        expected = LLM(checkpoint, **llm_kwargs).generate(prompts, params, use_tqdm=False)
+        engine = AsyncEngine(LLM(checkpoint, **llm_kwargs), max_stream_overhead=1e-12)
+
+        async def main():
+            streams = [await engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+            return await asyncio.gather(*(_collect_all(s) for s in streams))
+
+        results = _run(main())
+        _run(engine.shutdown())
+    for (deltas, tokens, texts, logprobs), out, sp in zip(results, expected, params):
+        assert all(len(c.token_ids) == 1 for c in deltas[0].outputs)  # the first output is never held
+        assert len(deltas) < sp.max_tokens  # the rest came joined
+        assert [tokens[c.index] for c in out.outputs] == [c.token_ids for c in out.outputs]
+        assert [texts[c.index] for c in out.outputs] == [c.text for c in out.outputs]
+        if sp.logprobs is not None:  # close, not equal: the batch differs (requests join the engine one by one)
+            for c in out.outputs:
+                assert [lp.keys() for lp in logprobs[c.index]] == [lp.keys() for lp in c.logprobs]
+                assert logprobs[c.index] == [pytest.approx(lp, abs=1e-4) for lp in c.logprobs]
+        assert deltas[-1].finished and [c.finish_reason for c in deltas[-1].outputs] == ["length"] * sp.n
+    assert engine.llm.scheduler.kv.pool.num_free_blocks == 255
+
+
+def test_an_abort_delivers_the_held_outputs_first(checkpoint, llm_kwargs):
+    """Outputs held under load reach the stream before its "abort" delta: the text is a prefix of the
+    greedy output, nothing lost."""
+    import time
+
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with fuseformer.use_backend("reference"):
+        (expected,) = LLM(checkpoint, **llm_kwargs).generate(["Hello world"], greedy, use_tqdm=False)
+        engine = AsyncEngine(LLM(checkpoint, **llm_kwargs), max_stream_overhead=1e-12)
+        step = engine.llm.step
+        engine.llm.step = lambda: (time.sleep(0.01), step())[1]
+
+        async def main():
+            stream = await engine.add_request("x", "Hello world", greedy)
+            first = await stream.__anext__()
+            await asyncio.sleep(0.15)  # steps whose outputs are held
+            engine.abort("x")
+            return [first, *[out async for out in stream]]
+
+        deltas = _run(main())
+        _run(engine.shutdown())
+    tokens = [t for out in deltas for c in out.outputs for t in c.token_ids]
+    assert deltas[-1].outputs[-1].finish_reason == "abort" and len(deltas) == 3  # first, held (joined), abort
+    assert 1 < len(tokens) < 40 and tokens == expected.outputs[0].token_ids[: len(tokens)]

@@ -1,21 +1,24 @@
 """bench_serve's code paths on the CPU at a tiny shape: offline, the server at unlimited rate, lone
-requests and requests at a fixed rate all run and report sane numbers."""
+requests and requests at a fixed rate all run (the client in a process of its own) and report sane
+numbers; a request the server refuses fails the phase with the server's answer."""
 
+import pytest
 import torch
 
 import fuseformer
+
+SHAPE = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=128, tie_word_embeddings=False,
+)  # fmt: skip
 
 
 def test_bench_serve_code_paths_on_cpu():
     from fuseformer.bench.serve import format_table, run_serve_case
 
-    shape = dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, tie_word_embeddings=False,
-    )  # fmt: skip
     with fuseformer.use_backend("reference"):
         records = run_serve_case(
-            shape, 6, 8, 5, num_lone=2, num_rated=3, rate=10.0, device="cpu", dtype=torch.float32,
+            SHAPE, 6, 8, 5, num_lone=2, num_rated=3, rate=10.0, device="cpu", dtype=torch.float32,
             num_kv_blocks=64, block_size=4,
         )  # fmt: skip
     impls = [r["impl"] for r in records]
@@ -26,3 +29,26 @@ def test_bench_serve_code_paths_on_cpu():
     assert lone["requests"] == 2 and rated["requests"] == 3
     assert 0 < lone["p50_ttft_ms"] < 10_000 and 0 < rated["p50_ttft_ms"] < 10_000
     assert "server, unlimited rate" in format_table(records)
+
+
+def test_bench_client_reports_a_refusal_and_goes_on():
+    from fuseformer.bench.engine import build_models
+    from fuseformer.bench.serve import _ClientProcess, _start_server
+    from fuseformer.engine.llm import LLM
+
+    with fuseformer.use_backend("reference"):
+        _, model = build_models(SHAPE, "cpu", torch.float32)
+        llm = LLM(model, device="cpu", max_model_len=32, num_kv_blocks=64, block_size=4)
+        url, stop = _start_server(llm, "bench")
+        client = None
+        try:
+            client = _ClientProcess(url, "bench")
+            (ttft,) = client.run("lone", [[1, 2, 3]], 7)
+            assert 0 < ttft < 10
+            with pytest.raises(RuntimeError, match="HTTP/1.1 400"):
+                client.run("lone", [[1, 2, 3]], 100)  # does not fit max_model_len: 400
+            (ttft,) = client.run("lone", [[1, 2, 3]], 7)  # the client goes on after a failed phase
+        finally:
+            if client is not None:
+                client.close()
+            stop()

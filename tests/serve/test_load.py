@@ -200,12 +200,20 @@ def test_sigterm_stops_accepting_and_exits_0(checkpoint, finishes):
 
 @pytest.mark.parametrize(
     "args, match",
-    [([], "no --model"), (["--model", "/nonexistent/dir"], "is not a directory"), (["--port", "70000"], "--port")],
+    [
+        ([], "no --model"),
+        (["--model", "/nonexistent/dir"], "is not a directory"),
+        (["--port", "70000"], "--port"),
+        (["--max-stream-overhead", "1.5"], "--max-stream-overhead"),
+    ],
 )
-def test_serve_cli_bad_arguments_exit_2(args, match, checkpoint, capsys):
+def test_serve_cli_bad_arguments_exit_2(args, match, checkpoint, capsys, monkeypatch):
     from fuseformer.serve import cli
 
-    if "--port" in args:
+    # Without --model, serve takes the built-in model when one is installed (and would serve it on port
+    # 8000 until killed): the "no --model" error is the case without one.
+    monkeypatch.setattr("fuseformer.engine.cli.DEFAULT_MODEL", None)
+    if args and args[0] in ("--port", "--max-stream-overhead"):
         args = ["--model", str(checkpoint), *args]
     assert cli.main(["serve", *args]) == 2
     assert match in capsys.readouterr().err
