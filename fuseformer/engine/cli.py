@@ -36,8 +36,15 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--dtype", default="auto", choices=_DTYPES, help="weights' dtype (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (CUDA only)")
     p.set_defaults(func=run_generate)
     return p
+
+
+def _cuda_device(device: str | None) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and (device is None or device.startswith("cuda"))
 
 
 def _error(message: str, code: int) -> int:
@@ -54,6 +61,8 @@ def run_generate(args: argparse.Namespace) -> int:
         return _error(f"--model {model} is not a directory", 2)
     if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
         return _error(f"--device must be cpu or cuda, got {args.device!r}", 2)
+    if args.cuda_graphs and not _cuda_device(args.device):
+        return _error("--cuda-graphs needs a CUDA device", 2)
 
     from fuseformer.engine.llm import LLM
     from fuseformer.engine.sampling_params import SamplingParams
@@ -72,7 +81,13 @@ def run_generate(args: argparse.Namespace) -> int:
         return _error(str(exc), 2)
 
     try:
-        llm = LLM(model, dtype=args.dtype, device=args.device, seed=0 if args.seed is None else args.seed)
+        llm = LLM(
+            model,
+            dtype=args.dtype,
+            device=args.device,
+            seed=0 if args.seed is None else args.seed,
+            cuda_graphs=args.cuda_graphs,
+        )
     except (FileNotFoundError, ValueError) as exc:
         return _error(str(exc), 1)
     if llm.tokenizer is None:

@@ -205,6 +205,7 @@ def test_sigterm_stops_accepting_and_exits_0(checkpoint, finishes):
         (["--model", "/nonexistent/dir"], "is not a directory"),
         (["--port", "70000"], "--port"),
         (["--max-stream-overhead", "1.5"], "--max-stream-overhead"),
+        (["--device", "cpu", "--cuda-graphs"], "--cuda-graphs needs a CUDA device"),
     ],
 )
 def test_serve_cli_bad_arguments_exit_2(args, match, checkpoint, capsys, monkeypatch):
@@ -213,7 +214,7 @@ def test_serve_cli_bad_arguments_exit_2(args, match, checkpoint, capsys, monkeyp
     # Without --model, serve takes the built-in model when one is installed (and would serve it on port
     # 8000 until killed): the "no --model" error is the case without one.
     monkeypatch.setattr("fuseformer.engine.cli.DEFAULT_MODEL", None)
-    if args and args[0] in ("--port", "--max-stream-overhead"):
+    if args and args[0] in ("--port", "--max-stream-overhead", "--device"):
         args = ["--model", str(checkpoint), *args]
     assert cli.main(["serve", *args]) == 2
     assert match in capsys.readouterr().err
