@@ -8,6 +8,7 @@ fuseformer.engine.cli generate ...`` runs it alone.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -113,12 +114,16 @@ def run_generate(args: argparse.Namespace) -> int:
                     if c.text:
                         sys.stdout.write(c.text)
                         sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
     except KeyboardInterrupt:
         llm.abort(request_id)
         print(file=sys.stderr)
         return 130
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        llm.abort(request_id)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     return 0
 
 

@@ -561,3 +561,17 @@ def test_engine_gpu_half_at_real_layer_sizes(dtype, tmp_path):
         for p, o in zip(prompts, outs):
             agree += hf(torch.tensor([p], device="cuda")).logits[0, -1].argmax().item() == o.outputs[0].token_ids[0]
     assert agree >= 0.9 * len(prompts), f"{agree}/{len(prompts)} first tokens agree with HF fp32"
+
+
+def test_generate_cli_reader_going_away_is_no_error(text_checkpoint):
+    """`fuseformer generate ... | head -c 1`: when the pipe closes, generate stops with exit code 0 and
+    no BrokenPipeError traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "fuseformer.engine.cli", "generate", "Hello", "--model", str(text_checkpoint)]
+    cmd += ["--max-tokens", "200", "--temperature", "0", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.read(1)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    assert b"BrokenPipe" not in err, err.decode()
