@@ -84,3 +84,40 @@ def save_tiny_tokenizer(path, corpus: list[str], chat_template: str, vocab_size:
     config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": chat_template}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return tok.token_to_id("</s>")
+
+
+# A tiny Llama-family config for engine tests: GQA 4/2, QKV bias (Qwen2), odd vocab.
+TINY_LLAMA = dict(
+    architecture="Qwen2ForCausalLM",
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attention_bias=True,
+)
+
+
+def tiny_llama(device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """(our LlamaForCausalLM with random weights, its ModelConfig) for ``TINY_LLAMA | overrides``.
+
+    The weights are scaled so the logits are O(1)-O(10): greedy choices are decisive, not near-ties.
+    Drawn from a private generator (the global RNG is left alone).
+    """
+    import math
+
+    from fuseformer.models.config import ModelConfig
+    from fuseformer.models.llama import LlamaForCausalLM
+
+    config = ModelConfig(**(TINY_LLAMA | overrides))
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=gen)
+            if p.dim() > 1:
+                p.copy_(r * (1.0 if "embed" in name else 1.5 / math.sqrt(p.shape[1])))
+            elif "norm" not in name:
+                p.copy_(0.3 * r)
+    return model.to(device, dtype).eval(), config

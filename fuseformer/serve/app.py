@@ -205,7 +205,20 @@ class _Server:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def observe(self, choice: _Choice, num_new: int, arrival: float) -> None:
+    def record(self, choice: _Choice, c: CompletionOutput, arrival: float) -> _Choice:
+        """Add an engine delta ``c`` to ``choice`` (text, tokens, logprobs, finish reason) and count it
+        in the latency and token metrics. Returns ``choice``."""
+        self._observe(choice, len(c.token_ids), arrival)
+        choice.text += c.text
+        choice.token_ids += c.token_ids
+        if c.logprobs:
+            choice.logprobs += c.logprobs
+        if c.finish_reason is not None:
+            choice.finish_reason = c.finish_reason
+            self.metrics.count_finished(c.finish_reason)
+        return choice
+
+    def _observe(self, choice: _Choice, num_new: int, arrival: float) -> None:
         now = time.monotonic()
         if num_new:
             if choice.last_token_time is None:
@@ -500,18 +513,6 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         def head() -> dict[str, Any]:
             return dict(id=request_id, object="text_completion", created=created, model=model_name)
 
-        def update(index: int, c: CompletionOutput) -> _Choice:
-            ch = choices[index]
-            server.observe(ch, len(c.token_ids), arrival)
-            ch.text += c.text
-            ch.token_ids += c.token_ids
-            if c.logprobs:
-                ch.logprobs += c.logprobs
-            if c.finish_reason is not None:
-                ch.finish_reason = c.finish_reason
-                server.metrics.count_finished(c.finish_reason)
-            return ch
-
         if req.stream:
 
             async def events() -> AsyncIterator[str]:
@@ -520,7 +521,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     async for batch in _merged(http_request, streams):
                         chunks = []
                         for index, c in _by_choice(batch, n):
-                            ch = update(index, c)
+                            ch = server.record(choices[index], c, arrival)
                             if params.logprobs is None:
                                 if c.finish_reason is None:
                                     if c.text or not text_only:  # else held back: a partial character, a stop string
@@ -547,7 +548,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
         async for batch in _merged(http_request, streams):
             for index, c in _by_choice(batch, n):
-                update(index, c)
+                server.record(choices[index], c, arrival)
         if await http_request.is_disconnected():
             return Response(status_code=499)
         body_choices = []
@@ -576,18 +577,6 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         def head() -> dict[str, Any]:
             return dict(id=request_id, object="chat.completion.chunk", created=created, model=model_name)
 
-        def update(c: CompletionOutput) -> _Choice:
-            ch = choices[c.index]
-            server.observe(ch, len(c.token_ids), arrival)
-            ch.text += c.text
-            ch.token_ids += c.token_ids
-            if c.logprobs:
-                ch.logprobs += c.logprobs
-            if c.finish_reason is not None:
-                ch.finish_reason = c.finish_reason
-                server.metrics.count_finished(c.finish_reason)
-            return ch
-
         if req.stream:
 
             async def events() -> AsyncIterator[str]:
@@ -599,7 +588,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     async for batch in _merged(http_request, streams):
                         chunks = []
                         for _, c in _by_choice(batch, params.n):
-                            update(c)
+                            server.record(choices[c.index], c, arrival)
                             if not req.logprobs and c.finish_reason is None:
                                 if c.text or not text_only:  # else held back: a partial character, a stop string
                                     chunks.append(sse.content(c.index, c.text))
@@ -623,7 +612,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
         async for batch in _merged(http_request, streams):
             for _, c in _by_choice(batch, params.n):
-                update(c)
+                server.record(choices[c.index], c, arrival)
         if await http_request.is_disconnected():
             return Response(status_code=499)
         body_choices = []

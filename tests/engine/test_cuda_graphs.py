@@ -23,35 +23,9 @@ from fuseformer.engine.model_runner import CacheConfig, ModelRunner, graph_batch
 from fuseformer.engine.request import Request
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import Scheduler, SchedulerConfig
-from fuseformer.models.config import ModelConfig
-from fuseformer.models.llama import LlamaForCausalLM
-from fuseformer.testing import assert_close
+from fuseformer.testing import TINY_LLAMA, assert_close, tiny_llama
 
-CONFIG = dict(
-    architecture="Qwen2ForCausalLM",
-    vocab_size=97,
-    hidden_size=48,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    attention_bias=True,
-)
-
-
-def _model(device="cpu", dtype=torch.float32, **overrides):
-    """A random model with O(1)-O(10) logits (greedy choices are decisive)."""
-    config = ModelConfig(**(CONFIG | overrides))
-    gen = torch.Generator().manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=gen)
-            if p.dim() > 1:
-                p.copy_(r * (1.0 if "embed" in name else 1.5 / math.sqrt(p.shape[1])))
-            elif "norm" not in name:
-                p.copy_(0.3 * r)
-    return model.to(device, dtype).eval(), config
+_model = tiny_llama
 
 
 def _backend(name):
@@ -189,7 +163,7 @@ def _workload(vocab, num, seed=0):
 def test_padded_decode_through_llm_changes_no_token():
     """Preemption (a small cache), prefix caching and padded sizes 1..8 through LLM on the CPU."""
     model, _ = _model()
-    prompts, params = _workload(CONFIG["vocab_size"], 12)
+    prompts, params = _workload(TINY_LLAMA["vocab_size"], 12)
     kw = dict(num_kv_blocks=40, block_size=4, max_model_len=64, max_num_batched_tokens=24, max_num_seqs=12)
     with fuseformer.use_backend("reference"):
         eager = LLM(model, **kw)

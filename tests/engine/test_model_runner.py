@@ -3,7 +3,6 @@ padded block tables), KV cache sizing, and a scheduler-driven run (chunked prefi
 a NaN-filled cache) whose sampled tokens are the argmax of a cache-free forward's logits."""
 
 import contextlib
-import math
 
 import pytest
 import torch
@@ -13,32 +12,10 @@ from fuseformer.engine.model_runner import CacheConfig, ModelRunner
 from fuseformer.engine.request import Request
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import Scheduler, SchedulerConfig
-from fuseformer.models.config import ModelConfig
-from fuseformer.models.llama import AttentionMetadata, LlamaForCausalLM
+from fuseformer.models.llama import AttentionMetadata
+from fuseformer.testing import tiny_llama
 
-CONFIG = dict(
-    architecture="Qwen2ForCausalLM",
-    vocab_size=97,
-    hidden_size=48,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    attention_bias=True,
-)
-
-
-def _model(device="cpu", dtype=torch.float32, **overrides):
-    config = ModelConfig(**(CONFIG | overrides))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn_like(p) * (1.0 if "embed" in name else 1.5 / math.sqrt(p.shape[1])))
-            elif "norm" not in name:
-                p.copy_(0.3 * torch.randn_like(p))
-    return model.to(device, dtype).eval(), config
+_model = tiny_llama
 
 
 def _runner_and_scheduler(model, config, num_blocks=32, block_size=4, budget=6):
