@@ -52,8 +52,7 @@ def build_models(shape: dict, device: str, dtype: torch.dtype) -> tuple[Any, Any
     import transformers
 
     from fuseformer.models.config import ModelConfig
-    from fuseformer.models.llama import LlamaForCausalLM
-    from fuseformer.models.loader import checkpoint_targets
+    from fuseformer.models.loader import checkpoint_targets, empty_model
 
     hf_config = transformers.LlamaConfig(**shape, **_COMMON, eos_token_id=128001)
     hf_config.architectures = ["LlamaForCausalLM"]
@@ -67,11 +66,7 @@ def build_models(shape: dict, device: str, dtype: torch.dtype) -> tuple[Any, Any
     hf_dict = hf_config.to_dict()
     hf_dict["dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
     config = ModelConfig.from_hf(hf_dict)
-    with torch.device("meta"):
-        ours = LlamaForCausalLM(config).to(dtype)
-    ours.to_empty(device=device)
-    if config.tie_word_embeddings:
-        ours.lm_head.weight = ours.model.embed_tokens.weight
+    ours = empty_model(config, dtype, device)
     params = dict(ours.named_parameters())
     targets = checkpoint_targets(
         ours, config

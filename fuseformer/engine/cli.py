@@ -42,10 +42,22 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     return p
 
 
-def _cuda_device(device: str | None) -> bool:
-    import torch
+def check_model_args(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(the model directory to load: --model, else the built-in one; the first error among the
+    arguments ``generate`` and ``serve`` share: --model, --device, --cuda-graphs, or None)."""
+    model = args.model or DEFAULT_MODEL
+    if model is None:
+        return None, "no --model given and no built-in model is installed"
+    if not Path(model).is_dir():
+        return model, f"--model {model} is not a directory"
+    if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
+        return model, f"--device must be cpu or cuda, got {args.device!r}"
+    if args.cuda_graphs:
+        import torch
 
-    return torch.cuda.is_available() and (device is None or device.startswith("cuda"))
+        if not torch.cuda.is_available() or (args.device is not None and not args.device.startswith("cuda")):
+            return model, "--cuda-graphs needs a CUDA device"
+    return model, None
 
 
 def _error(message: str, code: int) -> int:
@@ -55,15 +67,9 @@ def _error(message: str, code: int) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``fuseformer generate``; returns the exit code."""
-    model = args.model or DEFAULT_MODEL
-    if model is None:
-        return _error("no --model given and no built-in model is installed", 2)
-    if not Path(model).is_dir():
-        return _error(f"--model {model} is not a directory", 2)
-    if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
-        return _error(f"--device must be cpu or cuda, got {args.device!r}", 2)
-    if args.cuda_graphs and not _cuda_device(args.device):
-        return _error("--cuda-graphs needs a CUDA device", 2)
+    model, error = check_model_args(args)
+    if error is not None:
+        return _error(error, 2)
 
     from fuseformer.engine.llm import LLM
     from fuseformer.engine.sampling_params import SamplingParams

@@ -79,6 +79,18 @@ def _checkpoint_files(path: Path) -> dict[Path, list[str] | None]:
     raise FileNotFoundError(f"load_model: {path} holds neither {_SINGLE} nor {_INDEX}")
 
 
+def empty_model(config: ModelConfig, dtype: torch.dtype, device) -> LlamaForCausalLM:
+    """Our model for ``config``, built on the meta device and cast there, then allocated (not
+    initialized) once, in ``dtype``, on ``device``; tied embeddings tied. Its values are garbage
+    until loaded."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype | None = None,
@@ -108,13 +120,7 @@ def load_model(
         raise ValueError(f"load_model: dtype must be one of float32, float16, bfloat16, got {dtype}")
     files = _checkpoint_files(path)
 
-    # Built on the meta device and cast there, then allocated (not initialized) once, in dtype, on
-    # the target device; every row is then loaded.
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(dtype)
-    model.to_empty(device=device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model = empty_model(config, dtype, device)  # every row is then loaded
     params = dict(model.named_parameters())
     targets = checkpoint_targets(model, config)
     loaded: set[str] = set()

@@ -60,12 +60,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
-def _cuda_device(device: str | None) -> bool:
-    import torch
-
-    return torch.cuda.is_available() and (device is None or device.startswith("cuda"))
-
-
 def _error(message: str, code: int) -> int:
     print(f"fuseformer serve: error: {message}", file=sys.stderr)
     return code
@@ -73,20 +67,13 @@ def _error(message: str, code: int) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``fuseformer serve``; returns the exit code."""
-    from fuseformer.engine.cli import DEFAULT_MODEL
+    from fuseformer.engine.cli import check_model_args
 
-    # The same default as `fuseformer generate` (the built-in model, once one ships).
-    model = args.model or DEFAULT_MODEL
-    if model is None:
-        return _error("no --model given and no built-in model is installed", 2)
-    if not Path(model).is_dir():
-        return _error(f"--model {model} is not a directory", 2)
+    model, error = check_model_args(args)  # the same --model default and checks as `fuseformer generate`
+    if error is not None:
+        return _error(error, 2)
     if not 0 <= args.port < 65536:
         return _error(f"--port must be in [0, 65535], got {args.port}", 2)
-    if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
-        return _error(f"--device must be cpu or cuda, got {args.device!r}", 2)
-    if args.cuda_graphs and not _cuda_device(args.device):
-        return _error("--cuda-graphs needs a CUDA device", 2)
     if args.api_key is not None and not args.api_key:
         return _error("--api-key must not be empty", 2)
     if not 0 <= args.max_stream_overhead < 1:
