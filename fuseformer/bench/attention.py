@@ -171,6 +171,13 @@ def sweep_attention_configs(quick: bool = False, head_dims: tuple[int, ...] = (1
         for w in (4, 8)
         for st in ((2, 3) if quick else (2, 3, 4))
     ]
+    # Warp-specialized key loop (TMA producer warps, tl.range(..., warp_specialize=True)).
+    fwd_cfgs += [
+        dict(BLOCK_M=128, BLOCK_N=bn, num_warps=w, num_stages=st, warp_specialize=1)
+        for bn in (64, 128)
+        for w in (4, 8)
+        for st in (2, 3)
+    ]
     dkdv_cfgs = [
         dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
         for bm in (16, 32, 64)
@@ -186,11 +193,13 @@ def sweep_attention_configs(quick: bool = False, head_dims: tuple[int, ...] = (1
         for st in ((2,) if quick else (1, 2, 3))
     ]
     records = []
-    cases = ((4096, True), (16384, False)) if not quick else ((4096, True),)
     for d in head_dims:
-        for seqlen, causal in cases:
-            records += _sweep_case(d, seqlen, causal, fwd_cfgs, dkdv_cfgs, dq_cfgs)
-            torch.cuda.empty_cache()
+        records += _sweep_case(d, 4096, True, fwd_cfgs, dkdv_cfgs, dq_cfgs)
+        torch.cuda.empty_cache()
+        # The full (non-causal) case: the forward only in quick mode, its BLOCK_M 128 configs.
+        full_fwd = fwd_cfgs if not quick else [c for c in fwd_cfgs if c["BLOCK_M"] == 128]
+        records += _sweep_case(d, 16384, False, full_fwd, [] if quick else dkdv_cfgs, [] if quick else dq_cfgs)
+        torch.cuda.empty_cache()
     return records
 
 
@@ -217,7 +226,7 @@ def _sweep_case(d, seqlen, causal, fwd_cfgs, dkdv_cfgs, dq_cfgs) -> list[Record]
     for cfg in fwd_cfgs:
         with _override("fwd", **cfg):
             records.append(_record(dict(case, kernel="fwd", **cfg), "fuseformer", "fwd", flops, fwd))
-    for mode in ("separate", "atomic"):
+    for mode in ("separate", "atomic") if dkdv_cfgs else ():
         for cfg in dkdv_cfgs:
             with _override("bwd_dkdv", **cfg):
                 rec = dict(case, kernel=f"bwd_dkdv[{mode}]", **cfg)

@@ -195,13 +195,15 @@ def _fwd_loop(
     qk_scale, window_left, window_right, start, end,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_DESC: tl.constexpr,
+    WS: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks [start, end). acc (BLOCK_M, BLOCK_D) fp32; l_i, m_i (BLOCK_M,)
-    running sum and max of the scores in log2 units. MASK: apply the causal/window/length mask."""
+    running sum and max of the scores in log2 units. MASK: apply the causal/window/length mask.
+    WS: warp-specialize the loop (Triton's producer/consumer warp groups; TMA loads only)."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = tl.arange(0, BLOCK_D) < HEAD_DIM
     diag = sk - sq
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
         col_ok = cols < sk
         n64 = tl.cast(start_n, tl.int64)
@@ -251,6 +253,7 @@ def _flash_attention_fwd_kernel(
     seqlen_q, seqlen_k, group_size, qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KV_DESC: tl.constexpr,
+    WS: tl.constexpr,
 ):  # fmt: skip
     # K, V: pointers, or with KV_DESC TMA descriptors over (rows, Hkv * D) views (rows B * Sk, or Tk).
     # Grid (cdiv(max Sq, BLOCK_M), Hq, B). With a right bound (causal) the heaviest query blocks
@@ -311,17 +314,17 @@ def _flash_attention_fwd_kernel(
         acc, l_i, m_i = _fwd_loop(
             acc, l_i, m_i, q, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
             qk_scale, window_left, window_right, lo, full_lo,
-            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC,
+            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, False,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
         qk_scale, window_left, window_right, full_lo, full_hi,
-        False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC,
+        False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, WS,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
         qk_scale, window_left, window_right, full_hi, hi,
-        True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC,
+        True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, False,
     )  # fmt: skip
 
     # Rows that saw no key: l = 0, acc = 0 -> out 0, lse -inf.
@@ -344,6 +347,8 @@ class KernelConfig:
     BLOCK_N: int
     num_warps: int
     num_stages: int
+    # Forward only: warp-specialize the unmasked key loop (tl.range(..., warp_specialize=True)).
+    warp_specialize: int = 0
 
 
 # Starting points for the H100/H200 (sm_90), keyed by the padded head dim (BLOCK_D); not yet timed
@@ -436,6 +441,8 @@ def launch(kernel, grid_fn, cfg: KernelConfig, args, consts: dict, key: tuple) -
     ``args``: the positional arguments, or a function of the config returning them (descriptors
     carry the block shape)."""
     full_key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), cfg, key)
+    # The forward's WS (warp specialization) needs its K/V through TMA descriptors.
+    takes_ws = "WS" in getattr(kernel, "arg_names", ())
     candidates = [_FITTED[full_key]] if full_key in _FITTED else _fallbacks(cfg)
     error = None
     for c in candidates:
@@ -447,6 +454,7 @@ def launch(kernel, grid_fn, cfg: KernelConfig, args, consts: dict, key: tuple) -
                 BLOCK_N=c.BLOCK_N,
                 num_warps=c.num_warps,
                 num_stages=c.num_stages,
+                **({"WS": bool(c.warp_specialize and consts.get("KV_DESC"))} if takes_ws else {}),
             )
         except OutOfResources as exc:
             error = exc

@@ -92,8 +92,10 @@ def _rms_norm_fwd_kernel(
     stride_x, stride_r, stride_y, stride_h,
     M, N, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
+    # EVICT: the eviction policy of the one-pass row loads ("" or "evict_first": read once, so
+    # L2 need not keep them; the weight, read by every program, is loaded "evict_last").
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     rows = rows.to(tl.int64)  # row * stride can pass 2^31
@@ -101,9 +103,10 @@ def _rms_norm_fwd_kernel(
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
-        h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+        h = h.to(tl.float32)
         if HAS_RESIDUAL:
-            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
             h += r.to(tl.float32)
             tl.store(H + rows[:, None] * stride_h + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
         rstd = tl.rsqrt(tl.sum(h * h, axis=1) / N + eps)
@@ -111,7 +114,7 @@ def _rms_norm_fwd_kernel(
             tl.store(RSTD + rows, rstd, mask=row_mask)
         y = h * rstd[:, None]
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             y = y * w[None, :]
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
@@ -263,7 +266,7 @@ def _fwd_config(n: int) -> dict:
         block_n, block_m, single = 8192, 1, False
     elems = block_m * block_n
     num_warps = 16 if (block_n >= 16384 or not single) else 4 if elems <= 8192 else 8
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps, EVICT="")
 
 
 # Backward launch table by row length (BLOCK_M rows per step, warps, persistent programs per SM),
@@ -348,7 +351,10 @@ def rms_norm_fwd(
         cfg, block_m = _fwd_plan(n, residual is not None, weight is not None, store_rstd)
     else:
         cfg = launch_config(
-            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, STORE_RSTD=store_rstd, **config
+            HAS_RESIDUAL=residual is not None,
+            HAS_WEIGHT=weight is not None,
+            STORE_RSTD=store_rstd,
+            **{"EVICT": "", **config},
         )
         block_m = config["BLOCK_M"]
     # y and h are fresh (m, n) tensors: row stride n. Without rstd, RSTD points at y (never written).

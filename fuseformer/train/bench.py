@@ -121,6 +121,11 @@ def _our_model(cfg: dict, device: str, dtype: torch.dtype):
 
 
 def _our_fwd_bwd(cfg: dict, batch: int, seq: int, device: str, reps: int) -> dict:
+    return _measure("fuseformer", "fwd+bwd", our_fwd_bwd_step(cfg, batch, seq, device), cfg, batch, seq, device, reps)
+
+
+def our_fwd_bwd_step(cfg: dict, batch: int, seq: int, device: str) -> Callable[[], None]:
+    """One forward + backward of our model (bf16 weights, every layer checkpointed), as a function."""
     from fuseformer.train.trainer import CausalLMLoss, apply_activation_checkpointing
 
     lm = _our_model(cfg, device, torch.bfloat16)
@@ -137,7 +142,7 @@ def _our_fwd_bwd(cfg: dict, batch: int, seq: int, device: str, reps: int) -> dic
         loss = module(ids, positions, cu, seq, targets) / t
         loss.backward()
 
-    return _measure("fuseformer", "fwd+bwd", step, cfg, batch, seq, device, reps)
+    return step
 
 
 def _our_full_step(cfg: dict, batch: int, seq: int, device: str, reps: int) -> dict:
