@@ -357,28 +357,35 @@ class KernelConfig:
 # fwd with TMA K/V: hd 64 128x128/3 stages 171 regs; hd 128 128x128/2 stages 206 regs, 161 KiB smem
 # (3 stages: 225 KiB, just fits); hd 256 128x64/2 stages 232 regs. Pointer loads (no TMA) need more:
 # hd 128 128x128 reaches 255 regs with a few bytes of spill, 128x64/3 stages 182 regs.
+# H200 sweep (2026-11-30, bf16, B*S 16384, H 32, hd 128; docs/perf-notes.md): causal S4096 best at
+# 128x128/8 warps/3 stages (451 TFLOP/s; 2 stages ~400), full S16384 at 128x64/4 warps/2 stages (510;
+# 128x128/8/2: 440). Warp specialization (tl.range(..., warp_specialize=True)) did not help (440, 495).
 _FWD_TABLE = {
     16: KernelConfig(128, 64, 4, 3),
     32: KernelConfig(128, 64, 4, 3),
     64: KernelConfig(128, 128, 8, 3),
-    128: KernelConfig(128, 128, 8, 2),
+    128: KernelConfig(128, 128, 8, 3),
     256: KernelConfig(128, 64, 8, 2),
 }
+# Without a causal/window bound (every key block unmasked), where the sweep chose differently.
+_FWD_FULL_TABLE = {128: KernelConfig(128, 64, 4, 2)}
 # dk/dv: BLOCK_N key rows accumulate dk, dv (2 x BLOCK_N x BLOCK_D fp32) while BLOCK_M q rows stream.
 # ptxas: hd 64 64x128: 234 regs; hd 128 32x128: 254 regs (64x128 spills 108 B); hd 256 32x64: 40 B spill.
+# H200 sweep, causal S4096 hd 128: 64x64/4 warps 330 TFLOP/s over the whole backward (32x128/8: 274).
 _BWD_DKDV_TABLE = {
     16: KernelConfig(64, 128, 8, 2),
     32: KernelConfig(64, 128, 8, 2),
     64: KernelConfig(64, 128, 8, 2),
-    128: KernelConfig(32, 128, 8, 2),
+    128: KernelConfig(64, 64, 4, 2),
     256: KernelConfig(32, 64, 8, 2),
 }
 # dq: BLOCK_M q rows accumulate dq while BLOCK_N key rows stream. ptxas: hd 128 198-230 regs.
+# H200 sweep, causal S4096 hd 128: 64x64/4 warps 293 (with the old dk/dv config; 128x64/8: 273).
 _BWD_DQ_TABLE = {
     16: KernelConfig(128, 64, 8, 2),
     32: KernelConfig(128, 64, 8, 2),
     64: KernelConfig(128, 64, 8, 2),
-    128: KernelConfig(128, 64, 8, 2),
+    128: KernelConfig(64, 64, 4, 2),
     256: KernelConfig(64, 64, 8, 2),
 }
 # Under the interpreter: small, unequal blocks so that CPU-sized tests cross several of them.
@@ -412,9 +419,15 @@ def _env_override(kind: str) -> dict[str, int]:
     return out
 
 
-def kernel_config(kind: str, block_d: int) -> KernelConfig:
-    """The config of kernel ``kind`` ("fwd", "bwd_dkdv", "bwd_dq") for padded head dim ``block_d``."""
-    cfg = _INTERPRET_CONFIGS[kind] if INTERPRET else _TABLES[kind][block_d]
+def kernel_config(kind: str, block_d: int, bounded: bool = True) -> KernelConfig:
+    """The config of kernel ``kind`` ("fwd", "bwd_dkdv", "bwd_dq") for padded head dim ``block_d``;
+    ``bounded``: a causal or window bound (masked diagonal blocks) rather than full attention."""
+    if INTERPRET:
+        cfg = _INTERPRET_CONFIGS[kind]
+    elif kind == "fwd" and not bounded and block_d in _FWD_FULL_TABLE:
+        cfg = _FWD_FULL_TABLE[block_d]
+    else:
+        cfg = _TABLES[kind][block_d]
     fields = {**CONFIG_OVERRIDES.get(kind, {}), **_env_override(kind)}
     return replace(cfg, **fields) if fields else cfg
 
@@ -555,7 +568,7 @@ def flash_attention_fwd(
     if q.numel() == 0 or batch == 0 or seqlen_q == 0:
         return out, lse
     block_d = max(16, next_pow2(d))
-    cfg = kernel_config("fwd", block_d)
+    cfg = kernel_config("fwd", block_d, bounded=window_left >= 0 or window_right >= 0)
     cu_q = cu_seqlens_q if varlen else lse  # unused pointer when not varlen
     cu_k = cu_seqlens_k if varlen else lse
     k_view = _rows_view(k, varlen) if _use_tma(k) else None
