@@ -271,14 +271,17 @@ def sweep_flce() -> list[dict]:
     weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5
     target = torch.randint(0, v, (n,), device="cuda")
     out = []
-    for chunk in (None, 128, 512, 1024, 2048):
+    runs = [(None, None), (256, None), (512, None)]
+    runs += [(None, c) for c in ((128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 4, 3))]
+    for chunk, dw_config in runs:
+        ce.DW_CONFIG = dw_config
 
         def step(chunk=chunk):
             return ce.fused_linear_cross_entropy_fwd(
                 hidden, weight, target, None, -100, "mean", 0.0, 0.0, True, True, False, chunk_size=chunk
             )
 
-        rec = dict(kind="flce", chunk=chunk or ce._chunk_size(n, h, v, 2))
+        rec = dict(kind="flce", chunk=chunk or ce._chunk_size(n, h, v, 2), dw_config=dw_config or ce._DW_CONFIG)
         try:
             step()
             torch.cuda.synchronize()
@@ -288,7 +291,7 @@ def sweep_flce() -> list[dict]:
             torch.cuda.synchronize()
             rec["peak_gib_above_inputs"] = (torch.cuda.max_memory_allocated() - base) / 2**30
             rec["ms"] = bench_ms(step, rep=200)
-            if chunk is None:
+            if chunk is None and dw_config is None:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     step()
                     torch.cuda.synchronize()
@@ -301,6 +304,7 @@ def sweep_flce() -> list[dict]:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out.append(rec)
         torch.cuda.empty_cache()
+    ce.DW_CONFIG = None
     return out
 
 
@@ -310,9 +314,17 @@ def sweep_attention() -> list[dict]:
     return sweep_attention_configs(quick=True)
 
 
+def sweep_attention64() -> list[dict]:
+    """The quick attention sweep at head dim 64 (the Llama-1B training case's)."""
+    from fuseformer.bench.attention import sweep_attention_configs
+
+    return sweep_attention_configs(quick=True, head_dims=(64,))
+
+
 SWEEPS = {
     "overhead": sweep_overhead,
     "attention": sweep_attention,
+    "attention64": sweep_attention64,
     "rms_norm": sweep_rms_norm,
     "rms_norm_long": sweep_rms_norm_long,
     "rms_norm_residual": sweep_rms_norm_residual,

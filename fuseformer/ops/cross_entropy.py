@@ -51,7 +51,7 @@ from fuseformer.ops._utils import (
     float_dtype_of,
     next_pow2,
 )
-from fuseformer.runtime.backend import choose_backend
+from fuseformer.runtime.backend import INTERPRET, choose_backend
 
 REDUCTIONS = ("mean", "sum", "none")
 _TARGET_DTYPES = (torch.int64, torch.int32)
@@ -60,9 +60,8 @@ _TARGET_DTYPES = (torch.int64, torch.int32)
 # at 16 warps to keep ~32 KiB of loads in flight per SM (a guess from Little's law, unmeasured).
 _BLOCK_V = 4096
 _BLOCK_V_LARGE = 8192
-# The FLCE chunk holds at least this many bytes of logits (and at most about the size of the hidden
-# states beyond that): 64 MiB is 256 tokens at V 128256 bf16, where the memory above the inputs is
-# grad_weight (0.98 GiB) + grad_hidden + one chunk, ~1.10 GiB for 8192 tokens, H 4096.
+# The FLCE chunk may hold up to 15/16 of this many bytes of logits even when the hidden states are
+# smaller (see _chunk_size): small inputs still get GEMM-sized chunks.
 _MIN_CHUNK_BYTES = 64 << 20
 
 
@@ -190,6 +189,69 @@ def _cross_entropy_kernel(
             tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dw_chunk_kernel(
+    G, HID, DW,
+    stride_g, stride_h, stride_dw,
+    C, V, H,
+    ACCUMULATE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # DW (V, H) = [DW +] G^T @ HID for one chunk: G (C, V) its dlogits, HID (C, H) its hidden rows.
+    # With C ~256 this is bound by DW's read-modify-write, not by the dot: the old DW tile is loaded
+    # before the K loop so that its latency hides behind it (cuBLAS's beta=1 GEMM ran at ~half of
+    # copy bandwidth here, docs/perf-notes.md). The H tiles of one V tile are consecutive programs,
+    # so G's (C, BLOCK_V) column block comes from HBM once and from L2 for the others.
+    pid = tl.program_id(0)
+    num_h = tl.cdiv(H, BLOCK_H)
+    pid_v = pid // num_h
+    pid_h = pid % num_h
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    v_ok = offs_v < V
+    h_ok = offs_h < H
+    mask = v_ok[:, None] & h_ok[None, :]
+    dw_ptrs = DW + offs_v.to(tl.int64)[:, None] * stride_dw + offs_h[None, :]
+    if ACCUMULATE:
+        old = tl.load(dw_ptrs, mask=mask, other=0.0)
+    acc = tl.zeros([BLOCK_V, BLOCK_H], dtype=tl.float32)
+    for k0 in range(0, C, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < C
+        ks64 = ks.to(tl.int64)
+        g = tl.load(G + ks64[:, None] * stride_g + offs_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        hd = tl.load(HID + ks64[:, None] * stride_h + offs_h[None, :], mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+        acc = tl.dot(tl.trans(g), hd, acc)
+    if ACCUMULATE:
+        acc += old.to(tl.float32)
+    tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=mask)
+
+
+# (BLOCK_V, BLOCK_H, BLOCK_K, num_warps, num_stages) of the dW kernel; DW_CONFIG overrides it (sweeps).
+_DW_CONFIG = (128, 128, 64, 8, 3)
+_DW_CONFIG_INTERPRET = (32, 32, 16, 4, 1)
+DW_CONFIG: tuple[int, int, int, int, int] | None = None
+
+
+def _dw_chunk(g: torch.Tensor, h_c: torch.Tensor, dw: torch.Tensor, accumulate: bool) -> None:
+    """dw = [dw +] g.T @ h_c (g (C, V), h_c (C, H), dw (V, H); unit column strides), one launch."""
+    c, v = g.shape
+    h = h_c.shape[1]
+    assert g.stride(1) == 1 and h_c.stride(1) == 1 and dw.stride(1) == 1
+    if INTERPRET and g.dtype == torch.bfloat16:  # the interpreter's tl.dot is wrong on bf16 (Triton 3.6)
+        if accumulate:
+            dw.addmm_(g.T, h_c)
+        else:
+            torch.matmul(g.T, h_c, out=dw)
+        return
+    block_v, block_h, block_k, warps, stages = DW_CONFIG or (_DW_CONFIG_INTERPRET if INTERPRET else _DW_CONFIG)
+    grid = (triton.cdiv(v, block_v) * triton.cdiv(h, block_h),)
+    _dw_chunk_kernel[grid](
+        g, h_c, dw, g.stride(0), h_c.stride(0), dw.stride(0), c, v, h,
+        ACCUMULATE=accumulate, BLOCK_V=block_v, BLOCK_H=block_h, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
 def _launch(
     x, target, loss, lse, dx, scale, ignore_index, label_smoothing, z_loss, *, lse_given, write_loss, write_grad
 ):  # fmt: skip
@@ -245,11 +307,15 @@ def cross_entropy_bwd(
 # Launchers: fused_linear_cross_entropy (no autograd)
 # --------------------------------------------------------------------------------------------
 def _chunk_size(n: int, h: int, v: int, element_size: int) -> int:
-    """Tokens per chunk: C x V logits of about the hidden states' size, at least _MIN_CHUNK_BYTES."""
+    """Tokens per chunk: C x V logits of at most 15/16 of the hidden states' size (or of
+    _MIN_CHUNK_BYTES, if larger), in chunks of equal size. At the goal shape (8192 tokens, H 4096,
+    V 128256) that is 34 chunks of 241 tokens: grad_weight + grad_hidden + one chunk = 1.098 GiB (a
+    power-of-two 256 made it 1.102)."""
     per_token = v * element_size
-    c = max(triton.cdiv(n * h, v), _MIN_CHUNK_BYTES // per_token, 1)
-    c = 1 << (c.bit_length() - 1)  # a power of two (GEMM-friendly), rounded down (memory)
-    return max(1, min(c, n))
+    budget = max(n * h * element_size, _MIN_CHUNK_BYTES) * 15 // 16
+    c_max = max(1, min(n, budget // per_token))
+    chunks = triton.cdiv(n, c_max)
+    return triton.cdiv(n, chunks) if n else 1
 
 
 def _chunks(
@@ -281,10 +347,7 @@ def _chunks(
         if dh is not None:
             torch.matmul(logits, weight, out=dh[start:end])  # (C, H)
         if dw is not None:
-            if start == 0:
-                torch.matmul(logits.T, h_c, out=dw)  # (V, H)
-            else:
-                dw.addmm_(logits.T, h_c)
+            _dw_chunk(logits, h_c, dw, accumulate=start > 0)  # (V, H)
         if db is not None:
             db += logits.sum(0, dtype=torch.float32)
 
