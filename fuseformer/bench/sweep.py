@@ -271,17 +271,14 @@ def sweep_flce() -> list[dict]:
     weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5
     target = torch.randint(0, v, (n,), device="cuda")
     out = []
-    runs = [(None, None), (256, None), (512, None)]
-    runs += [(None, c) for c in ((128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 4, 3))]
-    for chunk, dw_config in runs:
-        ce.DW_CONFIG = dw_config
+    for chunk in (None, 256, 512, 1024):
 
         def step(chunk=chunk):
             return ce.fused_linear_cross_entropy_fwd(
                 hidden, weight, target, None, -100, "mean", 0.0, 0.0, True, True, False, chunk_size=chunk
             )
 
-        rec = dict(kind="flce", chunk=chunk or ce._chunk_size(n, h, v, 2), dw_config=dw_config or ce._DW_CONFIG)
+        rec = dict(kind="flce", chunk=chunk or ce._chunk_size(n, h, v, 2))
         try:
             step()
             torch.cuda.synchronize()
@@ -291,7 +288,7 @@ def sweep_flce() -> list[dict]:
             torch.cuda.synchronize()
             rec["peak_gib_above_inputs"] = (torch.cuda.max_memory_allocated() - base) / 2**30
             rec["ms"] = bench_ms(step, rep=200)
-            if chunk is None and dw_config is None:
+            if chunk is None:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     step()
                     torch.cuda.synchronize()
@@ -304,7 +301,6 @@ def sweep_flce() -> list[dict]:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out.append(rec)
         torch.cuda.empty_cache()
-    ce.DW_CONFIG = None
     return out
 
 

@@ -360,31 +360,34 @@ class KernelConfig:
 # H200 sweep (2026-11-30, bf16, B*S 16384, H 32, hd 128; docs/perf-notes.md): causal S4096 best at
 # 128x128/8 warps/3 stages (451 TFLOP/s; 2 stages ~400), full S16384 at 128x64/4 warps/2 stages (510;
 # 128x128/8/2: 440). Warp specialization (tl.range(..., warp_specialize=True)) did not help (440, 495).
+# hd 64: causal 64x128/4/2 401 (128x128/8/3: 312), full 128x128/4/3 425 (375).
 _FWD_TABLE = {
     16: KernelConfig(128, 64, 4, 3),
     32: KernelConfig(128, 64, 4, 3),
-    64: KernelConfig(128, 128, 8, 3),
+    64: KernelConfig(64, 128, 4, 2),
     128: KernelConfig(128, 128, 8, 3),
     256: KernelConfig(128, 64, 8, 2),
 }
 # Without a causal/window bound (every key block unmasked), where the sweep chose differently.
-_FWD_FULL_TABLE = {128: KernelConfig(128, 64, 4, 2)}
+_FWD_FULL_TABLE = {64: KernelConfig(128, 128, 4, 3), 128: KernelConfig(128, 64, 4, 2)}
 # dk/dv: BLOCK_N key rows accumulate dk, dv (2 x BLOCK_N x BLOCK_D fp32) while BLOCK_M q rows stream.
 # ptxas: hd 64 64x128: 234 regs; hd 128 32x128: 254 regs (64x128 spills 108 B); hd 256 32x64: 40 B spill.
-# H200 sweep, causal S4096 hd 128: 64x64/4 warps 330 TFLOP/s over the whole backward (32x128/8: 274).
+# H200 sweep, causal S4096 hd 128: 64x64/4 warps 330 TFLOP/s over the whole backward (32x128/8: 274);
+# hd 64: 32x64/4 280 (64x128/8: 240).
 _BWD_DKDV_TABLE = {
     16: KernelConfig(64, 128, 8, 2),
     32: KernelConfig(64, 128, 8, 2),
-    64: KernelConfig(64, 128, 8, 2),
+    64: KernelConfig(32, 64, 4, 2),
     128: KernelConfig(64, 64, 4, 2),
     256: KernelConfig(32, 64, 8, 2),
 }
 # dq: BLOCK_M q rows accumulate dq while BLOCK_N key rows stream. ptxas: hd 128 198-230 regs.
-# H200 sweep, causal S4096 hd 128: 64x64/4 warps 293 (with the old dk/dv config; 128x64/8: 273).
+# H200 sweep, causal S4096 hd 128: 64x64/4 warps 293 (with the old dk/dv config; 128x64/8: 273);
+# hd 64: 64x64/4 252 (128x64/8: 241).
 _BWD_DQ_TABLE = {
     16: KernelConfig(128, 64, 8, 2),
     32: KernelConfig(128, 64, 8, 2),
-    64: KernelConfig(128, 64, 8, 2),
+    64: KernelConfig(64, 64, 4, 2),
     128: KernelConfig(64, 64, 4, 2),
     256: KernelConfig(64, 64, 8, 2),
 }
