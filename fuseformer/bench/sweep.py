@@ -96,9 +96,7 @@ def sweep_rms_norm_long() -> list[dict]:
 def sweep_rms_norm_residual() -> list[dict]:
     """The fused add + rms_norm forward (4 streams: x, r in; y, h out) over BLOCK_M, warps and the
     loads' eviction policy, with the peers of the goal timed in the same run (add then compiled
-    norm; torch.compile of both), and the Triton source Inductor generates for the pair."""
-    from torch._inductor.utils import run_and_get_code
-
+    norm; torch.compile of both)."""
     out = []
     m, n = 32768, 4096
     x, r = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -112,7 +110,7 @@ def sweep_rms_norm_residual() -> list[dict]:
 
     compiled_pair = torch.compile(add_norm)
     compiled_norm = torch.compile(lambda h, w: torch.nn.functional.rms_norm(h, (n,), w, 1e-6))
-    _, code = run_and_get_code(compiled_pair, x, r, w)
+    compiled_pair(x, r, w)
     peers = {
         "add + compiled norm": lambda: compiled_norm(x + r, w),
         "torch.compile(add + norm)": lambda: compiled_pair(x, r, w),
@@ -123,20 +121,25 @@ def sweep_rms_norm_residual() -> list[dict]:
         ms = bench_ms(fn)
         tb = tb_per_s(nbytes, ms)
         out.append(dict(kind="add_rms_norm_peer", impl=name, shape=[m, n], ms=ms, tb_s=tb, pct_copy=100 * tb / ceiling))
-    out.append(dict(kind="inductor_code", code="\n".join(code)[-12000:]))
-    for evict in ("", "evict_first"):
-        for block_m in (1, 2, 4):
-            for warps in (4, 8, 16, 32):
-                cfg = dict(BLOCK_M=block_m, BLOCK_N=n, SINGLE_PASS=True, num_warps=warps, EVICT=evict)
-                try:
-                    ms = bench_ms(lambda cfg=cfg: rn.rms_norm_fwd(x, w, r, 1e-6, config=cfg))
-                    tb = tb_per_s(nbytes, ms)
-                    rec = dict(
-                        kind="add_rms_norm_fwd", shape=[m, n], **cfg, ms=ms, tb_s=tb, pct_copy=100 * tb / ceiling
-                    )
-                except Exception as exc:
-                    rec = dict(kind="add_rms_norm_fwd", shape=[m, n], **cfg, error=str(exc)[:200])
-                out.append(rec)
+    # One pass (the row in registers) against Inductor's structure: chunks of the row, h stored in
+    # pass 1 and re-read (from L2) in pass 2, loads of data read for the last time "evict_first".
+    configs = [dict(BLOCK_M=bm, BLOCK_N=n, SINGLE_PASS=True, num_warps=wp, EVICT="") for bm, wp in ((2, 32), (4, 8))]
+    configs += [
+        dict(BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=False, num_warps=wp, EVICT=ev)
+        for ev in ("", "evict_first")
+        for bn in (512, 1024, 2048)
+        for bm in (1, 2, 4)
+        for wp in (4, 8, 16)
+        if bm * bn <= 4096
+    ]
+    for cfg in configs:
+        try:
+            ms = bench_ms(lambda cfg=cfg: rn.rms_norm_fwd(x, w, r, 1e-6, config=cfg))
+            tb = tb_per_s(nbytes, ms)
+            rec = dict(kind="add_rms_norm_fwd", shape=[m, n], **cfg, ms=ms, tb_s=tb, pct_copy=100 * tb / ceiling)
+        except Exception as exc:
+            rec = dict(kind="add_rms_norm_fwd", shape=[m, n], **cfg, error=str(exc)[:200])
+        out.append(rec)
     return out
 
 

@@ -94,8 +94,8 @@ def _rms_norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr, SINGLE_PASS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
-    # EVICT: the eviction policy of the one-pass row loads ("" or "evict_first": read once, so
-    # L2 need not keep them; the weight, read by every program, is loaded "evict_last").
+    # EVICT: the eviction policy of the loads of row data read for the last time ("" or
+    # "evict_first": L2 need not keep them); the weight, read by every program, is "evict_last".
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     rows = rows.to(tl.int64)  # row * stride can pass 2^31
@@ -123,11 +123,13 @@ def _rms_norm_fwd_kernel(
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < N)[None, :]
-            h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-                h += r.to(tl.float32)
+            if HAS_RESIDUAL:  # x and r are read once (pass 2 re-reads h): EVICT applies
+                h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+                r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+                h = h.to(tl.float32) + r.to(tl.float32)
                 tl.store(H + rows[:, None] * stride_h + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
+            else:
+                h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             sum_sq += tl.sum(h * h, axis=1)
         rstd = tl.rsqrt(sum_sq / N + eps)
         if STORE_RSTD:
@@ -137,13 +139,14 @@ def _rms_norm_fwd_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
-            if HAS_RESIDUAL:
-                h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:  # the last read of h (written in pass 1, mostly still in L2)
+                h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
             else:
-                h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+            h = h.to(tl.float32)
             y = h * rstd[:, None]
             if HAS_WEIGHT:
-                w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+                w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
                 y = y * w[None, :]
             tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
