@@ -41,6 +41,7 @@ from fuseformer.ops._utils import (
     next_pow2,
     rows_2d,
 )
+from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend
 
 # The kernels' activation names; the fused MLP takes the same strings.
@@ -177,8 +178,17 @@ def _glu_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
+FWD_KERNEL, BWD_KERNEL = "glu_fwd", "glu_bwd"
+_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps")
+
+
+def config_key(n: int, dtype: torch.dtype) -> str:
+    """The autotune key: the row length's bucket (the default depends on nothing finer) and dtype."""
+    return f"N{autotune.bucket(n)}-{autotune.dtype_name(dtype)}"
+
+
 def _config(n: int, element_size: int, backward: bool) -> dict:
-    """Tile and warps for rows of ``n`` elements.
+    """The default tile and warps for rows of ``n`` elements.
 
     A tile is 4 KiB of each tensor (2048 bf16/fp16 or 1024 fp32 elements; 12 KiB a program forward,
     20 KiB backward), BLOCK_N at most 1024 columns and short rows packed BLOCK_M to a tile. With 4
@@ -191,6 +201,16 @@ def _config(n: int, element_size: int, backward: bool) -> dict:
     block_n = min(next_pow2(n), 1024, tile)
     block_m = max(1, tile // block_n)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if backward else 4)
+
+
+@autotune.plan_cache
+def glu_config(n: int, dtype: torch.dtype, backward: bool, device: torch.device | str | None = None) -> dict:
+    """The launch config (BLOCK_M, BLOCK_N, num_warps) of the forward or backward kernel for rows of
+    ``n``, looked up once per (n, dtype, pass, device): the autotune cache's, else the default rule."""
+    return autotune.get_config(
+        BWD_KERNEL if backward else FWD_KERNEL, config_key(n, dtype), device=device,
+        default=lambda: _config(n, dtype.itemsize, backward), fields=_FIELDS,
+    )  # fmt: skip
 
 
 def _grid(m: int, n: int, cfg: dict) -> tuple[int]:
@@ -225,7 +245,7 @@ def glu_fwd(
         return y
     assert gate.stride(1) == 1 and up.stride(1) == 1 and y.stride(1) == 1
     assert up.shape == (m, n) and y.shape == (m, n)
-    cfg = config or _config(n, gate.element_size(), backward=False)
+    cfg = config or glu_config(n, gate.dtype, False, gate.device)
     _glu_fwd_kernel[_grid(m, n, cfg)](
         gate, up, y,
         gate.stride(0), up.stride(0), y.stride(0),
@@ -258,7 +278,7 @@ def glu_bwd(
     assert dy.stride(1) == 1 and gate.stride(1) == 1 and up.stride(1) == 1
     assert dg.stride(1) == 1 and du.stride(1) == 1
     assert dy.shape == up.shape == dg.shape == du.shape == (m, n)
-    cfg = config or _config(n, gate.element_size(), backward=True)
+    cfg = config or glu_config(n, gate.dtype, True, gate.device)
     _glu_bwd_kernel[_grid(m, n, cfg)](
         dy, gate, up, dg, du,
         dy.stride(0), gate.stride(0), up.stride(0), dg.stride(0), du.stride(0),

@@ -25,16 +25,19 @@ separate kernel over k tiles (deterministic), or by fp32 atomics inside the dk/d
 Head dims up to 256 run in the kernel, padded to the next power of two with masks. fp16 and bf16
 run in the kernel; fp32/fp64 run on the reference. Streamed tiles come through TMA descriptors
 on sm_90+ when the layout allows one (``USE_TMA``), else through pointer loads. Block sizes come
-from per-head-dim tables (``kernel_config``), overridable with ``CONFIG_OVERRIDES`` or
-``FUSEFORMER_ATTN_FWD/_BWD_DKDV/_BWD_DQ`` for sweeps; a config that does not fit falls back.
+from the autotune cache (``kernel_config``; ``attention_fwd``, ``attention_bwd_dkdv``, ``attention_bwd_dq``
+keyed by padded head dim, causal/full and dtype), whose defaults are the per-head-dim tables below,
+overridable with ``CONFIG_OVERRIDES`` or ``FUSEFORMER_ATTN_FWD/_BWD_DKDV/_BWD_DQ`` for sweeps; a
+config that does not fit falls back.
 Varlen rows past ``cu_seqlens_q[-1]`` (and their gradients) are not written, as in flash-attn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import triton
@@ -51,6 +54,7 @@ from fuseformer.ops._utils import (
     float_dtype_of,
     next_pow2,
 )
+from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import INTERPRET, choose_backend
 
 _OP = "flash_attention"
@@ -422,15 +426,49 @@ def _env_override(kind: str) -> dict[str, int]:
     return out
 
 
-def kernel_config(kind: str, block_d: int, bounded: bool = True) -> KernelConfig:
-    """The config of kernel ``kind`` ("fwd", "bwd_dkdv", "bwd_dq") for padded head dim ``block_d``;
-    ``bounded``: a causal or window bound (masked diagonal blocks) rather than full attention."""
+# The autotune cache's kernel names (runtime/autotune.py); a stored config has every KernelConfig field.
+KERNELS = {"fwd": "attention_fwd", "bwd_dkdv": "attention_bwd_dkdv", "bwd_dq": "attention_bwd_dq"}
+_FIELDS = KernelConfig.__slots__
+
+
+def config_key(block_d: int, bounded: bool, dtype: torch.dtype) -> str:
+    """The autotune key: padded head dim, ``causal`` (a causal or window bound: masked diagonal
+    blocks) or ``full``, dtype."""
+    return f"D{block_d}-{'causal' if bounded else 'full'}-{autotune.dtype_name(dtype)}"
+
+
+def _default_config(kind: str, block_d: int, bounded: bool) -> KernelConfig:
+    """The tables above (the interpreter's small configs under TRITON_INTERPRET=1)."""
     if INTERPRET:
-        cfg = _INTERPRET_CONFIGS[kind]
-    elif kind == "fwd" and not bounded and block_d in _FWD_FULL_TABLE:
-        cfg = _FWD_FULL_TABLE[block_d]
-    else:
-        cfg = _TABLES[kind][block_d]
+        return _INTERPRET_CONFIGS[kind]
+    if kind == "fwd" and not bounded and block_d in _FWD_FULL_TABLE:
+        return _FWD_FULL_TABLE[block_d]
+    return _TABLES[kind][block_d]
+
+
+@autotune.plan_cache
+def cached_config(
+    kind: str, block_d: int, bounded: bool, dtype: torch.dtype, device: torch.device | str | None = None
+) -> KernelConfig:
+    """The config of ``kind`` before overrides: the autotune cache's for (block_d, bounded, dtype) on
+    ``device``, else the default; looked up once per such tuple."""
+    stored = autotune.get_config(KERNELS[kind], config_key(block_d, bounded, dtype), device=device, fields=_FIELDS)
+    return KernelConfig(**stored) if stored is not None else _default_config(kind, block_d, bounded)
+
+
+def kernel_config(
+    kind: str,
+    block_d: int,
+    bounded: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+) -> KernelConfig:
+    """The config of kernel ``kind`` ("fwd", "bwd_dkdv", "bwd_dq") for padded head dim ``block_d``;
+    ``bounded``: a causal or window bound (masked diagonal blocks) rather than full attention.
+
+    The cached lookup (:func:`cached_config`), then ``CONFIG_OVERRIDES`` and ``FUSEFORMER_ATTN_*``
+    on top, read on every call so that sweeps can change them between calls."""
+    cfg = cached_config(kind, block_d, bounded, dtype, device)
     fields = {**CONFIG_OVERRIDES.get(kind, {}), **_env_override(kind)}
     return replace(cfg, **fields) if fields else cfg
 
@@ -571,7 +609,7 @@ def flash_attention_fwd(
     if q.numel() == 0 or batch == 0 or seqlen_q == 0:
         return out, lse
     block_d = max(16, next_pow2(d))
-    cfg = kernel_config("fwd", block_d, bounded=window_left >= 0 or window_right >= 0)
+    cfg = kernel_config("fwd", block_d, window_left >= 0 or window_right >= 0, q.dtype, q.device)
     cu_q = cu_seqlens_q if varlen else lse  # unused pointer when not varlen
     cu_k = cu_seqlens_k if varlen else lse
     k_view = _rows_view(k, varlen) if _use_tma(k) else None
@@ -804,6 +842,100 @@ def flash_attention(
         right,
     )
     return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning (``fuseformer bench --tune`` through autotune.tune_all), in the spirit of
+# bench/attention.py's sweep_attention_configs; the backward's tuner is in attention_bwd.py
+# --------------------------------------------------------------------------------------------
+TUNE_TOKENS, TUNE_HEADS = 16384, 32  # B * S and H of the goal shapes (bf16)
+# (head dim, seqlen, causal): causal at S 4096, full at S 16384, as the goals time them.
+TUNE_CASES = tuple((d, s, c) for d in (64, 128, 256) for s, c in ((4096, True), (16384, False)))
+
+
+@contextlib.contextmanager
+def tuning_config(kind: str, cfg: dict):
+    """Run ``kind`` with exactly ``cfg`` inside the block (through CONFIG_OVERRIDES, every field);
+    FUSEFORMER_ATTN_* set in the environment would override it, so it is an error here."""
+    if _env_override(kind):
+        raise RuntimeError(f"tuning {KERNELS[kind]}: unset FUSEFORMER_ATTN_{kind.upper()} first")
+    previous = CONFIG_OVERRIDES.get(kind, {})
+    CONFIG_OVERRIDES[kind] = dict(cfg)
+    try:
+        yield
+    finally:
+        CONFIG_OVERRIDES[kind] = previous
+
+
+# Quick tuning: (BLOCK_M, BLOCK_N, num_warps, num_stages) around the H200 sweeps' winners (tables above).
+_QUICK_CANDIDATES = {
+    "fwd": ((64, 128, 4, 2), (128, 64, 4, 2), (128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 8, 2)),
+    "bwd_dkdv": ((32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2)),
+    "bwd_dq": ((64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2), (128, 64, 4, 2)),
+}
+# The full sweep: (BLOCK_M values, BLOCK_N values, num_stages values), warps 4 and 8, as
+# bench/attention.py's sweep_attention_configs.
+_SWEEP = {
+    "fwd": ((64, 128), (32, 64, 128), (2, 3, 4)),
+    "bwd_dkdv": ((16, 32, 64), (64, 128), (1, 2, 3)),
+    "bwd_dq": ((64, 128), (32, 64, 128), (1, 2, 3)),
+}
+
+
+def candidate_configs(kind: str, block_d: int, bounded: bool, quick: bool = False) -> list[dict]:
+    """The sweep of one kernel, its current default first (it wins ties). A config that does not fit
+    shared memory runs its fallback (``launch``) and is timed as such."""
+    if quick:
+        grid = _QUICK_CANDIDATES[kind]
+    else:
+        bms, bns, stages = _SWEEP[kind]
+        grid = [(m, n, w, st) for m in bms for n in bns for w in (4, 8) for st in stages]
+    out = [asdict(_default_config(kind, block_d, bounded))]
+    out += [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, warp_specialize=0) for m, n, w, st in grid]
+    if kind == "fwd" and not quick:  # warp-specialized key loop (TMA producer warps)
+        out += [dict(BLOCK_M=128, BLOCK_N=n, num_warps=w, num_stages=st, warp_specialize=1)
+                for n in (64, 128) for w in (4, 8) for st in (2, 3)]  # fmt: skip
+    return [c for i, c in enumerate(out) if c not in out[:i]]
+
+
+def tune_inputs(head_dim: int, seqlen: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
+    """q, k, v (B, S, H, D) on the GPU for one tuning case."""
+    shape = (TUNE_TOKENS // seqlen, seqlen, TUNE_HEADS, head_dim)
+    return tuple(torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
+
+
+def tune_attention_fwd(quick: bool = False) -> list[dict]:
+    """Tune the forward over head dims, causal and full, on this GPU (bf16); one record a key."""
+    from fuseformer.bench._timing import bench_ms
+
+    records = []
+    dtype = torch.bfloat16
+    for d, seqlen, causal in [c for c in TUNE_CASES if c[0] == 128] if quick else TUNE_CASES:
+        q, k, v = tune_inputs(d, seqlen, dtype)
+        args = (q, k, v, None, None, seqlen, seqlen, d**-0.5, -1, 0 if causal else -1)
+        block_d = max(16, next_pow2(d))
+        key = config_key(block_d, causal, dtype)
+
+        def bench(cfg, args=args):
+            def run():
+                with tuning_config("fwd", cfg):
+                    flash_attention_fwd(*args)
+
+            return run
+
+        try:
+            best = autotune.tune(
+                KERNELS["fwd"], candidate_configs("fwd", block_d, causal, quick), bench, key, force=True
+            )
+            ms = bench_ms(lambda args=args: flash_attention_fwd(*args))
+            flops = 4.0 * TUNE_TOKENS * seqlen * TUNE_HEADS * d / (2 if causal else 1)
+            records.append(dict(kernel=KERNELS["fwd"], key=key, config=best, ms=ms, tflop_s=flops / (ms * 1e-3) / 1e12))
+        except Exception as exc:
+            records.append(dict(kernel=KERNELS["fwd"], key=key, error=f"{type(exc).__name__}: {exc}"[:300]))
+    return records
+
+
+autotune.register_tuner(KERNELS["fwd"], tune_attention_fwd)
 
 
 from fuseformer.ops import attention_bwd  # noqa: E402  (backward kernels; it imports the helpers above)

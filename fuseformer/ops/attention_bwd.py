@@ -25,6 +25,10 @@ import triton.language as tl
 
 from fuseformer.ops._utils import empty, next_pow2
 from fuseformer.ops.attention import (
+    KERNELS,
+    TUNE_CASES,
+    TUNE_HEADS,
+    TUNE_TOKENS,
     KernelConfig,
     _descriptor,
     _kv_bounds,
@@ -33,9 +37,15 @@ from fuseformer.ops.attention import (
     _seq_strides,
     _unit_last,
     _use_tma,
+    candidate_configs,
+    config_key,
+    flash_attention_fwd,
     kernel_config,
     launch,
+    tune_inputs,
+    tuning_config,
 )
+from fuseformer.runtime import autotune
 
 # "separate" (dq kernel) or "atomic" (fp32 atomics in the dk/dv kernel); the lead's sweep decides.
 DQ_MODE = "separate"
@@ -407,6 +417,7 @@ def flash_attention_bwd(
     cu_k = cu_seqlens_k if varlen else lse
     flags = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_VARLEN=varlen)
     window = dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0)
+    bounded = window_left >= 0 or window_right >= 0
 
     delta = empty(lse.shape, dtype=torch.float32, device=q.device)
     pre_block = max(16, min(128, 8192 // block_d))
@@ -445,7 +456,7 @@ def flash_attention_bwd(
     launch(
         _flash_attention_bwd_dkdv_kernel,
         lambda c: (triton.cdiv(seqlen_k, c.BLOCK_N), hkv, batch),
-        kernel_config("bwd_dkdv", block_d),
+        kernel_config("bwd_dkdv", block_d, bounded, q.dtype, q.device),
         dkdv_args,
         dict(**flags, **window, DQ_ATOMIC=atomic, QD_DESC=qd_desc),
         key=(q.dtype, d, varlen, atomic, qd_desc, tuple(window.items())),
@@ -467,7 +478,7 @@ def flash_attention_bwd(
     launch(
         _flash_attention_bwd_dq_kernel,
         lambda c: (triton.cdiv(seqlen_q, c.BLOCK_M), hq, batch),
-        kernel_config("bwd_dq", block_d),
+        kernel_config("bwd_dq", block_d, bounded, q.dtype, q.device),
         dq_args,
         dict(**flags, **window, KV_DESC=kv_desc),
         key=(q.dtype, d, varlen, kv_desc, tuple(window.items())),
@@ -509,3 +520,47 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, s
         torch.empty_like(k, memory_format=fmt),
         torch.empty_like(v, memory_format=fmt),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning (``fuseformer bench --tune`` through autotune.tune_all)
+# --------------------------------------------------------------------------------------------
+def tune_attention_bwd(quick: bool = False) -> list[dict]:
+    """Tune the dk/dv kernel, then the dq kernel (with the dk/dv config just chosen), over head dims,
+    causal and full, on this GPU (bf16), each timed as the whole backward (dq_mode "separate", as
+    bench/attention.py's sweep); one record a (kernel, key). Quick: head dim 128, causal only."""
+    from fuseformer.bench._timing import bench_ms
+
+    records = []
+    dtype = torch.bfloat16
+    cases = [c for c in TUNE_CASES if c[0] == 128 and c[2]] if quick else TUNE_CASES
+    for d, seqlen, causal in cases:
+        q, k, v = tune_inputs(d, seqlen, dtype)
+        scale, right = d**-0.5, 0 if causal else -1
+        out, lse = flash_attention_fwd(q, k, v, None, None, seqlen, seqlen, scale, -1, right)
+        dout = torch.randn_like(out)
+        args = (dout, q, k, v, out, lse, None, None, None, seqlen, seqlen, scale, -1, right)
+        block_d = max(16, next_pow2(d))
+        key = config_key(block_d, causal, dtype)
+        flops = 2.5 * 4.0 * TUNE_TOKENS * TUNE_HEADS * seqlen * d / (2 if causal else 1)
+        for kind in ("bwd_dkdv", "bwd_dq"):
+
+            def bench(cfg, kind=kind, args=args):
+                def run():
+                    with tuning_config(kind, cfg):
+                        flash_attention_bwd(*args, dq_mode="separate")
+
+                return run
+
+            try:
+                candidates = candidate_configs(kind, block_d, causal, quick)
+                best = autotune.tune(KERNELS[kind], candidates, bench, key, force=True)
+                ms = bench_ms(lambda args=args: flash_attention_bwd(*args, dq_mode="separate"))
+                records.append(dict(kernel=KERNELS[kind], key=key, config=best, ms=ms,
+                                    tflop_s=flops / (ms * 1e-3) / 1e12))  # fmt: skip
+            except Exception as exc:
+                records.append(dict(kernel=KERNELS[kind], key=key, error=f"{type(exc).__name__}: {exc}"[:300]))
+    return records
+
+
+autotune.register_tuner("attention_bwd", tune_attention_bwd)

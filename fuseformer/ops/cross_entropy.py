@@ -51,6 +51,7 @@ from fuseformer.ops._utils import (
     float_dtype_of,
     next_pow2,
 )
+from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -189,6 +190,31 @@ def _cross_entropy_kernel(
             tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+KERNEL = "cross_entropy"
+_FIELDS = ("BLOCK_V", "num_warps")
+
+
+def config_key(v: int, write_grad: bool, dtype: torch.dtype) -> str:
+    """The autotune key: the vocabulary's bucket, the pass (loss only, or writing the gradient:
+    a second sweep over the row), the logits' dtype."""
+    return f"V{autotune.bucket(v)}-{'grad' if write_grad else 'loss'}-{autotune.dtype_name(dtype)}"
+
+
+def _config(v: int) -> dict:
+    """The default: _BLOCK_V-wide steps (fewer for a short vocabulary), _BLOCK_V_LARGE from 32768."""
+    block_v = _BLOCK_V_LARGE if v >= 32768 else min(_BLOCK_V, next_pow2(v))
+    return dict(BLOCK_V=block_v, num_warps=16 if block_v >= 8192 else 8 if block_v >= 2048 else 4)
+
+
+@autotune.plan_cache
+def ce_config(v: int, write_grad: bool, dtype: torch.dtype, device: torch.device | str | None = None) -> dict:
+    """The launch config (BLOCK_V, num_warps) for a vocabulary of ``v``, looked up once per (v, pass,
+    dtype, device): the autotune cache's, else the default rule (which needs the exact v)."""
+    return autotune.get_config(
+        KERNEL, config_key(v, write_grad, dtype), device=device, default=lambda: _config(v), fields=_FIELDS
+    )
+
+
 def _launch(
     x, target, loss, lse, dx, scale, ignore_index, label_smoothing, z_loss, *, lse_given, write_loss, write_grad
 ):  # fmt: skip
@@ -196,7 +222,7 @@ def _launch(
     if n == 0:
         return
     assert x.stride(1) == 1 and (dx is None or dx.stride(1) == 1)
-    block_v = _BLOCK_V_LARGE if v >= 32768 else min(_BLOCK_V, next_pow2(v))
+    cfg = ce_config(v, write_grad, x.dtype, x.device)
     _cross_entropy_kernel[(n,)](
         x, target, loss if loss is not None else lse, lse, dx if dx is not None else x,
         scale if scale is not None else lse,
@@ -204,8 +230,7 @@ def _launch(
         (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
         v, ignore_index, float(label_smoothing), float(z_loss),
         LSE_GIVEN=lse_given, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad,
-        HAS_SMOOTHING=label_smoothing != 0.0, HAS_Z_LOSS=z_loss != 0.0, BLOCK_V=block_v,
-        num_warps=16 if block_v >= 8192 else 8 if block_v >= 2048 else 4,
+        HAS_SMOOTHING=label_smoothing != 0.0, HAS_Z_LOSS=z_loss != 0.0, **cfg,
     )  # fmt: skip
 
 

@@ -42,6 +42,7 @@ from fuseformer.ops._utils import (
     rows_2d,
     sm_count,
 )
+from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend
 
 _OP = "layer_norm"
@@ -274,8 +275,19 @@ def _layer_norm_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Launch configuration
+# Launch configuration (from the autotune cache; the rules below are the defaults)
 # --------------------------------------------------------------------------------------------
+FWD_KERNEL, BWD_KERNEL = "layer_norm_fwd", "layer_norm_bwd"
+_FWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps")
+_BWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps", "programs_per_sm")
+
+
+def config_key(n: int, fused: bool, dtype: torch.dtype) -> str:
+    """The autotune key: the row length's bucket (the defaults depend on nothing finer), whether
+    the residual add (forward) or dh (backward) is fused, and the dtype."""
+    return f"N{autotune.bucket(n)}-{'add' if fused else 'norm'}-{autotune.dtype_name(dtype)}"
+
+
 def _fwd_config(n: int) -> dict:
     """Block sizes and warps for a row length ``n``.
 
@@ -293,6 +305,10 @@ def _fwd_config(n: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps)
 
 
+# Persistent backward: programs per SM (more hides latency; each adds two N-float partials to sum).
+_BWD_PROGRAMS_PER_SM = 4
+
+
 def _bwd_config(n: int) -> dict:
     if n <= _BWD_SINGLE_PASS_MAX:
         block_n = next_pow2(n)
@@ -302,11 +318,33 @@ def _bwd_config(n: int) -> dict:
         block_n, block_m, single = 2048, 1, False
     elems = block_m * block_n
     num_warps = 4 if elems <= 1024 else 8 if elems <= 4096 else 16
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps)
+    return dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps, programs_per_sm=_BWD_PROGRAMS_PER_SM
+    )
 
 
-# Persistent backward: programs per SM (more hides latency; each adds two N-float partials to sum).
-_BWD_PROGRAMS_PER_SM = 4
+def _fits(n: int):
+    """A stored config's test: a one-pass block must cover the whole row."""
+    return lambda cfg: not cfg["SINGLE_PASS"] or cfg["BLOCK_N"] >= n
+
+
+@autotune.plan_cache
+def fwd_config(n: int, has_residual: bool, dtype: torch.dtype, device: torch.device | str | None = None) -> dict:
+    """The forward's launch config (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps), looked up once per
+    (n, flags, dtype, device): the autotune cache's for this bucket, else the default rule."""
+    return autotune.get_config(
+        FWD_KERNEL, config_key(n, has_residual, dtype), device=device,
+        default=lambda: _fwd_config(n), fields=_FWD_FIELDS, check=_fits(n),
+    )  # fmt: skip
+
+
+@autotune.plan_cache
+def bwd_config(n: int, has_dh: bool, dtype: torch.dtype, device: torch.device | str | None = None) -> dict:
+    """The backward's launch config (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps, programs_per_sm)."""
+    return autotune.get_config(
+        BWD_KERNEL, config_key(n, has_dh, dtype), device=device,
+        default=lambda: _bwd_config(n), fields=_BWD_FIELDS, check=_fits(n),
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,7 +373,7 @@ def layer_norm_fwd(
         return y, h, mean, rstd
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
     assert (weight is None or weight.is_contiguous()) and (bias is None or bias.is_contiguous())
-    cfg = _fwd_config(n)
+    cfg = fwd_config(n, residual is not None, x.dtype, x.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
     _layer_norm_fwd_kernel[grid](
         x, residual if residual is not None else x, weight if weight is not None else x,
@@ -373,8 +411,8 @@ def layer_norm_bwd(
         return dx, dw, db
     assert x.stride(1) == 1 and dy.stride(1) == 1 and (dh is None or dh.stride(1) == 1)
     assert weight is None or weight.is_contiguous()
-    cfg = _bwd_config(n)
-    programs = max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), sm_count(x) * _BWD_PROGRAMS_PER_SM))
+    cfg = dict(bwd_config(n, dh is not None, x.dtype, x.device))
+    programs = max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), sm_count(x) * cfg.pop("programs_per_sm")))
     dw_partial = empty((programs, n), dtype=torch.float32, device=x.device) if weight is not None else rstd
     db_partial = empty((programs, n), dtype=torch.float32, device=x.device) if bias is not None else rstd
     _layer_norm_bwd_kernel[(programs,)](

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from fuseformer.ops._utils import FLOAT_DTYPES, KERNEL_DTYPES, check_shape, check_tensor, empty, next_pow2, sm_count
+from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend
 
 _OP_CACHE = "reshape_and_cache"
@@ -384,19 +385,46 @@ def reshape_and_cache_fwd(
 CONFIG_OVERRIDES: dict[str, dict[str, int]] = {"decode": {}, "prefill": {}}
 
 
-def _attn_config(max_seqlen_q: int, group: int, head_dim: int, element_size: int) -> dict:
-    """BLOCK_M, BLOCK_N, HEADS (q heads per tile), num_warps, num_stages for one step."""
-    block_d = max(16, next_pow2(head_dim))
-    rows = max(16, next_pow2(max_seqlen_q * group))
+KERNEL = "paged_attention"
+_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+def config_key(decode: bool, rows: int, block_d: int, element_size: int) -> str:
+    """The autotune key: decode or prefill step, tile rows (max_seqlen_q * GROUP's bucket, up to 128:
+    the default depends on nothing finer), padded head dim, element size."""
+    return f"{'decode' if decode else 'prefill'}-R{min(rows, 128)}-D{block_d}-E{element_size}"
+
+
+def _default_config(rows: int, block_d: int, element_size: int) -> dict:
+    """The default BLOCK_M, BLOCK_N, num_warps, num_stages (see the comment above CONFIG_OVERRIDES)."""
     if element_size == 4:
         block_m = min(rows, 32 if block_d <= 64 else 16)
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=8, num_stages=1)
-    elif block_d <= 128:
+        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=8, num_stages=1)
+    if block_d <= 128:
         block_m = min(rows, 128)
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if block_m >= 128 else 4, num_stages=3)
-    else:
-        cfg = dict(BLOCK_M=min(rows, 64), BLOCK_N=32, num_warps=8, num_stages=2)
-    cfg.update(CONFIG_OVERRIDES["decode" if max_seqlen_q == 1 else "prefill"])
+        return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if block_m >= 128 else 4, num_stages=3)
+    return dict(BLOCK_M=min(rows, 64), BLOCK_N=32, num_warps=8, num_stages=2)
+
+
+@autotune.plan_cache
+def _cached_config(decode: bool, rows: int, block_d: int, element_size: int, device: torch.device | None) -> dict:
+    """The autotune cache's config for this bucket, else the default; looked up once per bucket and device."""
+    return autotune.get_config(
+        KERNEL, config_key(decode, rows, block_d, element_size), device=device,
+        default=lambda: _default_config(rows, block_d, element_size), fields=_FIELDS,
+    )  # fmt: skip
+
+
+def _attn_config(
+    max_seqlen_q: int, group: int, head_dim: int, element_size: int, device: torch.device | None = None
+) -> dict:
+    """BLOCK_M, BLOCK_N, HEADS (q heads per tile), num_warps, num_stages for one step: the cached
+    (or default) config of its bucket, then CONFIG_OVERRIDES, then HEADS from BLOCK_M."""
+    block_d = max(16, next_pow2(head_dim))
+    rows = min(128, max(16, next_pow2(max_seqlen_q * group)))
+    decode = max_seqlen_q == 1
+    cfg = dict(_cached_config(decode, rows, block_d, element_size, device))
+    cfg.update(CONFIG_OVERRIDES["decode" if decode else "prefill"])
     cfg["HEADS"] = min(group, cfg["BLOCK_M"])
     return cfg
 
@@ -438,7 +466,7 @@ def paged_attention_fwd(
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    cfg = _attn_config(max_seqlen_q, group, d, q.element_size())
+    cfg = _attn_config(max_seqlen_q, group, d, q.element_size(), q.device)
     q_tiles = triton.cdiv(max_seqlen_q, cfg["BLOCK_M"] // cfg["HEADS"])
     head_programs = hkv * triton.cdiv(group, cfg["HEADS"])
     splits = 1

@@ -16,15 +16,18 @@ dw = sum over rows of dy * xhat. A persistent grid (a few programs per SM) walks
 its partial dw in registers; the partials ((programs, N) fp32) are summed by a second small kernel
 that writes dw in weight's dtype.
 
-Host overhead matters at small row counts (4096x1024 bf16 moves 16 MB, ~4 us of HBM time): launch
-configurations are cached per (row length, flags), kernels go through ``_utils.Launcher`` (direct
-calls of the compiled kernel after the first launch), and the eager paths allocate nothing they do
-not return.
+Launch configurations come from the autotune cache (runtime/autotune.py: ``rms_norm_fwd``,
+``rms_norm_bwd``, ``rms_norm_dw``, keyed by the row length's bucket, the fused residual/dh and the
+dtype); with nothing tuned, the H200-swept rules below. Host overhead matters at small row counts
+(4096x1024 bf16 moves 16 MB, ~4 us of HBM time): the lookup happens once per launch plan (row length,
+flags, dtype, device), kernels go through ``_utils.Launcher`` (direct calls of the compiled kernel
+after the first launch), and the eager paths allocate nothing they do not return.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
@@ -46,6 +49,7 @@ from fuseformer.ops._utils import (
     num_sms,
     rows_2d,
 )
+from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend
 
 _OP = "rms_norm"
@@ -252,11 +256,23 @@ def _rms_norm_dw_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Launch configuration
+# Launch configuration (from the autotune cache; the rules below are the defaults)
 # --------------------------------------------------------------------------------------------
+FWD_KERNEL, BWD_KERNEL, DW_KERNEL = "rms_norm_fwd", "rms_norm_bwd", "rms_norm_dw"
+_FWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps", "EVICT")
+_BWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps", "programs_per_sm")
+_DW_FIELDS = ("BLOCK_P", "BLOCK_N", "num_warps")
+
+
+def config_key(n: int, fused: bool, dtype: torch.dtype) -> str:
+    """The autotune key of the forward and backward: the row length's bucket (the default configs
+    depend on nothing finer), whether the residual add (forward) or dh (backward) is fused, dtype."""
+    return f"N{autotune.bucket(n)}-{'add' if fused else 'norm'}-{autotune.dtype_name(dtype)}"
+
+
 @functools.cache
-def _fwd_config(n: int) -> dict:
-    """Block sizes and warps for a row length ``n`` (H200 sweep, 2026-11-30, docs/perf-notes.md).
+def _fwd_config(n: int, has_residual: bool = False) -> dict:
+    """The default forward config for a row length ``n`` (H200 sweep, 2026-11-30, docs/perf-notes.md).
 
     Short rows are packed BLOCK_M to a program: 32768x4096 bf16 ran 4.03 TB/s with 4 rows and 8
     warps against 3.4 with 1 row; 16384x8192 4.02 with 2 rows and 8 warps.
@@ -269,6 +285,10 @@ def _fwd_config(n: int) -> dict:
         block_n, block_m, single = 8192, 1, False
     elems = block_m * block_n
     num_warps = 16 if (block_n >= 16384 or not single) else 4 if elems <= 8192 else 8
+    if has_residual and block_n == 4096:
+        # Fused add + norm (4 streams): 2 rows and 32 warps were the best of the H200 sweeps twice
+        # (32768x4096: 4.12 TB/s in run 7, 96.2% of copy on 2026-11-30 against 94.4% for (4, 8)).
+        block_m, num_warps = 2, 32
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps, EVICT="")
 
 
@@ -280,8 +300,8 @@ _BWD_TABLE = {1024: (8, 8, 4), 2048: (4, 8, 2), 4096: (2, 8, 2), 8192: (1, 4, 2)
 
 
 @functools.cache
-def _bwd_config(n: int) -> tuple[dict, int]:
-    """(kernel config, programs per SM) for a row length ``n``."""
+def _bwd_config(n: int) -> dict:
+    """The default backward config (with its persistent ``programs_per_sm``) for a row length ``n``."""
     if n <= _BWD_SINGLE_PASS_MAX:
         block_n = next_pow2(n)
         block_m, num_warps, per_sm = _BWD_TABLE.get(max(1024, block_n), (1, 8, 2))
@@ -290,39 +310,75 @@ def _bwd_config(n: int) -> tuple[dict, int]:
         single = True
     else:
         block_n, block_m, num_warps, per_sm, single = 8192, 1, 16, 2, False  # 4096x32768: 1.56 TB/s
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps), per_sm
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps, programs_per_sm=per_sm)
+
+
+def _dw_config(n: int) -> dict:
+    """The default dw reduction config: about 128+ programs (one per SM), each a column strip of at
+    least 8 fp32 (one 32-byte sector a row) summed 4096 elements a step, so that all of a strip's
+    partials (P <= 4 programs per SM) are in flight at once for N <= 4096. Unmeasured on the GPU; it
+    replaces torch's sum(0) + .to(dtype), two launches."""
+    block_n = max(8, min(64, next_pow2((n + 127) // 128)))
+    return dict(BLOCK_P=4096 // block_n, BLOCK_N=block_n, num_warps=4)
+
+
+def _fits(n: int):
+    """A stored config's test: a one-pass block must cover the whole row."""
+    return lambda cfg: not cfg["SINGLE_PASS"] or cfg["BLOCK_N"] >= n
+
+
+def fwd_config(n: int, has_residual: bool, dtype: torch.dtype, device: torch.device | str | int | None = None) -> dict:
+    """The forward's launch config for rows of ``n`` (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps,
+    EVICT): the autotune cache's for this bucket, else the default rule."""
+    return autotune.get_config(
+        FWD_KERNEL, config_key(n, has_residual, dtype), device=device,
+        default=lambda: _fwd_config(n, has_residual), fields=_FWD_FIELDS, check=_fits(n),
+    )  # fmt: skip
+
+
+def bwd_config(n: int, has_dh: bool, dtype: torch.dtype, device: torch.device | str | int | None = None) -> dict:
+    """The backward's launch config (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps, programs_per_sm)."""
+    return autotune.get_config(
+        BWD_KERNEL, config_key(n, has_dh, dtype), device=device,
+        default=lambda: _bwd_config(n), fields=_BWD_FIELDS, check=_fits(n),
+    )  # fmt: skip
+
+
+def dw_config(n: int, device: torch.device | str | int | None = None) -> dict:
+    """The dw reduction's launch config (BLOCK_P, BLOCK_N, num_warps); its key is the N bucket."""
+    return autotune.get_config(
+        DW_KERNEL, f"N{autotune.bucket(n)}", device=device, default=lambda: _dw_config(n), fields=_DW_FIELDS
+    )
 
 
 # The per-call launch plans: everything a launch needs that depends only on the row length, the
-# flags and the device, computed once (the host time of a small call is the whole call).
-@functools.cache
-def _fwd_plan(n: int, has_residual: bool, has_weight: bool, store_rstd: bool) -> tuple[LaunchConfig, int]:
+# flags, the dtype and the device, computed once (the host time of a small call is the whole call):
+# the autotune lookup happens here, never per call.
+@autotune.plan_cache
+def _fwd_plan(
+    n: int, has_residual: bool, has_weight: bool, store_rstd: bool, dtype: torch.dtype, device: torch.device
+) -> tuple[LaunchConfig, int]:
     """(launch config, BLOCK_M) of the forward kernel."""
-    cfg = _fwd_config(n)
-    if has_residual and cfg["BLOCK_N"] == 4096:
-        # Fused add + norm (4 streams): 2 rows and 32 warps were the best of the H200 sweeps twice
-        # (32768x4096: 4.12 TB/s in run 7, 96.2% of copy on 2026-11-30 against 94.4% for (4, 8)).
-        cfg = dict(cfg, BLOCK_M=2, num_warps=32)
+    cfg = fwd_config(n, has_residual, dtype, device)
     flags = dict(HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight, STORE_RSTD=store_rstd)
     return launch_config(**flags, **cfg), cfg["BLOCK_M"]
 
 
-@functools.cache
-def _bwd_plan(n: int, has_dh: bool, has_weight: bool, device_index: int) -> tuple[LaunchConfig, int, int]:
+@autotune.plan_cache
+def _bwd_plan(
+    n: int, has_dh: bool, has_weight: bool, dtype: torch.dtype, device_index: int
+) -> tuple[LaunchConfig, int, int]:
     """(launch config, BLOCK_M, most persistent programs) of the backward kernel."""
-    cfg, per_sm = _bwd_config(n)
-    programs = num_sms(device_index) * per_sm
+    cfg = dict(bwd_config(n, has_dh, dtype, device_index))
+    programs = num_sms(device_index) * cfg.pop("programs_per_sm")
     return launch_config(HAS_DH=has_dh, HAS_WEIGHT=has_weight, **cfg), cfg["BLOCK_M"], programs
 
 
-@functools.cache
-def _dw_plan(n: int) -> tuple[LaunchConfig, int]:
-    """(launch config, BLOCK_N) of the dw reduction: about 128+ programs (one per SM), each a
-    column strip of at least 8 fp32 (one 32-byte sector a row) summed 4096 elements a step, so
-    that all of a strip's partials (P <= 4 programs per SM) are in flight at once for N <= 4096.
-    Unmeasured on the GPU; it replaces torch's sum(0) + .to(dtype), two launches."""
-    block_n = max(8, min(64, next_pow2((n + 127) // 128)))
-    return launch_config(BLOCK_P=4096 // block_n, BLOCK_N=block_n, num_warps=4), block_n
+@autotune.plan_cache
+def _dw_plan(n: int, device_index: int = -1) -> tuple[LaunchConfig, int]:
+    """(launch config, BLOCK_N) of the dw reduction."""
+    cfg = dw_config(n, device_index)
+    return launch_config(**cfg), cfg["BLOCK_N"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,7 +411,7 @@ def rms_norm_fwd(
     sr = residual.stride() if residual is not None else (0, 1)
     assert sx[1] == 1 and sr[1] == 1
     if config is None:
-        cfg, block_m = _fwd_plan(n, residual is not None, weight is not None, store_rstd)
+        cfg, block_m = _fwd_plan(n, residual is not None, weight is not None, store_rstd, dtype, device)
     else:
         cfg = launch_config(
             HAS_RESIDUAL=residual is not None,
@@ -402,13 +458,16 @@ def rms_norm_bwd(
     sx, sdy = x.stride(), dy.stride()
     sdh = dh.stride() if dh is not None else (0, 1)
     assert sx[1] == 1 and sdy[1] == 1 and sdh[1] == 1
-    cfg, block_m, max_programs = _bwd_plan(n, dh is not None, weight is not None, x.get_device())
+    device_index = x.get_device()
+    cfg, block_m, max_programs = _bwd_plan(n, dh is not None, weight is not None, x.dtype, device_index)
     if config is not None or programs_per_sm is not None:
-        default_cfg, default_per_sm = _bwd_config(n)
-        config = config or default_cfg
+        # Sweeps: what is given replaces the config the op would use (the cached or default one).
+        resolved = dict(bwd_config(n, dh is not None, x.dtype, device_index))
+        per_sm = resolved.pop("programs_per_sm")
+        config = config or resolved
         cfg = launch_config(HAS_DH=dh is not None, HAS_WEIGHT=weight is not None, **config)
         block_m = config["BLOCK_M"]
-        max_programs = num_sms(x.get_device()) * (programs_per_sm or default_per_sm)
+        max_programs = num_sms(device_index) * (programs_per_sm or per_sm)
     programs = min((m + block_m - 1) // block_m, max_programs)
     dw_partial = empty((programs, n), dtype=torch.float32, device=device) if weight is not None else rstd
     _bwd_launcher(
@@ -419,7 +478,7 @@ def rms_norm_bwd(
     if weight is None:
         return dx, None
     dw = empty((n,), dtype=weight.dtype, device=device)
-    dw_cfg, dw_block_n = _dw_plan(n)
+    dw_cfg, dw_block_n = _dw_plan(n, device_index)
     _dw_launcher(((n + dw_block_n - 1) // dw_block_n,), dw_cfg, (dw_partial, dw), (programs, n))
     return dx, dw
 
@@ -568,3 +627,104 @@ def rms_norm(
         if residual is not None:
             h = h.view(*shape)
     return (y, h) if residual is not None else y
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning (``fuseformer bench --tune`` through autotune.tune_all), in the spirit of bench/sweep.py
+# --------------------------------------------------------------------------------------------
+TUNE_ROWS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+_TUNE_ELEMENTS = 1 << 27  # M x N of each tuning shape: 256 MiB of bf16, far past the 60 MB L2
+
+
+def fwd_candidates(n: int, has_residual: bool, quick: bool = False) -> list[dict]:
+    """The forward sweep for rows of ``n``, the default first (it wins ties)."""
+    out = [_fwd_config(n, has_residual)]
+    if n > _SINGLE_PASS_MAX:
+        out += [dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, num_warps=w, EVICT="")
+                for bn in ((8192,) if quick else (2048, 4096, 8192)) for w in (8, 16)]  # fmt: skip
+    else:
+        bn = next_pow2(n)
+        sizes = (8192, 16384) if quick else (2048, 4096, 8192, 16384, 32768)
+        evicts = ("",) if quick or not has_residual else ("", "evict_first")
+        out += [dict(BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=True, num_warps=w, EVICT=ev)
+                for bm in (1, 2, 4, 8, 16) if bm * bn in sizes
+                for w in ((8, 16) if quick else (4, 8, 16, 32)) for ev in evicts]  # fmt: skip
+    return [c for i, c in enumerate(out) if c not in out[:i]]
+
+
+def bwd_candidates(n: int, quick: bool = False) -> list[dict]:
+    """The backward sweep for rows of ``n`` (with programs per SM), the default first."""
+    out = [_bwd_config(n)]
+    if n > _BWD_SINGLE_PASS_MAX:
+        out += [dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, num_warps=w, programs_per_sm=p)
+                for bn in ((8192,) if quick else (4096, 8192)) for w in (8, 16) for p in (1, 2)]  # fmt: skip
+    else:
+        bn = next_pow2(n)
+        sizes = (4096, 8192) if quick else (2048, 4096, 8192, 16384)
+        out += [dict(BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=True, num_warps=w, programs_per_sm=p)
+                for bm in (1, 2, 4, 8, 16) if bm * bn in sizes
+                for w in ((4, 8) if quick else (4, 8, 16)) for p in ((2, 4) if quick else (1, 2, 4, 8))]  # fmt: skip
+    return [c for i, c in enumerate(out) if c not in out[:i]]
+
+
+def _tune_inputs(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    m = max(1, _TUNE_ELEMENTS // n)
+    return torch.randn(m, n, device="cuda", dtype=dtype), torch.randn(n, device="cuda", dtype=dtype)
+
+
+def _tune_record(kernel: str, key: str, tune: Callable[[], dict], run: Callable[[], object], nbytes: int) -> dict:
+    """Tune one key and time the op with what it now resolves: a record of ``tune_all``."""
+    from fuseformer.bench._timing import bench_ms, tb_per_s
+
+    try:
+        best = tune()
+        ms = bench_ms(run)
+        return dict(kernel=kernel, key=key, config=best, ms=ms, tb_s=tb_per_s(nbytes, ms))
+    except Exception as exc:
+        return dict(kernel=kernel, key=key, error=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def tune_rms_norm_fwd(quick: bool = False) -> list[dict]:
+    """Tune the forward (plain and with the residual add) over row lengths on this GPU (bf16)."""
+    records = []
+    dtype = torch.bfloat16
+    for n in (1024, 4096, 8192) if quick else TUNE_ROWS:
+        x, w = _tune_inputs(n, dtype)
+        for fused in (False, True):
+            r = torch.randn_like(x) if fused else None
+            key = config_key(n, fused, dtype)
+
+            def bench(cfg, x=x, w=w, r=r):
+                return lambda: rms_norm_fwd(x, w, r, 1e-6, config=cfg, store_rstd=False)
+
+            tune = functools.partial(autotune.tune, FWD_KERNEL, fwd_candidates(n, fused, quick), bench, key, force=True)
+            run = functools.partial(rms_norm_fwd, x, w, r, 1e-6, store_rstd=False)
+            records.append(_tune_record(FWD_KERNEL, key, tune, run, (4 if fused else 2) * x.numel() * x.element_size()))
+    return records
+
+
+def tune_rms_norm_bwd(quick: bool = False) -> list[dict]:
+    """Tune the backward (without and, in the full run, with dh) over row lengths on this GPU (bf16)."""
+    records = []
+    dtype = torch.bfloat16
+    for n in (1024, 4096, 8192) if quick else TUNE_ROWS:
+        x, w = _tune_inputs(n, dtype)
+        dy = torch.randn_like(x)
+        _, _, rstd = rms_norm_fwd(x, w, None, 1e-6)
+        for fused in (False,) if quick else (False, True):
+            dh = torch.randn_like(x) if fused else None
+            key = config_key(n, fused, dtype)
+
+            def bench(cfg, x=x, w=w, dy=dy, rstd=rstd, dh=dh):
+                cfg = dict(cfg)
+                per_sm = cfg.pop("programs_per_sm")
+                return lambda: rms_norm_bwd(dy, x, w, rstd, dh, config=cfg, programs_per_sm=per_sm)
+
+            tune = functools.partial(autotune.tune, BWD_KERNEL, bwd_candidates(n, quick), bench, key, force=True)
+            run = functools.partial(rms_norm_bwd, dy, x, w, rstd, dh)
+            records.append(_tune_record(BWD_KERNEL, key, tune, run, (4 if fused else 3) * x.numel() * x.element_size()))
+    return records
+
+
+autotune.register_tuner(FWD_KERNEL, tune_rms_norm_fwd)
+autotune.register_tuner(BWD_KERNEL, tune_rms_norm_bwd)

@@ -37,6 +37,7 @@ from fuseformer.ops._utils import (
     float_dtype_of,
     next_pow2,
 )
+from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend
 
 _OP = "apply_rotary"
@@ -194,6 +195,12 @@ def _apply_rotary_kernel(
 # --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
+KERNEL = "rotary"
+# What the autotune cache chooses; BLOCK_K and BLOCK_P are set by the shape (a tile covers the pairs
+# and the pass-through dims).
+_FIELDS = ("BLOCK_M", "BLOCK_H", "num_warps")
+
+
 def _config(seqlen: int, nheads: int, half: int, passthrough: int) -> dict:
     """Tile sizes: all heads of a token in one program where they fit, several tokens per program
     when a token's heads are few (GQA keys), up to _PAIRS_PER_PROGRAM pairs a program."""
@@ -204,6 +211,32 @@ def _config(seqlen: int, nheads: int, half: int, passthrough: int) -> dict:
     pairs = block_m * block_h * block_k
     num_warps = 2 if pairs <= 512 else 4 if pairs <= 2048 else 8
     return dict(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_P=block_p, num_warps=num_warps)
+
+
+def _seqlen_bucket(seqlen: int) -> int:
+    """Tokens as the config sees them: the next power of two, 16 at most (BLOCK_M's cap)."""
+    return min(16, next_pow2(max(seqlen, 1)))
+
+
+def config_key(seqlen_bucket: int, nheads: int, half: int, passthrough: int, dtype: torch.dtype) -> str:
+    """The autotune key: tokens (bucket, up to 16), heads, rotary pairs and pass-through dims
+    (buckets; the default depends on nothing finer), dtype."""
+    p = next_pow2(passthrough) if passthrough > 0 else 0
+    return f"S{seqlen_bucket}-H{next_pow2(nheads)}-K{next_pow2(half)}-P{p}-{autotune.dtype_name(dtype)}"
+
+
+@autotune.plan_cache
+def rotary_config(
+    seqlen_bucket: int, nheads: int, half: int, passthrough: int, dtype: torch.dtype, device: torch.device | str | None
+) -> dict:
+    """The launch config (BLOCK_M, BLOCK_H, BLOCK_K, BLOCK_P, num_warps) for ``seqlen_bucket``
+    (:func:`_seqlen_bucket`) tokens, looked up once per shape bucket, dtype and device: the
+    autotune cache's tile and warps, else the default rule."""
+    cfg = _config(seqlen_bucket, nheads, half, passthrough)
+    stored = autotune.get_config(
+        KERNEL, config_key(seqlen_bucket, nheads, half, passthrough, dtype), device=device, fields=_FIELDS
+    )
+    return {**cfg, **stored} if stored is not None else cfg
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,7 +281,7 @@ def apply_rotary_fwd(
     if batch == 0 or seqlen == 0:
         return out
     offsets_is_tensor = isinstance(seqlen_offsets, torch.Tensor)
-    cfg = config or _config(seqlen, nheads, half, d - 2 * half)
+    cfg = config or rotary_config(_seqlen_bucket(seqlen), nheads, half, d - 2 * half, x.dtype, x.device)
     grid = (triton.cdiv(seqlen, cfg["BLOCK_M"]), batch, triton.cdiv(nheads, cfg["BLOCK_H"]))
     _apply_rotary_kernel[grid](
         x, out, cos, sin,

@@ -13,8 +13,31 @@ Where a config comes from, first hit wins:
 Shapes are bucketed (next power of two of the dims that vary, such as the token count) by the
 kernel's key, so a new length neither retunes nor recompiles. A cache file that cannot be read,
 is not valid JSON, has another schema version, or belongs to another GPU or Triton version is
-ignored with a warning, never an error; writes go to a temporary file renamed over the old one
-(``os.replace``), so a reader never sees half a file and two tuning processes never interleave.
+ignored with a warning, never an error; so is a stored config whose fields are not the kernel's
+(``get_config(fields=...)``) or that fails its ``check``. Writes go to a temporary file renamed over
+the old one (``os.replace``), so a reader never sees half a file and two tuning processes never
+interleave.
+
+Every Triton op takes its launch configs from here (kernel name: key):
+
+- ``mlp_gate_up`` (ops/mlp.py): T bucket, H, I, dtype; shipped tables in ``tuned/``.
+- ``rms_norm_fwd``, ``rms_norm_bwd``, ``rms_norm_dw``; ``layer_norm_fwd``, ``layer_norm_bwd``: the row
+  length's bucket (N4096), ``add``/``norm`` (residual fused or not), dtype (the dw reduction: N only).
+- ``glu_fwd``, ``glu_bwd`` (ops/activations.py): row length bucket, dtype.
+- ``rotary`` (ops/rotary.py): tokens (bucket, up to 16), heads, pairs and pass-through dims
+  (buckets), dtype.
+- ``cross_entropy``: vocabulary bucket, ``loss``/``grad`` pass, dtype.
+- ``attention_fwd``, ``attention_bwd_dkdv``, ``attention_bwd_dq``: padded head dim, ``causal`` (any
+  causal or window bound) or ``full``, dtype.
+- ``paged_attention``: ``decode``/``prefill``, tile rows (bucket, up to 128), padded head dim,
+  element size.
+
+The defaults of all but the MLP are the H200-measured rules in their op files (the ``default`` of
+step 4, the same on every GPU, and under the interpreter the ops' small interpreter configs). An op
+looks its config up once per (shape bucket, flags, dtype, device) in a cache made with
+:func:`plan_cache`, never on every call; :func:`store` and :func:`clear_memory` empty those caches,
+so a config tuned in this process is used at once. Explicit overrides (``config=`` arguments,
+attention's ``CONFIG_OVERRIDES`` and ``FUSEFORMER_ATTN_*``) apply after the lookup.
 """
 
 from __future__ import annotations
@@ -26,7 +49,7 @@ import json
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +58,16 @@ import torch
 SCHEMA_VERSION = 1
 _SHIPPED_DIR = Path(__file__).parent / "tuned"
 # Kernels with a tuner for ``tune_all``: name -> module that registers it on import.
-_TUNER_MODULES = {"mlp_gate_up": "fuseformer.ops.mlp"}
+_TUNER_MODULES = {
+    "mlp_gate_up": "fuseformer.ops.mlp",
+    "rms_norm_fwd": "fuseformer.ops.rms_norm",
+    "rms_norm_bwd": "fuseformer.ops.rms_norm",
+    "attention_fwd": "fuseformer.ops.attention",
+    "attention_bwd": "fuseformer.ops.attention_bwd",
+}
 _TUNERS: dict[str, Callable[[bool], list[dict]]] = {}
+# cache_clear of every plan_cache function: the ops' per-shape lookups.
+_PLAN_CACHES: list[Callable[[], None]] = []
 
 # (kernel, gpu) -> {key: config}: the disk cache as loaded once, plus what this process tuned.
 _memory: dict[tuple[str, str], dict[str, dict]] = {}
@@ -55,8 +86,12 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def gpu_name(device: torch.device | str | None = None) -> str:
-    """The CUDA device's name (``"NVIDIA H200"``), or ``"cpu"`` for anything that is not CUDA."""
+def gpu_name(device: torch.device | str | int | None = None) -> str:
+    """The CUDA device's name (``"NVIDIA H200"``), or ``"cpu"`` for anything that is not CUDA.
+
+    An int is a CUDA device index as ``Tensor.get_device()`` gives it (-1: a CPU tensor)."""
+    if isinstance(device, int):
+        return "cpu" if device < 0 else _device_name(device)
     device = torch.device(device) if device is not None else None
     if device is None:
         if not torch.cuda.is_available():
@@ -88,6 +123,11 @@ def triton_version() -> str:
 def bucket(n: int, minimum: int = 1) -> int:
     """The shape bucket of a dim that varies: the next power of two (at least ``minimum``)."""
     return max(minimum, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as keys spell it: "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _slug(text: str) -> str:
@@ -165,8 +205,25 @@ def _shipped(kernel: str) -> dict[str, dict[str, dict]]:
 
 
 def clear_memory() -> None:
-    """Forget what this process loaded or tuned (tests; after editing the cache by hand)."""
+    """Forget what this process loaded or tuned, and the ops' plans made from it (tests; after
+    editing the cache by hand)."""
     _memory.clear()
+    clear_plans()
+
+
+def plan_cache(fn: Callable) -> Callable:
+    """``functools.cache`` for an op's function that resolves its launch plan through
+    :func:`get_config` (once per shape bucket, flags and device); emptied by :func:`store` and
+    :func:`clear_memory`, so that a config tuned or stored later is the one used."""
+    cached = functools.cache(fn)
+    _PLAN_CACHES.append(cached.cache_clear)
+    return cached
+
+
+def clear_plans() -> None:
+    """Empty every :func:`plan_cache`."""
+    for clear in _PLAN_CACHES:
+        clear()
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,12 +251,26 @@ def get_config(
     device: torch.device | str | None = None,
     default: dict | Callable[[], dict] | None = None,
     generic_key: str | None = None,
+    fields: Collection[str] | None = None,
+    check: Callable[[dict], bool] | None = None,
 ) -> dict | None:
     """The launch config of ``kernel`` for ``key`` on ``device`` (see the module doc for the order);
-    ``default`` (a dict or a function making one) when nothing is stored. Never tunes."""
-    cfg, _ = lookup(kernel, key, device, generic_key)
+    ``default`` (a dict or a function making one) when nothing is stored. Never tunes.
+
+    ``fields``: the keys a config must have, no more and no fewer; ``check``: a test the config must
+    pass (e.g. a one-pass block covering the row). A stored config failing either is ignored with a
+    warning: a hand-edited or stale entry must not break the op.
+    """
+    cfg, source = lookup(kernel, key, device, generic_key)
     if cfg is not None:
-        return cfg
+        bad = ""
+        if fields is not None and set(cfg) != set(fields):
+            bad = f"fields {sorted(cfg)}, expected {sorted(fields)}"
+        elif check is not None and not check(cfg):
+            bad = "it does not fit this shape"
+        if not bad:
+            return cfg
+        warnings.warn(f"autotune: ignoring the {source} config {cfg} of {kernel} at {key}: {bad}", stacklevel=2)
     return default() if callable(default) else default
 
 
@@ -213,6 +284,7 @@ def store(kernel: str, key: str, config: dict, device: torch.device | str | None
         configs.update(_read_disk(kernel, gpu))
     configs[key] = dict(config)
     _memory[(kernel, gpu)] = configs
+    clear_plans()
     return _write_disk(kernel, gpu, configs)
 
 
