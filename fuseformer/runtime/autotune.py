@@ -32,12 +32,13 @@ Every Triton op takes its launch configs from here (kernel name: key):
 - ``paged_attention``: ``decode``/``prefill``, tile rows (bucket, up to 128), padded head dim,
   element size.
 
-The defaults of all but the MLP are the H200-measured rules in their op files (the ``default`` of
-step 4, the same on every GPU, and under the interpreter the ops' small interpreter configs). An op
-looks its config up once per (shape bucket, flags, dtype, device) in a cache made with
-:func:`plan_cache`, never on every call; :func:`store` and :func:`clear_memory` empty those caches,
-so a config tuned in this process is used at once. Explicit overrides (``config=`` arguments,
-attention's ``CONFIG_OVERRIDES`` and ``FUSEFORMER_ATTN_*``) apply after the lookup.
+The defaults of all but the MLP are the tables and rules in their op files (H200 sweeps where their
+comments say so), the ``default`` of step 4, the same on every GPU (attention keeps its small
+configs under the interpreter): nothing is shipped for them in ``tuned/`` until a tuning run is
+committed. An op looks its config up once per (shape bucket, flags, dtype, device) in a cache made
+with :func:`plan_cache`, never on every call; :func:`store` and :func:`clear_memory` empty those caches,
+so a config tuned in this process is used at once. Explicit overrides (``config=`` arguments, the
+``CONFIG_OVERRIDES`` of attention and paged attention, ``FUSEFORMER_ATTN_*``) apply after the lookup.
 """
 
 from __future__ import annotations
