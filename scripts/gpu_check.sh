@@ -2,7 +2,11 @@
 # The GPU check: correctness at real sizes (tests marked `gpu`, bf16/fp16/fp32) and every benchmark,
 # in one go, on a CUDA machine. Writes logs, JSON and PNG plots to OUT_DIR.
 #
-#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep] [bench suites...]
+#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune] [bench suites...]
+#
+# tune (not part of all): `fuseformer bench --tune --quick` with the autotune cache written to
+# OUT_DIR/tuned; ship the result into the package's defaults afterwards with
+# `python -m fuseformer.runtime.autotune ship OUT_DIR/tuned` (on the machine with the checkout).
 #
 # bench runs ops (full) and attention, mlp_ce, engine, train (quick) unless suites are named;
 # QUICK=1 makes ops quick too. All of it takes longer than one 10-minute device call: split it
@@ -27,6 +31,10 @@ fi
 if [[ "$stage" == all || "$stage" == sweep ]]; then
     python3 -m fuseformer.cli bench sweep --out "$out" > "$out/sweep.log" 2>&1 || status=1
     tail -n 3 "$out/sweep.log"
+fi
+if [[ "$stage" == tune ]]; then
+    FUSEFORMER_CACHE_DIR="$out/tuned" python3 -m fuseformer.cli bench --tune --quick > "$out/tune.log" 2>&1 || status=1
+    tail -n 5 "$out/tune.log"
 fi
 if [[ "$stage" == all || "$stage" == bench ]]; then
     # Every suite by default (ops in full, the long ones in quick mode); or the suites named.

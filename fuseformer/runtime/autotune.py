@@ -357,3 +357,66 @@ def tune_all(quick: bool = False) -> list[dict]:
         except Exception as exc:
             records.append(dict(kernel=kernel, error=f"{type(exc).__name__}: {exc}"[:300]))
     return records
+
+
+# --------------------------------------------------------------------------------------------
+# Shipping what a GPU run tuned
+# --------------------------------------------------------------------------------------------
+def ship(cache_files: Iterable[str | Path], shipped_dir: str | Path | None = None) -> list[Path]:
+    """Merge disk-cache files (what ``fuseformer bench --tune`` wrote on some GPU, e.g. with
+    ``FUSEFORMER_CACHE_DIR`` pointing into a device run's output) into the shipped tables
+    ``runtime/tuned/<kernel>.json``, under the GPU's family; entries already shipped for other keys
+    or families stay. Files that are not autotune cache files are skipped with a warning.
+    Returns the tables written. (``python -m fuseformer.runtime.autotune ship FILE_OR_DIR...``)"""
+    target = Path(shipped_dir) if shipped_dir is not None else _SHIPPED_DIR
+    merged: dict[str, dict[str, dict[str, dict]]] = {}
+    for src in cache_files:
+        try:
+            data = json.loads(Path(src).read_text())
+            kernel, gpu, configs = data["kernel"], data["gpu"], data["configs"]
+            if data.get("version") != SCHEMA_VERSION or not isinstance(configs, dict):
+                raise ValueError(f"schema {data.get('version')!r}")
+        except Exception as exc:
+            warnings.warn(f"autotune.ship: skipping {src} ({type(exc).__name__}: {exc})", stacklevel=2)
+            continue
+        table = merged.setdefault(kernel, {}).setdefault(gpu_family(gpu), {})
+        table.update({k: v for k, v in configs.items() if isinstance(v, dict)})
+    written = []
+    for kernel, families in sorted(merged.items()):
+        path = target / f"{kernel}.json"
+        gpus: dict[str, dict] = {}
+        if path.exists():
+            gpus = json.loads(path.read_text()).get("gpus", {})
+        for family, table in families.items():
+            gpus[family] = {**gpus.get(family, {}), **table}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"gpus": gpus}, indent=1, sort_keys=True) + "\n")
+        written.append(path)
+    return written
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m fuseformer.runtime.autotune")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("ship", help="merge disk-cache files into the package's shipped tables")
+    s.add_argument("paths", nargs="+", help="cache files, or folders holding them (*.json)")
+    s.add_argument("--into", default=None, help="the shipped tables' folder (default: the package's)")
+    args = p.parse_args(argv)
+    missing = [x for x in args.paths if not Path(x).exists()]
+    if missing:
+        print(f"autotune ship: no such file or folder: {', '.join(missing)}", file=sys.stderr)
+        return 1
+    files = [f for x in args.paths for f in (sorted(Path(x).glob("*.json")) if Path(x).is_dir() else [Path(x)])]
+    if not files:
+        print("autotune ship: no cache files found", file=sys.stderr)
+        return 1
+    for path in ship(files, args.into):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

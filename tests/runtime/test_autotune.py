@@ -199,3 +199,24 @@ def test_tune_all_quick_fills_the_cache(cache_dir):
     records = autotune.tune_all(quick=True)
     assert records and not [r for r in records if "error" in r], records
     assert autotune.cache_path(M.KERNEL, autotune.gpu_name()).exists()
+
+
+def test_ship_merges_tuned_files_into_the_shipped_tables(cache_dir, tmp_path_factory):
+    """What a GPU run tuned becomes a shipped default for its GPU family; other entries stay; a
+    file that is not a cache file is skipped with a warning."""
+    autotune.store("toy", "T64", dict(BLOCK=64))
+    path = autotune.cache_path("toy", "cpu")
+    data = json.loads(path.read_text())
+    h200 = path.with_name("toy--NVIDIA_H200--x.json")
+    h200.write_text(json.dumps(dict(data, gpu="NVIDIA H200", configs={"T64": {"BLOCK": 32}, "T8": {"BLOCK": 16}})))
+    junk = cache_dir / "junk.json"
+    junk.write_text("{not json")
+    shipped = tmp_path_factory.mktemp("shipped")
+    (shipped / "toy.json").write_text(json.dumps({"gpus": {"H200": {"T64": {"BLOCK": 128}, "T1": {"BLOCK": 8}}}}))
+    with pytest.warns(UserWarning, match="skipping"):
+        assert autotune._main(["ship", str(cache_dir), "--into", str(shipped)]) == 0
+    gpus = json.loads((shipped / "toy.json").read_text())["gpus"]
+    assert gpus["H200"] == {"T64": {"BLOCK": 32}, "T8": {"BLOCK": 16}, "T1": {"BLOCK": 8}}
+    assert gpus["cpu"] == {"T64": {"BLOCK": 64}}
+    assert autotune._main(["ship", str(shipped / "missing-dir")]) == 1
+    assert autotune._main(["ship", str(tmp_path_factory.mktemp("empty"))]) == 1
