@@ -223,6 +223,7 @@ def run_serve_case(
     prompts = torch.randint(0, shape["vocab_size"], (num_requests, input_len), generator=gen).tolist()
     light = torch.randint(0, shape["vocab_size"], (num_lone + num_rated, input_len), generator=gen).tolist()
     case = dict(model=shape_name, requests=num_requests, input_len=input_len, output_len=output_len, dtype=str(dtype))
+    case["cuda_graphs"] = bool(llm_kwargs.get("cuda_graphs", False))
     name = "bench"
     llm = LLM(ours, device=device, max_model_len=input_len + output_len, **llm_kwargs)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -296,13 +297,24 @@ def format_table(records: list[Record]) -> str:
     return "\n".join(lines)
 
 
-def bench_serve(quick: bool = False) -> list[Record]:
+def bench_serve(quick: bool = False, cuda_graphs: bool | None = None) -> list[Record]:
     """Issue 6's measurement on a CUDA GPU: 256 requests x (256 in, 256 out) at the Llama-3-8B shape,
-    then 10 lone requests and 20 at 1 req/s; ``quick``: the Llama-3.2-1B shape, 64 requests, 4 + 8."""
+    then 10 lone requests and 20 at 1 req/s; ``quick``: the Llama-3.2-1B shape, 64 requests, 4 + 8.
+
+    ``cuda_graphs`` (default: ``FUSEFORMER_BENCH_CUDA_GRAPHS``, "1" unless set to "0"): the engine
+    replays decode steps as CUDA graphs in both the offline and the server runs, as
+    ``fuseformer serve --cuda-graphs`` does; at light load a decode step is then short, so a new
+    request waits less for the step in flight (the TTFT bar)."""
+    import os
+
     from fuseformer.bench.engine import SHAPES
 
+    if cuda_graphs is None:
+        cuda_graphs = os.environ.get("FUSEFORMER_BENCH_CUDA_GRAPHS", "1") != "0"
     name = "llama3.2-1b" if quick else "llama3-8b"
     n, lone, rated = (64, 4, 8) if quick else (256, 10, 20)
-    records = run_serve_case(SHAPES[name], n, 256, 256, num_lone=lone, num_rated=rated, shape_name=name)
+    records = run_serve_case(
+        SHAPES[name], n, 256, 256, num_lone=lone, num_rated=rated, shape_name=name, cuda_graphs=cuda_graphs
+    )
     print(format_table(records))
     return records
