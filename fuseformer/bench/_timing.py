@@ -51,3 +51,31 @@ def gemm_ceiling_tflop_s(device: str = "cuda", n: int = 8192) -> float:
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     ms = bench_ms(lambda: a @ b)
     return tflop_per_s(2 * n**3, ms)
+
+
+def peak_gib_above(fn: Callable[[], object]) -> float:
+    """GiB allocated at ``fn()``'s peak beyond what was allocated before it (run once, synchronized).
+    Call ``fn`` once beforehand so that one-time allocations (cuBLAS workspaces) are not counted."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def gpu_kernels(fn: Callable[[], object], reps: int = 1) -> list[dict]:
+    """The CUDA kernels of ``reps`` calls of ``fn`` (torch.profiler), costliest first: name, launches
+    per call, GPU µs per launch and GPU ms per call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    return [
+        dict(
+            name=e.key[:120], per_call=e.count / reps, us=e.device_time_total / e.count,
+            ms_per_call=e.device_time_total / reps / 1e3,
+        )
+        for e in events
+    ]  # fmt: skip

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as TF
 
 import fuseformer.ops as F
-from fuseformer.bench._timing import bench_ms, copy_ceiling_tb_s, gemm_ceiling_tflop_s, tflop_per_s
+from fuseformer.bench._timing import bench_ms, copy_ceiling_tb_s, gemm_ceiling_tflop_s, peak_gib_above, tflop_per_s
 
 Record = dict
 H, INTER, V = 4096, 14336, 128256
@@ -165,12 +165,7 @@ def _ce_records(quick: bool) -> list[Record]:
         try:
             step()
             hidden.grad = weight.grad = None
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            rec["peak_gib_above_inputs"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            rec["peak_gib_above_inputs"] = peak_gib_above(step)
             hidden.grad = weight.grad = None
             _heat()
             rec["ms"] = bench_ms(step, rep=50 if quick else 200)

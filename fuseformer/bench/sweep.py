@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from fuseformer.bench._timing import bench_ms, copy_ceiling_tb_s, tb_per_s
+from fuseformer.bench._timing import bench_graph_ms, bench_ms, copy_ceiling_tb_s, gpu_kernels, peak_gib_above, tb_per_s
 
 # The module, not the function of the same name that fuseformer.ops exports.
 rn = importlib.import_module("fuseformer.ops.rms_norm")
@@ -94,39 +94,17 @@ def sweep_rms_norm_long() -> list[dict]:
 
 
 def sweep_rms_norm_residual() -> list[dict]:
-    """The fused add + rms_norm forward (4 streams: x, r in; y, h out) over BLOCK_M, warps and the
-    loads' eviction policy, with the peers of the goal timed in the same run (add then compiled
-    norm; torch.compile of both)."""
+    """The fused add + rms_norm forward (4 streams: x, r in; y, h out): one pass (the row in
+    registers) over BLOCK_M and warps, against Inductor's structure (chunks of the row, h stored in
+    pass 1 and re-read from L2 in pass 2). Its peers are the add_rms_norm rows of ``bench ops``."""
     out = []
     m, n = 32768, 4096
     x, r = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     ceiling = copy_ceiling_tb_s()
-    nbytes = 4 * m * n * 2
-
-    def add_norm(x, r, w):
-        h = x + r
-        return torch.nn.functional.rms_norm(h, (n,), w, 1e-6), h
-
-    compiled_pair = torch.compile(add_norm)
-    compiled_norm = torch.compile(lambda h, w: torch.nn.functional.rms_norm(h, (n,), w, 1e-6))
-    compiled_pair(x, r, w)
-    peers = {
-        "add + compiled norm": lambda: compiled_norm(x + r, w),
-        "torch.compile(add + norm)": lambda: compiled_pair(x, r, w),
-        "fuseformer default": lambda: rn.rms_norm_fwd(x, w, r, 1e-6),
-    }
-    for name, fn in peers.items():
-        fn()
-        ms = bench_ms(fn)
-        tb = tb_per_s(nbytes, ms)
-        out.append(dict(kind="add_rms_norm_peer", impl=name, shape=[m, n], ms=ms, tb_s=tb, pct_copy=100 * tb / ceiling))
-    # One pass (the row in registers) against Inductor's structure: chunks of the row, h stored in
-    # pass 1 and re-read (from L2) in pass 2, loads of data read for the last time "evict_first".
-    configs = [dict(BLOCK_M=bm, BLOCK_N=n, SINGLE_PASS=True, num_warps=wp, EVICT="") for bm, wp in ((2, 32), (4, 8))]
+    configs = [dict(BLOCK_M=bm, BLOCK_N=n, SINGLE_PASS=True, num_warps=wp) for bm in (1, 2, 4) for wp in (4, 8, 16, 32)]
     configs += [
-        dict(BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=False, num_warps=wp, EVICT=ev)
-        for ev in ("", "evict_first")
+        dict(BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=False, num_warps=wp)
         for bn in (512, 1024, 2048)
         for bm in (1, 2, 4)
         for wp in (4, 8, 16)
@@ -135,7 +113,7 @@ def sweep_rms_norm_residual() -> list[dict]:
     for cfg in configs:
         try:
             ms = bench_ms(lambda cfg=cfg: rn.rms_norm_fwd(x, w, r, 1e-6, config=cfg))
-            tb = tb_per_s(nbytes, ms)
+            tb = tb_per_s(4 * m * n * 2, ms)
             rec = dict(kind="add_rms_norm_fwd", shape=[m, n], **cfg, ms=ms, tb_s=tb, pct_copy=100 * tb / ceiling)
         except Exception as exc:
             rec = dict(kind="add_rms_norm_fwd", shape=[m, n], **cfg, error=str(exc)[:200])
@@ -143,13 +121,23 @@ def sweep_rms_norm_residual() -> list[dict]:
     return out
 
 
-def sweep_small_rows() -> list[dict]:
-    """rms_norm at 4096x1024 bf16, where eager calls are host-bound: for each call (ours, F.rms_norm,
-    Liger; forward without and with grad, backward alone through autograd.grad) the host time per
-    call (500 calls, GPU synchronized at the end), the do_bench median, the GPU time alone (CUDA
-    graph replay), our direct-launch misses, and the kernels one call runs (torch.profiler)."""
-    import time
+def _host_us(fn, calls: int = 500) -> float:
+    """Host µs per call of ``fn`` (after 50 warm-up calls; the GPU synchronized before and after)."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
 
+
+def sweep_small_rows() -> list[dict]:
+    """rms_norm at 4096x1024 bf16, where eager calls are host-bound: for each call (our launcher,
+    public op and custom op; F.rms_norm; Liger; forward without and with grad, backward alone through
+    autograd.grad) the host time per call, the do_bench median, the GPU time alone (CUDA graph
+    replay, forward only), our direct-launch misses, and the kernels one call runs."""
     import fuseformer.ops as F
 
     m, n = 4096, 1024
@@ -159,6 +147,7 @@ def sweep_small_rows() -> list[dict]:
     calls = {
         "ours launcher": lambda: rn.rms_norm_fwd(x0, w0, None, 1e-6, store_rstd=False),
         "ours fwd no grad": lambda: F.rms_norm(x0, w0),
+        "ours custom op with grad": lambda: rn._rms_norm_fwd_op(x, w, None, 1e-6),
         "ours fwd": lambda: F.rms_norm(x, w),
         "F.rms_norm fwd": lambda: torch.nn.functional.rms_norm(x, (n,), w, 1e-6),
     }
@@ -172,42 +161,22 @@ def sweep_small_rows() -> list[dict]:
         y = calls[name]()
         dy = torch.randn_like(y)
         calls[name.replace(" fwd", " bwd")] = lambda y=y, dy=dy: torch.autograd.grad(y, (x, w), dy, retain_graph=True)
+    launchers = (rn._fwd_launcher, rn._bwd_launcher, rn._dw_launcher)
     out = []
     for name, fn in calls.items():
         rec = dict(kind="small_rows", impl=name, shape=[m, n])
         try:
-            for _ in range(50):
-                fn()
-            torch.cuda.synchronize()
-            misses = {k: v.misses for k, v in _launchers().items()}
-            t0 = time.perf_counter()
-            for _ in range(500):
-                fn()
-            torch.cuda.synchronize()
-            rec["host_us"] = (time.perf_counter() - t0) / 500 * 1e6
-            rec["launch_misses_per_call"] = sum(v.misses - misses[k] for k, v in _launchers().items()) / 500
+            misses = sum(lc.misses for lc in launchers)
+            rec["host_us"] = _host_us(fn)
+            rec["launch_misses_per_call"] = (sum(lc.misses for lc in launchers) - misses) / (50 + 500)
             rec["do_bench_us"] = 1e3 * bench_ms(fn)
             if not name.endswith(" bwd"):
-                from fuseformer.bench._timing import bench_graph_ms
-
                 rec["graph_us"] = 1e3 * bench_graph_ms(fn)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(20):
-                    fn()
-                torch.cuda.synchronize()
-            rec["kernels"] = [
-                dict(name=e.key[:90], calls_per_call=e.count / 20, us=e.device_time_total / e.count)
-                for e in prof.key_averages()
-                if e.device_time_total > 0
-            ]
+            rec["kernels"] = gpu_kernels(fn, reps=20)
         except Exception as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out.append(rec)
     return out
-
-
-def _launchers() -> dict:
-    return {"fwd": rn._fwd_launcher, "bwd": rn._bwd_launcher, "dw": rn._dw_launcher}
 
 
 def sweep_train_profile() -> list[dict]:
@@ -223,45 +192,10 @@ def sweep_train_profile() -> list[dict]:
     step()
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in events)
-    out = [dict(kind="train_profile", wall_ms=wall_ms, gpu_ms=total / 1e3, tokens=4 * 4096)]
-    out += [
-        dict(kind="train_kernel", name=e.key[:120], count=e.count, ms=e.device_time_total / 1e3,
-             pct=100 * e.device_time_total / total)
-        for e in events[:40]
-    ]  # fmt: skip
-    return out
-
-
-def sweep_overhead() -> list[dict]:
-    """Host overhead per call: the public op (eager autograd path) against the bare launcher, on
-    a tiny shape where the kernel itself is ~5 us, timed on the host with the GPU synchronized."""
-
-    import fuseformer.ops as F
-
-    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out = []
-    for name, fn in (
-        ("launcher", lambda: rn.rms_norm_fwd(x.detach(), w.detach(), None, 1e-6)),
-        ("public no grad", lambda: F.rms_norm(x.detach(), w.detach())),
-        ("public with grad", lambda: F.rms_norm(x, w)),
-        ("custom op with grad", lambda: rn._rms_norm_fwd_op(x, w, None, 1e-6)),
-        ("torch F.rms_norm", lambda: torch.nn.functional.rms_norm(x, (1024,), w, 1e-6)),
-    ):
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(500):
-            fn()
-        torch.cuda.synchronize()
-        out.append(dict(kind="host_overhead", impl=name, us_per_call=(time.perf_counter() - t0) / 500 * 1e6))
+    kernels = gpu_kernels(step)
+    gpu_ms = sum(k["ms_per_call"] for k in kernels)
+    out = [dict(kind="train_profile", wall_ms=wall_ms, gpu_ms=gpu_ms, tokens=4 * 4096)]
+    out += [dict(kind="train_kernel", **k, pct=100 * k["ms_per_call"] / gpu_ms) for k in kernels[:40]]
     return out
 
 
@@ -284,22 +218,10 @@ def sweep_flce() -> list[dict]:
         rec = dict(kind="flce", chunk=chunk or ce._chunk_size(n, h, v, 2))
         try:
             step()
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            rec["peak_gib_above_inputs"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            rec["peak_gib_above_inputs"] = peak_gib_above(step)
             rec["ms"] = bench_ms(step, rep=200)
             if chunk is None:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    step()
-                    torch.cuda.synchronize()
-                rec["kernels"] = [
-                    dict(name=e.key[:100], count=e.count, ms=e.device_time_total / 1e3)
-                    for e in prof.key_averages()
-                    if e.device_time_total > 0
-                ]
+                rec["kernels"] = gpu_kernels(step)
         except Exception as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out.append(rec)
@@ -321,7 +243,6 @@ def sweep_attention64() -> list[dict]:
 
 
 SWEEPS = {
-    "overhead": sweep_overhead,
     "attention": sweep_attention,
     "attention64": sweep_attention64,
     "rms_norm": sweep_rms_norm,

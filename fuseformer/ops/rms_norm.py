@@ -96,10 +96,8 @@ def _rms_norm_fwd_kernel(
     stride_x, stride_r, stride_y, stride_h,
     M, N, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # EVICT: the eviction policy of the loads of row data read for the last time ("" or
-    # "evict_first": L2 need not keep them); the weight, read by every program, is "evict_last".
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     rows = rows.to(tl.int64)  # row * stride can pass 2^31
@@ -107,10 +105,9 @@ def _rms_norm_fwd_kernel(
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
-        h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-        h = h.to(tl.float32)
+        h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
             h += r.to(tl.float32)
             tl.store(H + rows[:, None] * stride_h + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
         rstd = tl.rsqrt(tl.sum(h * h, axis=1) / N + eps)
@@ -118,7 +115,7 @@ def _rms_norm_fwd_kernel(
             tl.store(RSTD + rows, rstd, mask=row_mask)
         y = h * rstd[:, None]
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
             y = y * w[None, :]
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
@@ -127,13 +124,11 @@ def _rms_norm_fwd_kernel(
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < N)[None, :]
-            if HAS_RESIDUAL:  # x and r are read once (pass 2 re-reads h): EVICT applies
-                h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-                r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-                h = h.to(tl.float32) + r.to(tl.float32)
+            h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+                h += r.to(tl.float32)
                 tl.store(H + rows[:, None] * stride_h + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
-            else:
-                h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             sum_sq += tl.sum(h * h, axis=1)
         rstd = tl.rsqrt(sum_sq / N + eps)
         if STORE_RSTD:
@@ -143,14 +138,13 @@ def _rms_norm_fwd_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
-            if HAS_RESIDUAL:  # the last read of h (written in pass 1, mostly still in L2)
-                h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+            if HAS_RESIDUAL:
+                h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             else:
-                h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-            h = h.to(tl.float32)
+                h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             y = h * rstd[:, None]
             if HAS_WEIGHT:
-                w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
                 y = y * w[None, :]
             tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -259,7 +253,7 @@ def _rms_norm_dw_kernel(
 # Launch configuration (from the autotune cache; the rules below are the defaults)
 # --------------------------------------------------------------------------------------------
 FWD_KERNEL, BWD_KERNEL, DW_KERNEL = "rms_norm_fwd", "rms_norm_bwd", "rms_norm_dw"
-_FWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps", "EVICT")
+_FWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps")
 _BWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps", "programs_per_sm")
 _DW_FIELDS = ("BLOCK_P", "BLOCK_N", "num_warps")
 
@@ -289,7 +283,7 @@ def _fwd_config(n: int, has_residual: bool = False) -> dict:
         # Fused add + norm (4 streams): 2 rows and 32 warps were the best of the H200 sweeps twice
         # (32768x4096: 4.12 TB/s in run 7, 96.2% of copy on 2026-11-30 against 94.4% for (4, 8)).
         block_m, num_warps = 2, 32
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps, EVICT="")
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps)
 
 
 # Backward launch table by row length (BLOCK_M rows per step, warps, persistent programs per SM),
@@ -328,8 +322,8 @@ def _fits(n: int):
 
 
 def fwd_config(n: int, has_residual: bool, dtype: torch.dtype, device: torch.device | str | int | None = None) -> dict:
-    """The forward's launch config for rows of ``n`` (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps,
-    EVICT): the autotune cache's for this bucket, else the default rule."""
+    """The forward's launch config for rows of ``n`` (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps): the
+    autotune cache's for this bucket, else the default rule."""
     return autotune.get_config(
         FWD_KERNEL, config_key(n, has_residual, dtype), device=device,
         default=lambda: _fwd_config(n, has_residual), fields=_FWD_FIELDS, check=_fits(n),
@@ -413,12 +407,8 @@ def rms_norm_fwd(
     if config is None:
         cfg, block_m = _fwd_plan(n, residual is not None, weight is not None, store_rstd, dtype, device)
     else:
-        cfg = launch_config(
-            HAS_RESIDUAL=residual is not None,
-            HAS_WEIGHT=weight is not None,
-            STORE_RSTD=store_rstd,
-            **{"EVICT": "", **config},
-        )
+        flags = dict(HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, STORE_RSTD=store_rstd)
+        cfg = launch_config(**flags, **config)
         block_m = config["BLOCK_M"]
     # y and h are fresh (m, n) tensors: row stride n. Without rstd, RSTD points at y (never written).
     rstd_arg = rstd if rstd is not None else y
@@ -640,15 +630,14 @@ def fwd_candidates(n: int, has_residual: bool, quick: bool = False) -> list[dict
     """The forward sweep for rows of ``n``, the default first (it wins ties)."""
     out = [_fwd_config(n, has_residual)]
     if n > _SINGLE_PASS_MAX:
-        out += [dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, num_warps=w, EVICT="")
+        out += [dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, num_warps=w)
                 for bn in ((8192,) if quick else (2048, 4096, 8192)) for w in (8, 16)]  # fmt: skip
     else:
         bn = next_pow2(n)
         sizes = (8192, 16384) if quick else (2048, 4096, 8192, 16384, 32768)
-        evicts = ("",) if quick or not has_residual else ("", "evict_first")
-        out += [dict(BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=True, num_warps=w, EVICT=ev)
+        out += [dict(BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=True, num_warps=w)
                 for bm in (1, 2, 4, 8, 16) if bm * bn in sizes
-                for w in ((8, 16) if quick else (4, 8, 16, 32)) for ev in evicts]  # fmt: skip
+                for w in ((8, 16) if quick else (4, 8, 16, 32))]  # fmt: skip
     return [c for i, c in enumerate(out) if c not in out[:i]]
 
 
