@@ -15,7 +15,6 @@ on the goal shapes, for choosing the tables in ops/attention.py.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 from collections.abc import Callable
 
@@ -23,6 +22,7 @@ import torch
 
 import fuseformer.ops as F
 from fuseformer.bench._timing import bench_ms, gemm_ceiling_tflop_s, tflop_per_s
+from fuseformer.ops._utils import next_pow2
 
 Record = dict
 TOKENS, HEADS = 16384, 32
@@ -147,63 +147,26 @@ def bench_attention(quick: bool = False) -> list[Record]:
 # --------------------------------------------------------------------------------------------
 # Config sweep (for the tables in ops/attention.py)
 # --------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _override(kind: str, **fields):
-    previous = _attn.CONFIG_OVERRIDES.get(kind, {})
-    _attn.CONFIG_OVERRIDES[kind] = fields
-    try:
-        yield
-    finally:
-        _attn.CONFIG_OVERRIDES[kind] = previous
-
-
 def sweep_attention_configs(quick: bool = False, head_dims: tuple[int, ...] = (128,)) -> list[Record]:
-    """Time the forward, dk/dv and dq kernels over configs on the goal shapes (bf16, H 32).
+    """Time the forward, dk/dv and dq kernels over the candidates of ops/attention.py's tuner
+    (``candidate_configs``: the full grid, or around the current tables when ``quick``) on the goal
+    shapes (bf16, H 32): causal S4096 for all three kernels, full S16384 for the forward (and, not
+    quick, the backward).
 
     Each record: kernel, case, config (as requested; a config that does not fit falls back, see
     ``launch``), ms, TFLOP/s (the forward's count for fwd; the backward's 2.5x for the whole
     backward with that dk/dv or dq config), or an error.
     """
-    fwd_cfgs = [
-        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
-        for bm in (64, 128)
-        for bn in (32, 64, 128)
-        for w in (4, 8)
-        for st in ((2, 3) if quick else (2, 3, 4))
-    ]
-    # Warp-specialized key loop (TMA producer warps, tl.range(..., warp_specialize=True)).
-    fwd_cfgs += [
-        dict(BLOCK_M=128, BLOCK_N=bn, num_warps=w, num_stages=st, warp_specialize=1)
-        for bn in (64, 128)
-        for w in (4, 8)
-        for st in (2, 3)
-    ]
-    dkdv_cfgs = [
-        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
-        for bm in (16, 32, 64)
-        for bn in (64, 128)
-        for w in (4, 8)
-        for st in ((2,) if quick else (1, 2, 3))
-    ]
-    dq_cfgs = [
-        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
-        for bm in (64, 128)
-        for bn in (32, 64, 128)
-        for w in (4, 8)
-        for st in ((2,) if quick else (1, 2, 3))
-    ]
     records = []
     for d in head_dims:
-        records += _sweep_case(d, 4096, True, fwd_cfgs, dkdv_cfgs, dq_cfgs)
+        records += _sweep_case(d, 4096, True, quick, backward=True)
         torch.cuda.empty_cache()
-        # The full (non-causal) case: the forward only in quick mode, its BLOCK_M 128 configs.
-        full_fwd = fwd_cfgs if not quick else [c for c in fwd_cfgs if c["BLOCK_M"] == 128]
-        records += _sweep_case(d, 16384, False, full_fwd, [] if quick else dkdv_cfgs, [] if quick else dq_cfgs)
+        records += _sweep_case(d, 16384, False, quick, backward=not quick)
         torch.cuda.empty_cache()
     return records
 
 
-def _sweep_case(d, seqlen, causal, fwd_cfgs, dkdv_cfgs, dq_cfgs) -> list[Record]:
+def _sweep_case(d: int, seqlen: int, causal: bool, quick: bool, backward: bool) -> list[Record]:
     batch = TOKENS // seqlen
     case = dict(batch=batch, seqlen=seqlen, heads=HEADS, head_dim=d, causal=causal)
     flops = attention_flops(batch, seqlen, HEADS, d, causal)
@@ -213,6 +176,7 @@ def _sweep_case(d, seqlen, causal, fwd_cfgs, dkdv_cfgs, dq_cfgs) -> list[Record]
     args = (q, k, v, None, None, seqlen, seqlen, scale, -1, right)
     out, lse = _attn.flash_attention_fwd(*args)
     dout = torch.randn_like(out)
+    block_d = max(16, next_pow2(d))
 
     def fwd():
         _attn.flash_attention_fwd(*args)
@@ -223,16 +187,18 @@ def _sweep_case(d, seqlen, causal, fwd_cfgs, dkdv_cfgs, dq_cfgs) -> list[Record]
         )
 
     records = []
-    for cfg in fwd_cfgs:
-        with _override("fwd", **cfg):
+    for cfg in _attn.candidate_configs("fwd", block_d, causal, quick):
+        with _attn.tuning_config("fwd", cfg):
             records.append(_record(dict(case, kernel="fwd", **cfg), "fuseformer", "fwd", flops, fwd))
-    for mode in ("separate", "atomic") if dkdv_cfgs else ():
-        for cfg in dkdv_cfgs:
-            with _override("bwd_dkdv", **cfg):
+    if not backward:
+        return records
+    for mode in ("separate", "atomic"):
+        for cfg in _attn.candidate_configs("bwd_dkdv", block_d, causal, quick):
+            with _attn.tuning_config("bwd_dkdv", cfg):
                 rec = dict(case, kernel=f"bwd_dkdv[{mode}]", **cfg)
                 records.append(_record(rec, "fuseformer", "bwd", 2.5 * flops, lambda mode=mode: bwd(mode)))
-    for cfg in dq_cfgs:
-        with _override("bwd_dq", **cfg):
+    for cfg in _attn.candidate_configs("bwd_dq", block_d, causal, quick):
+        with _attn.tuning_config("bwd_dq", cfg):
             rec = dict(case, kernel="bwd_dq", **cfg)
             records.append(_record(rec, "fuseformer", "bwd", 2.5 * flops, lambda: bwd("separate")))
     return records

@@ -495,8 +495,6 @@ def launch(kernel, grid_fn, cfg: KernelConfig, args, consts: dict, key: tuple) -
     ``args``: the positional arguments, or a function of the config returning them (descriptors
     carry the block shape)."""
     full_key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), cfg, key)
-    # The forward's WS (warp specialization) needs its K/V through TMA descriptors.
-    takes_ws = "WS" in getattr(kernel, "arg_names", ())
     candidates = [_FITTED[full_key]] if full_key in _FITTED else _fallbacks(cfg)
     error = None
     for c in candidates:
@@ -508,7 +506,6 @@ def launch(kernel, grid_fn, cfg: KernelConfig, args, consts: dict, key: tuple) -
                 BLOCK_N=c.BLOCK_N,
                 num_warps=c.num_warps,
                 num_stages=c.num_stages,
-                **({"WS": bool(c.warp_specialize and consts.get("KV_DESC"))} if takes_ws else {}),
             )
         except OutOfResources as exc:
             error = exc
@@ -634,6 +631,7 @@ def flash_attention_fwd(
         HAS_LEFT=window_left >= 0,
         HAS_RIGHT=window_right >= 0,
         KV_DESC=kv_desc,
+        WS=bool(cfg.warp_specialize) and kv_desc,  # warp specialization needs TMA loads (fallbacks keep it)
     )
     launch(
         _flash_attention_fwd_kernel,
@@ -846,7 +844,8 @@ def flash_attention(
 
 # --------------------------------------------------------------------------------------------
 # Tuning (``fuseformer bench --tune`` through autotune.tune_all), in the spirit of
-# bench/attention.py's sweep_attention_configs; the backward's tuner is in attention_bwd.py
+# bench/attention.py's sweep_attention_configs times the same candidates; the backward's tuner is in
+# attention_bwd.py
 # --------------------------------------------------------------------------------------------
 TUNE_TOKENS, TUNE_HEADS = 16384, 32  # B * S and H of the goal shapes (bf16)
 # (head dim, seqlen, causal): causal at S 4096, full at S 16384, as the goals time them.
@@ -873,8 +872,7 @@ _QUICK_CANDIDATES = {
     "bwd_dkdv": ((32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2)),
     "bwd_dq": ((64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2), (128, 64, 4, 2)),
 }
-# The full sweep: (BLOCK_M values, BLOCK_N values, num_stages values), warps 4 and 8, as
-# bench/attention.py's sweep_attention_configs.
+# The full sweep: (BLOCK_M values, BLOCK_N values, num_stages values), warps 4 and 8.
 _SWEEP = {
     "fwd": ((64, 128), (32, 64, 128), (2, 3, 4)),
     "bwd_dkdv": ((16, 32, 64), (64, 128), (1, 2, 3)),
