@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from fuseformer.runtime.autotune import bucket, dtype_name
+
 # Dtypes the Triton kernels take. float64 is accepted by the public ops and runs on the reference.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
@@ -86,6 +88,19 @@ def num_sms(device_index: int = 0) -> int:
 
 def sm_count(t: torch.Tensor) -> int:
     return num_sms(t.device.index or 0) if t.is_cuda else num_sms(-1)
+
+
+def row_norm_config_key(n: int, fused: bool, dtype: torch.dtype) -> str:
+    """The autotune key of a row norm's (rms_norm, layer_norm) forward and backward: the row length's
+    bucket (their default configs depend on nothing finer), whether the residual add (forward) or
+    dh (backward) is fused, and the dtype."""
+    return f"N{bucket(n)}-{'add' if fused else 'norm'}-{dtype_name(dtype)}"
+
+
+def covers_row(n: int) -> Callable[[dict], bool]:
+    """A stored row-norm config's test (``autotune.get_config(check=...)``): a one-pass block must
+    cover the whole row of ``n``."""
+    return lambda cfg: not cfg["SINGLE_PASS"] or cfg["BLOCK_N"] >= n
 
 
 def float_dtype_of(t: torch.Tensor) -> torch.dtype:

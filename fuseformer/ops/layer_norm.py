@@ -35,10 +35,12 @@ from fuseformer.ops._utils import (
     autograd_function,
     check_shape,
     check_tensor,
+    covers_row,
     dispatch,
     empty,
     float_dtype_of,
     next_pow2,
+    row_norm_config_key,
     rows_2d,
     sm_count,
 )
@@ -282,10 +284,7 @@ _FWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps")
 _BWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps", "programs_per_sm")
 
 
-def config_key(n: int, fused: bool, dtype: torch.dtype) -> str:
-    """The autotune key: the row length's bucket (the defaults depend on nothing finer), whether
-    the residual add (forward) or dh (backward) is fused, and the dtype."""
-    return f"N{autotune.bucket(n)}-{'add' if fused else 'norm'}-{autotune.dtype_name(dtype)}"
+config_key = row_norm_config_key  # N<bucket>-add|norm-<dtype>
 
 
 def _fwd_config(n: int) -> dict:
@@ -323,18 +322,13 @@ def _bwd_config(n: int) -> dict:
     )
 
 
-def _fits(n: int):
-    """A stored config's test: a one-pass block must cover the whole row."""
-    return lambda cfg: not cfg["SINGLE_PASS"] or cfg["BLOCK_N"] >= n
-
-
 @autotune.plan_cache
 def fwd_config(n: int, has_residual: bool, dtype: torch.dtype, device: torch.device | str | None = None) -> dict:
     """The forward's launch config (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps), looked up once per
     (n, flags, dtype, device): the autotune cache's for this bucket, else the default rule."""
     return autotune.get_config(
         FWD_KERNEL, config_key(n, has_residual, dtype), device=device,
-        default=lambda: _fwd_config(n), fields=_FWD_FIELDS, check=_fits(n),
+        default=lambda: _fwd_config(n), fields=_FWD_FIELDS, check=covers_row(n),
     )  # fmt: skip
 
 
@@ -343,7 +337,7 @@ def bwd_config(n: int, has_dh: bool, dtype: torch.dtype, device: torch.device | 
     """The backward's launch config (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps, programs_per_sm)."""
     return autotune.get_config(
         BWD_KERNEL, config_key(n, has_dh, dtype), device=device,
-        default=lambda: _bwd_config(n), fields=_BWD_FIELDS, check=_fits(n),
+        default=lambda: _bwd_config(n), fields=_BWD_FIELDS, check=covers_row(n),
     )  # fmt: skip
 
 

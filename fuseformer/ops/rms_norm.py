@@ -41,12 +41,14 @@ from fuseformer.ops._utils import (
     autograd_function,
     check_shape,
     check_tensor,
+    covers_row,
     dispatch,
     empty,
     float_dtype_of,
     launch_config,
     next_pow2,
     num_sms,
+    row_norm_config_key,
     rows_2d,
 )
 from fuseformer.runtime import autotune
@@ -258,10 +260,7 @@ _BWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps", "programs_per_s
 _DW_FIELDS = ("BLOCK_P", "BLOCK_N", "num_warps")
 
 
-def config_key(n: int, fused: bool, dtype: torch.dtype) -> str:
-    """The autotune key of the forward and backward: the row length's bucket (the default configs
-    depend on nothing finer), whether the residual add (forward) or dh (backward) is fused, dtype."""
-    return f"N{autotune.bucket(n)}-{'add' if fused else 'norm'}-{autotune.dtype_name(dtype)}"
+config_key = row_norm_config_key  # N<bucket>-add|norm-<dtype>
 
 
 @functools.cache
@@ -316,17 +315,12 @@ def _dw_config(n: int) -> dict:
     return dict(BLOCK_P=4096 // block_n, BLOCK_N=block_n, num_warps=4)
 
 
-def _fits(n: int):
-    """A stored config's test: a one-pass block must cover the whole row."""
-    return lambda cfg: not cfg["SINGLE_PASS"] or cfg["BLOCK_N"] >= n
-
-
 def fwd_config(n: int, has_residual: bool, dtype: torch.dtype, device: torch.device | str | int | None = None) -> dict:
     """The forward's launch config for rows of ``n`` (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps): the
     autotune cache's for this bucket, else the default rule."""
     return autotune.get_config(
         FWD_KERNEL, config_key(n, has_residual, dtype), device=device,
-        default=lambda: _fwd_config(n, has_residual), fields=_FWD_FIELDS, check=_fits(n),
+        default=lambda: _fwd_config(n, has_residual), fields=_FWD_FIELDS, check=covers_row(n),
     )  # fmt: skip
 
 
@@ -334,7 +328,7 @@ def bwd_config(n: int, has_dh: bool, dtype: torch.dtype, device: torch.device | 
     """The backward's launch config (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps, programs_per_sm)."""
     return autotune.get_config(
         BWD_KERNEL, config_key(n, has_dh, dtype), device=device,
-        default=lambda: _bwd_config(n), fields=_BWD_FIELDS, check=_fits(n),
+        default=lambda: _bwd_config(n), fields=_BWD_FIELDS, check=covers_row(n),
     )  # fmt: skip
 
 

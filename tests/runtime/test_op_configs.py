@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fuseformer
+from fuseformer.ops._utils import covers_row
 from fuseformer.runtime import autotune
 
 RN = importlib.import_module("fuseformer.ops.rms_norm")
@@ -397,10 +398,10 @@ def test_candidates_start_with_the_default_and_fit():
             for quick in (False, True):
                 cands = RN.fwd_candidates(n, res, quick)
                 assert cands[0] == RN._fwd_config(n, res) and len(cands) > 1
-                assert all(set(c) == set(RN._FWD_FIELDS) and RN._fits(n)(c) for c in cands)
+                assert all(set(c) == set(RN._FWD_FIELDS) and covers_row(n)(c) for c in cands)
                 assert len(cands) <= 8 or not quick
         cands = RN.bwd_candidates(n, quick=True)
-        assert cands[0] == RN._bwd_config(n) and all(set(c) == set(RN._BWD_FIELDS) and RN._fits(n)(c) for c in cands)
+        assert cands[0] == RN._bwd_config(n) and all(set(c) == set(RN._BWD_FIELDS) and covers_row(n)(c) for c in cands)
     for kind in ATT.KERNELS:
         for block_d, bounded in ((64, True), (128, False), (256, True)):
             for quick in (False, True):
