@@ -24,6 +24,7 @@ import asyncio
 import gc
 import json
 import multiprocessing
+import os
 import socket
 import statistics
 import threading
@@ -305,8 +306,6 @@ def bench_serve(quick: bool = False, cuda_graphs: bool | None = None) -> list[Re
     replays decode steps as CUDA graphs in both the offline and the server runs, as
     ``fuseformer serve --cuda-graphs`` does; at light load a decode step is then short, so a new
     request waits less for the step in flight (the TTFT bar)."""
-    import os
-
     from fuseformer.bench.engine import SHAPES
 
     if cuda_graphs is None:

@@ -107,13 +107,9 @@ def _measure(impl: str, case: str, fn: Callable[[], Any], cfg: dict, batch: int,
 # fuseformer
 # --------------------------------------------------------------------------------------------
 def _our_model(cfg: dict, device: str, dtype: torch.dtype):
-    from fuseformer.models.llama import LlamaForCausalLM
+    from fuseformer.models.loader import empty_model
 
-    config = ModelConfig(architecture="LlamaForCausalLM", **cfg)
-    with torch.device("meta"):
-        lm = LlamaForCausalLM(config)
-    lm.to_empty(device=device).to(dtype)
-    lm.lm_head.weight = lm.model.embed_tokens.weight
+    lm = empty_model(ModelConfig(architecture="LlamaForCausalLM", **cfg), dtype, device)
     with torch.no_grad():
         for name, p in lm.named_parameters():
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
