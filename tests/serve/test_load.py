@@ -220,9 +220,34 @@ def test_serve_cli_bad_arguments_exit_2(args, match, checkpoint, capsys, monkeyp
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, cuda_available, expected",
+    [
+        ([], False, False),
+        ([], True, True),
+        (["--device", "cpu"], True, False),
+        (["--device", "cuda:0"], True, True),
+        (["--no-cuda-graphs"], True, False),
+        (["--cuda-graphs"], True, True),
+    ],
+)
+def test_serve_cuda_graphs_default_on_with_a_cuda_device(argv, cuda_available, expected, monkeypatch):
+    import argparse
+
+    import torch
+
+    from fuseformer.serve import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
+    parser = argparse.ArgumentParser()
+    cli.add_serve_parser(parser.add_subparsers(dest="command"))
+    assert cli._use_cuda_graphs(parser.parse_args(["serve", *argv])) is expected
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_gpu_256_concurrent_streams_at_real_layer_sizes(dtype, start_server, read_metric):
+def test_gpu_256_concurrent_streams_at_real_layer_sizes(dtype, cuda_graphs, start_server, read_metric):
     """On the GPU (Triton kernels): hidden 1024, head dim 128, GQA 8/2, vocab 4096, random weights;
     256 streaming clients with prompts of 20-700 tokens (half sharing a 300-token prefix) on a cache
     too small for all of them at once: every request completes exactly once with its max_tokens, the
@@ -236,7 +261,9 @@ def test_gpu_256_concurrent_streams_at_real_layer_sizes(dtype, start_server, rea
         vocab_size=4096, tie_word_embeddings=False,
     )  # fmt: skip
     _, model = build_models(shape, "cuda", getattr(torch, dtype))
-    llm = LLM(model, device="cuda", max_model_len=1024, num_kv_blocks=1 + 64 * 16, block_size=16)
+    llm = LLM(
+        model, device="cuda", max_model_len=1024, num_kv_blocks=1 + 64 * 16, block_size=16, cuda_graphs=cuda_graphs
+    )
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, 4096, (300,), generator=gen).tolist()
     lengths = torch.randint(20, 400, (256,), generator=gen).tolist()
