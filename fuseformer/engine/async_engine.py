@@ -186,15 +186,18 @@ _MIN_HANDOFF_S = 1e-3
 class _Handoff:
     """Set (``done``) once an event loop has handled a step's outputs and then had nothing left to do,
     or at ``deadline`` (``time.perf_counter``). Idleness is seen from the loop's side: a callback that
-    re-schedules itself runs again at once when nothing else is ready."""
+    re-schedules itself runs again at once when nothing else is ready. ``busy_s``: how long the loop
+    took from the post to idleness (set when it got there, whether or not the engine waited)."""
 
-    __slots__ = ("loop", "done", "deadline", "_last")
+    __slots__ = ("loop", "done", "deadline", "_last", "posted", "busy_s")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
         self.loop = loop
         self.done = threading.Event()
         self.deadline = deadline
         self._last = 0.0
+        self.posted = time.perf_counter()
+        self.busy_s: float | None = None
 
     def deliver(self, items: list[tuple[RequestStream, RequestOutput]]) -> None:
         """In the loop: hand the outputs to their streams, then watch for idleness."""
@@ -205,8 +208,11 @@ class _Handoff:
 
     def _probe(self) -> None:
         now = time.perf_counter()
-        if now - self._last < _IDLE_GAP_S or now >= self.deadline:
+        idle = now - self._last < _IDLE_GAP_S
+        if idle or now >= self.deadline:
             self.done.set()
+        if idle:
+            self.busy_s = now - self.posted
         else:
             self._last = now
             self.loop.call_soon(self._probe)
@@ -240,24 +246,32 @@ class AsyncEngine:
         max_stream_overhead: the share of the engine's time that handing outputs to the event loop may
             take (see "Under load" below); ``None`` or 0: every step's outputs are handed over at once.
 
-    The handoff: the step loop is host-bound Python, and so is the event loop's work (an SSE write per
-    stream per step, parsing new requests). Run at the same time they share the GIL badly: each socket
-    call in the event loop releases the GIL, the engine thread takes it, and the event loop waits for
-    the switch interval (5 ms) to get it back: one write or one request parsed per 5 ms while the
-    engine computes. So after a step with outputs the engine thread waits (GIL released) until each
-    event loop has handled them and has nothing left to do (new requests parsed and queued too: they
-    join the next step), for at most as long as the step took (1 ms at least). The wait costs the
-    engine no throughput (the event loop's Python work holds the GIL either way), and the bound leaves
-    the engine half of the time under any flood of HTTP work (or a blocked event loop).
+    The handoff: the engine's host work (scheduling, inputs, sampling, outputs: Python) and the event
+    loop's (an SSE write per stream per step, parsing new requests) share the GIL. Run at the same
+    time they share it badly: each socket call in the event loop releases the GIL, the engine thread
+    takes it, and the event loop waits for the switch interval (5 ms) to get it back. So after a step
+    with outputs the engine thread may wait (GIL released) until each event loop has handled them and
+    has nothing left to do (new requests parsed and queued too: they join the next step), for at most
+    as long as the step took (1 ms at least). Waiting is rationed: the waits take at most
+    ``max_stream_overhead`` of the engine's time (a credit of that share of each step's time, at most
+    one step's worth saved up). At light load every handoff waits (a new request's first token goes
+    out before the next step starts); under load the rest are posted without a wait, and the event
+    loop runs while the engine waits on the GPU (a CUDA-graph decode step is mostly that; with the
+    engine's GIL-holding eager steps the loop gets less, and the outputs coalesce, below). Before the
+    ration (2026-11-30, H200, 8B shape, 256 streams, CUDA graphs) every urgent handoff waited: the
+    server's throughput ran at 0.70-0.98 of the offline engine's, depending on how the arrivals
+    spread the requests' first and last tokens over steps.
 
     Under load: the event loop's work per handoff grows with the number of streams (one SSE write
     each through Starlette, uvicorn and h11: ~25 ms for 256 streams on the 2-core CPU-proxy machine,
-    ~100 us a write) while a step's time grows less (a 256-request decode step of an 8B model on an
-    H200: 40 ms, host-bound). When the last handoff took more than ``max_stream_overhead`` of the
-    engine's time since, outputs are held and joined per request (text, tokens, logprobs) and handed
-    over with a later step's, every few steps: the same text, in fewer, larger chunks, and the server
-    costs the engine at most that share of its throughput (5%: at 40 ms steps and a 10 ms handoff,
-    every 5 steps). A request's first output, a finished one and an abort are never held.
+    ~100 us a write) while a step's time grows less. While the event loop has not finished the last
+    handoff, or when that one kept it busy for more than ``max_stream_overhead`` of the engine's time
+    since, outputs are held and joined per request (text, tokens, logprobs) and handed over with a
+    later step's: the same text, in fewer, larger chunks. A request's first output, a finished one
+    and an abort are never held.
+
+    ``counters``: steps, seconds in steps, handoffs, seconds waited in handoffs, steps whose outputs
+    were held (for benchmarks: how much the server cost the engine).
     """
 
     def __init__(self, llm: LLM, start: bool = True, max_stream_overhead: float | None = 0.05) -> None:
@@ -278,7 +292,9 @@ class AsyncEngine:
         # how long the last handoff of all held outputs kept the engine waiting.
         self._held: dict[str, tuple[RequestStream, RequestOutput]] = {}
         self._held_steps = 0
-        self._handoff_s = 0.0
+        self._handoffs: list[_Handoff] = []  # the last handoff's, one per event loop
+        self._wait_credit = 0.0  # seconds the engine may still spend waiting on event loops
+        self.counters = dict(steps=0, step_s=0.0, handoffs=0, wait_s=0.0, held_steps=0)
         if start:
             self.start()
 
@@ -457,11 +473,18 @@ class AsyncEngine:
                 self._held[out.request_id] = (stream, out)
             else:
                 _join(held[1], out)
+        counters = self.counters
+        budget = self.max_stream_overhead
+        if outputs:
+            counters["steps"] += 1
+            counters["step_s"] += step_s
+            if budget:
+                self._wait_credit = min(self._wait_credit + budget * step_s, max(step_s, _MIN_HANDOFF_S))
         if not self._held:
             return
         self._held_steps += 1
-        budget = self.max_stream_overhead
-        if not urgent and budget and self._handoff_s > budget * step_s * self._held_steps:
+        if not urgent and budget and self._loops_behind(budget * step_s * self._held_steps):
+            counters["held_steps"] += 1
             return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for stream, out in self._held.values():
@@ -470,18 +493,34 @@ class AsyncEngine:
         self._held.clear()
         self._held_steps = 0
         start = time.perf_counter()
-        deadline = start + max(step_s, _MIN_HANDOFF_S)
+        wait_s = max(step_s, _MIN_HANDOFF_S)
+        if budget:
+            wait_s = min(wait_s, self._wait_credit)
         handoffs = []
         for loop, items in by_loop.items():
-            handoff = _Handoff(loop, deadline)
+            handoff = _Handoff(loop, start + max(step_s, _MIN_HANDOFF_S))
             try:
                 loop.call_soon_threadsafe(handoff.deliver, items)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 continue
             handoffs.append(handoff)
-        for handoff in handoffs:
-            handoff.done.wait(max(0.0, deadline - time.perf_counter()))
-        self._handoff_s = time.perf_counter() - start
+        self._handoffs = handoffs
+        counters["handoffs"] += 1
+        if wait_s > 0:
+            for handoff in handoffs:
+                handoff.done.wait(max(0.0, start + wait_s - time.perf_counter()))
+            waited = time.perf_counter() - start
+            counters["wait_s"] += waited
+            if budget:
+                self._wait_credit -= waited
+
+    def _loops_behind(self, allowed_s: float) -> bool:
+        """An event loop has not finished the last handoff, or it took more than ``allowed_s``."""
+        for handoff in self._handoffs:
+            busy = handoff.busy_s
+            if busy is None or busy > allowed_s:
+                return True
+        return False
 
     def _abort_all(self) -> None:
         for request_id, stream in list(self._streams.items()):

@@ -188,6 +188,10 @@ def test_outputs_held_under_load_are_joined_not_lost(checkpoint, llm_kwargs):
                 assert logprobs[c.index] == [pytest.approx(lp, abs=1e-4) for lp in c.logprobs]
         assert deltas[-1].finished and [c.finish_reason for c in deltas[-1].outputs] == ["length"] * sp.n
     assert engine.llm.scheduler.kv.pool.num_free_blocks == 255
+    # The budget also rations the waits for the event loop: with (almost) none, no handoff waited.
+    counters = engine.counters
+    assert counters["held_steps"] > 0 and counters["handoffs"] + counters["held_steps"] == counters["steps"]
+    assert counters["wait_s"] < 1e-3 * counters["handoffs"]
 
 
 def test_an_abort_delivers_the_held_outputs_first(checkpoint, llm_kwargs):

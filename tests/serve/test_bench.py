@@ -22,10 +22,17 @@ def test_bench_serve_code_paths_on_cpu():
             num_kv_blocks=64, block_size=4,
         )  # fmt: skip
     impls = [r["impl"] for r in records]
-    assert impls == ["offline LLM.generate", "server, unlimited rate", "server, lone request", "server, 10 req/s"]
-    offline, unlimited, lone, rated = records
+    assert impls == [
+        "offline LLM.generate", "server, unlimited rate", "server, unlimited rate", "server, lone request",
+        "server, 10 req/s",
+    ]  # fmt: skip
+    offline, unlimited, unlimited2, lone, rated = records
+    assert [unlimited["attempt"], unlimited2["attempt"]] == [0, 1]
     assert offline["output_tok_s"] > 0 and unlimited["output_tok_s"] > 0
     assert unlimited["ratio_to_offline"] == unlimited["output_tok_s"] / offline["output_tok_s"]
+    # The engine counters cover the phase: 6 requests x 5 tokens take at least 5 steps, all with outputs.
+    counters = unlimited["engine"]
+    assert counters["steps"] >= 5 and counters["step_s"] > 0 and 1 <= counters["handoffs"] <= counters["steps"]
     assert lone["requests"] == 2 and rated["requests"] == 3
     assert 0 < lone["p50_ttft_ms"] < 10_000 and 0 < rated["p50_ttft_ms"] < 10_000
     assert "server, unlimited rate" in format_table(records)
@@ -39,7 +46,7 @@ def test_bench_client_reports_a_refusal_and_goes_on():
     with fuseformer.use_backend("reference"):
         _, model = build_models(SHAPE, "cpu", torch.float32)
         llm = LLM(model, device="cpu", max_model_len=32, num_kv_blocks=64, block_size=4)
-        url, stop = _start_server(llm, "bench")
+        url, stop, _ = _start_server(llm, "bench")
         client = None
         try:
             client = _ClientProcess(url, "bench")
