@@ -384,13 +384,14 @@ def ship(cache_files: Iterable[str | Path], shipped_dir: str | Path | None = Non
     written = []
     for kernel, families in sorted(merged.items()):
         path = target / f"{kernel}.json"
-        gpus: dict[str, dict] = {}
+        data: dict[str, Any] = {"kernel": kernel}
         if path.exists():
-            gpus = json.loads(path.read_text()).get("gpus", {})
+            data = json.loads(path.read_text())  # other keys ("note") stay
+        gpus = data.setdefault("gpus", {})
         for family, table in families.items():
             gpus[family] = {**gpus.get(family, {}), **table}
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"gpus": gpus}, indent=1, sort_keys=True) + "\n")
+        path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         written.append(path)
     return written
 
