@@ -214,6 +214,7 @@ def run_serve_case(
     from fuseformer.bench.engine import build_models
     from fuseformer.engine.llm import LLM
     from fuseformer.engine.sampling_params import SamplingParams
+    from fuseformer.serve.cli import serving_process
 
     def progress(msg: str) -> None:
         print(f"bench serve: {msg}", flush=True)
@@ -230,7 +231,7 @@ def run_serve_case(
         ran at 1.33x the offline figure)."""
         return torch.randint(0, shape["vocab_size"], (count, input_len), generator=gen).tolist()
 
-    warm, prompts, light = fresh(min(8, num_requests)), fresh(num_requests), fresh(num_lone + num_rated)
+    warm, prompts, light = fresh(num_requests), fresh(num_requests), fresh(num_lone + num_rated)
     case = dict(model=shape_name, requests=num_requests, input_len=input_len, output_len=output_len, dtype=str(dtype))
     case["cuda_graphs"] = bool(llm_kwargs.get("cuda_graphs", False))
     name = "bench"
@@ -239,6 +240,8 @@ def run_serve_case(
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     records: list[Record] = []
 
+    # Warm-up on the offline run's shapes (prefill chunks, decode batches): Triton compiles and plan
+    # lookups out of the timed runs (a warm-up of 8 prompts left the offline run its 8192-token chunks).
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     sync()
     start = time.perf_counter()
@@ -253,9 +256,9 @@ def run_serve_case(
     progress(f"offline {offline_tok_s:.0f} output tok/s; starting the server")
 
     url, stop, engine = _start_server(llm, name)
-    gc.collect()
-    gc.freeze()  # as `fuseformer serve` does once the engine is built
     client = None
+    settings = serving_process()  # as `fuseformer serve` runs
+    settings.__enter__()
     try:
         client = _ClientProcess(url, name)
         for attempt in range(num_unlimited):
@@ -301,7 +304,7 @@ def run_serve_case(
         if client is not None:
             client.close()
         stop()
-        gc.unfreeze()
+        settings.__exit__(None, None, None)
         del llm
         gc.collect()
         if device.startswith("cuda"):

@@ -298,3 +298,16 @@ def test_gpu_256_concurrent_streams_at_real_layer_sizes(dtype, cuda_graphs, star
         _wait_until(lambda: read_metric(url, "fuseformer_kv_cache_usage_perc") == 0.0, 10, "KV usage 0")
         assert read_metric(url, "fuseformer_prefix_cache_hit_rate") > 0.2
         assert engine.llm.scheduler.num_preemptions > 0
+
+
+def test_serving_process_settings_are_restored():
+    import gc
+    import sys
+
+    from fuseformer.serve.cli import SWITCH_INTERVAL_S, serving_process
+
+    before = sys.getswitchinterval()
+    with serving_process():
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+        assert gc.get_freeze_count() > 0
+    assert sys.getswitchinterval() == pytest.approx(before) and gc.get_freeze_count() == 0
