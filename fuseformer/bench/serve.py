@@ -278,8 +278,10 @@ def run_serve_case(
                 f"server, unlimited rate: {tok_s:.0f} output tok/s ({tok_s / offline_tok_s:.3f} of offline); "
                 f"engine {counters}"
             )
+        engine.first_output_times.clear()
         lone = client.run("lone", light[:num_lone], output_len)
         lone_p50 = statistics.median(lone)
+        lone_times = [t for t in engine.first_output_times if "added" in t]
         records.append(
             dict(
                 bench="serve",
@@ -287,10 +289,13 @@ def run_serve_case(
                 **(case | dict(requests=len(lone))),
                 p50_ttft_ms=1e3 * lone_p50,
                 ttft_ms=[round(1e3 * t, 2) for t in lone],
+                engine_ms=_breakdown(lone_times),
             )
         )
         progress(f"lone requests: p50 TTFT {1e3 * lone_p50:.1f} ms")
+        engine.first_output_times.clear()
         rated = client.run("rated", light[num_lone:], output_len, rate)
+        rated_times = [t for t in engine.first_output_times if "added" in t]
         rated_p50 = statistics.median(rated)
         records.append(
             dict(
@@ -298,6 +303,7 @@ def run_serve_case(
                 p50_ttft_ms=1e3 * rated_p50,
                 ratio_to_lone=rated_p50 / lone_p50,
                 ttft_ms=[round(1e3 * t, 2) for t in rated],
+                engine_ms=_breakdown(rated_times),
             )
         )  # fmt: skip
     finally:
@@ -310,6 +316,25 @@ def run_serve_case(
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return records
+
+
+def _breakdown(times: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Where the engine side of the time to first token went, over requests (``RequestStream.times``):
+    median and max, ms, of: waiting to be added (the step in flight and its handoff), the step that
+    made the first token, handing it to the event loop, the event loop picking it up, and all of it
+    (the client's TTFT less this is HTTP: parsing before, the SSE write after)."""
+    parts = {
+        "wait_for_step": [t["added"] - t["queued"] for t in times],
+        "first_step": [t["step_s"] for t in times],
+        "to_handoff": [t["posted"] - t["step_end"] for t in times],
+        "to_stream": [t["pushed"] - t["posted"] for t in times],
+        "engine_total": [t["pushed"] - t["queued"] for t in times],
+    }
+    return {
+        name: dict(p50=round(1e3 * statistics.median(v), 2), max=round(1e3 * max(v), 2))
+        for name, v in parts.items()
+        if v
+    }
 
 
 def format_table(records: list[Record]) -> str:

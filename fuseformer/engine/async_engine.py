@@ -74,6 +74,11 @@ class RequestStream:
         self._waiter: asyncio.Future | None = None
         self._done_indexes: set[int] = set()  # completions that finished (engine thread only)
         self._handed_any = False  # an output was handed to the loop (engine thread only)
+        # The first output's path (time.perf_counter): "queued" (add_request called), "added" (the engine
+        # thread applied it, between steps), "step_end" and "step_s" (the step that made the first
+        # output), "posted" (handed to the event loop), "pushed" (the event loop put it in the stream).
+        # Complete records go to ``AsyncEngine.first_output_times``.
+        self.times: dict[str, float] = {}
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -149,6 +154,9 @@ class RequestStream:
             self._error = item
         else:
             self._items.append(item)
+            if "pushed" not in self.times and "posted" in self.times:
+                self.times["pushed"] = time.perf_counter()
+                self.engine.first_output_times.append(self.times)
         self._wake()
 
     def _wake(self) -> None:
@@ -295,6 +303,9 @@ class AsyncEngine:
         self._handoffs: list[_Handoff] = []  # the last handoff's, one per event loop
         self._wait_credit = 0.0  # seconds the engine may still spend waiting on event loops
         self.counters = dict(steps=0, step_s=0.0, handoffs=0, wait_s=0.0, held_steps=0)
+        # RequestStream.times of the last requests whose first output reached their stream (benchmarks:
+        # where a request's time to first token goes).
+        self.first_output_times: collections.deque[dict[str, float]] = collections.deque(maxlen=4096)
         if start:
             self.start()
 
@@ -338,6 +349,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         n = sampling_params.n if sampling_params is not None else 1
         stream = RequestStream(self, request_id, n, loop)
+        stream.times["queued"] = time.perf_counter()
         done = loop.create_future()
         self._command(_Add(request_id, prompt, sampling_params, stream, done))
         try:
@@ -418,6 +430,7 @@ class AsyncEngine:
                 try:
                     self.llm.add_request(command.request_id, command.prompt, command.params)
                     self._streams[command.request_id] = command.stream
+                    command.stream.times["added"] = time.perf_counter()
                     error = None
                 except (ValueError, TypeError) as exc:
                     error = exc
@@ -457,10 +470,13 @@ class AsyncEngine:
         one wake-up per event loop, not one per request (at 256 requests a step, 256
         ``call_soon_threadsafe`` calls cost more than the step's scheduling); then the handoff."""
         urgent = False
+        step_end = time.perf_counter()
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
+            if "step_end" not in stream.times:
+                stream.times["step_end"], stream.times["step_s"] = step_end, step_s
             for c in out.outputs:
                 if c.finished:
                     stream._done_indexes.add(c.index)
@@ -487,12 +503,14 @@ class AsyncEngine:
             counters["held_steps"] += 1
             return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        start = time.perf_counter()
         for stream, out in self._held.values():
+            if not stream._handed_any:
+                stream.times["posted"] = start
             stream._handed_any = True
             by_loop.setdefault(stream._loop, []).append((stream, out))
         self._held.clear()
         self._held_steps = 0
-        start = time.perf_counter()
         wait_s = max(step_s, _MIN_HANDOFF_S)
         if budget:
             wait_s = min(wait_s, self._wait_credit)

@@ -35,6 +35,12 @@ def test_bench_serve_code_paths_on_cpu():
     assert counters["steps"] >= 5 and counters["step_s"] > 0 and 1 <= counters["handoffs"] <= counters["steps"]
     assert lone["requests"] == 2 and rated["requests"] == 3
     assert 0 < lone["p50_ttft_ms"] < 10_000 and 0 < rated["p50_ttft_ms"] < 10_000
+    # The engine side of the TTFT: its parts are consistent and within the client's time.
+    for r in (lone, rated):
+        parts = r["engine_ms"]
+        assert set(parts) == {"wait_for_step", "first_step", "to_handoff", "to_stream", "engine_total"}
+        assert all(v["p50"] >= 0 for v in parts.values())
+        assert parts["first_step"]["p50"] <= parts["engine_total"]["p50"] <= r["p50_ttft_ms"]
     assert "server, unlimited rate" in format_table(records)
 
 
