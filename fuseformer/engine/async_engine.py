@@ -197,7 +197,7 @@ class _Handoff:
     re-schedules itself runs again at once when nothing else is ready. ``busy_s``: how long the loop
     took from the post to idleness (set when it got there, whether or not the engine waited)."""
 
-    __slots__ = ("loop", "done", "deadline", "_last", "posted", "busy_s")
+    __slots__ = ("loop", "done", "deadline", "_last", "posted", "busy_s", "superseded")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
         self.loop = loop
@@ -206,6 +206,7 @@ class _Handoff:
         self._last = 0.0
         self.posted = time.perf_counter()
         self.busy_s: float | None = None
+        self.superseded = False  # a later handoff to the same loop exists: nobody reads busy_s any more
 
     def deliver(self, items: list[tuple[RequestStream, RequestOutput]]) -> None:
         """In the loop: hand the outputs to their streams, then watch for idleness."""
@@ -221,8 +222,8 @@ class _Handoff:
             self.done.set()
         if idle:
             self.busy_s = now - self.posted
-        else:
-            self._last = now
+        elif not (self.superseded and self.done.is_set()):  # else: stop probing (a loop never idle
+            self._last = now  # would otherwise gather one probe per urgent handoff)
             self.loop.call_soon(self._probe)
 
 
@@ -522,6 +523,8 @@ class AsyncEngine:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 continue
             handoffs.append(handoff)
+        for old in self._handoffs:
+            old.superseded = True
         self._handoffs = handoffs
         counters["handoffs"] += 1
         if wait_s > 0:
