@@ -15,7 +15,8 @@ Records:
 - ``server, lone request``: p50 TTFT (client-side: connect and send -> first token chunk) of requests
   sent one at a time.
 - ``server, 1 req/s``: p50 TTFT of requests arriving once a second (Poisson arrivals would be vLLM's
-  choice; fixed 1 s gaps make runs comparable), and its ratio to the lone p50 (the bar: <= 1.1).
+  choice; fixed 1 s gaps make runs comparable), and its ratio to the lone p50 (the bar: <= 1.1); then
+  the same with ``AsyncEngine.overlap_prefill`` on (``server, 1 req/s, overlap_prefill``).
 Every phase is bounded in requests and in wall time (``_PHASE_TIMEOUT_S``)."""
 
 from __future__ import annotations
@@ -293,19 +294,24 @@ def run_serve_case(
             )
         )
         progress(f"lone requests: p50 TTFT {1e3 * lone_p50:.1f} ms")
-        engine.first_output_times.clear()
-        rated = client.run("rated", light[num_lone:], output_len, rate)
-        rated_times = [t for t in engine.first_output_times if "added" in t]
-        rated_p50 = statistics.median(rated)
-        records.append(
-            dict(
-                bench="serve", impl=f"server, {rate:g} req/s", **(case | dict(requests=len(rated))),
-                p50_ttft_ms=1e3 * rated_p50,
-                ratio_to_lone=rated_p50 / lone_p50,
-                ttft_ms=[round(1e3 * t, 2) for t in rated],
-                engine_ms=_breakdown(rated_times),
-            )
-        )  # fmt: skip
+        # At the rate: as served (no overlap), then with AsyncEngine.overlap_prefill (new requests'
+        # prefills launched behind the decode step in flight), on prompts of its own.
+        for overlap, rated_prompts in ((False, light[num_lone:]), (True, fresh(num_rated))):
+            engine.overlap_prefill = overlap
+            engine.first_output_times.clear()
+            before = engine.counters["overlapped"]
+            rated = client.run("rated", rated_prompts, output_len, rate)
+            rated_times = [t for t in engine.first_output_times if "added" in t]
+            rated_p50 = statistics.median(rated)
+            records.append(
+                dict(
+                    bench="serve", impl=f"server, {rate:g} req/s" + (", overlap_prefill" if overlap else ""),
+                    **(case | dict(requests=len(rated))), p50_ttft_ms=1e3 * rated_p50,
+                    ratio_to_lone=rated_p50 / lone_p50, ttft_ms=[round(1e3 * t, 2) for t in rated],
+                    engine_ms=_breakdown(rated_times), overlapped=engine.counters["overlapped"] - before,
+                )
+            )  # fmt: skip
+        engine.overlap_prefill = False
     finally:
         if client is not None:
             client.close()

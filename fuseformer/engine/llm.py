@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from fuseformer.engine.detokenizer import IncrementalDetokenizer
-from fuseformer.engine.model_runner import CacheConfig, ModelRunner
+from fuseformer.engine.model_runner import CacheConfig, LaunchedStep, ModelRunner
 from fuseformer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from fuseformer.engine.request import Request, RequestStatus
 from fuseformer.engine.sampling_params import SamplingParams
-from fuseformer.engine.scheduler import Scheduler, SchedulerConfig
+from fuseformer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from fuseformer.models.config import ModelConfig
 from fuseformer.models.llama import LlamaForCausalLM
 from fuseformer.models.loader import load_model
@@ -66,6 +66,26 @@ class _Group:
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences)
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """A launched step (``LLM.launch_step``): what was scheduled and the runner's enqueued work."""
+
+    scheduler_output: SchedulerOutput
+    launched: LaunchedStep
+
+    @property
+    def ready(self) -> bool:
+        """Its device work has finished (``finish_step`` will not wait)."""
+        return self.launched.ready()
+
+    @property
+    def overlappable(self) -> bool:
+        """A decode step replayed from a CUDA graph that preempted nothing: while it runs on the device,
+        a new request's prefill may be launched behind it (its memory is the graph pool's, and the
+        blocks were not short)."""
+        return self.launched.graphed and not self.scheduler_output.preempted_request_ids
 
 
 def _resolve_dtype(dtype: str | torch.dtype, checkpoint: torch.dtype | None) -> torch.dtype:
@@ -313,12 +333,27 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def has_waiting_requests(self) -> bool:
+        """Requests added (or preempted) and not yet running."""
+        return bool(self.scheduler.waiting)
+
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns, per prompt whose completions changed, a delta RequestOutput: each
         of its ``outputs`` holds the text and tokens that completion gained in this step."""
+        return self.finish_step(self.launch_step())
+
+    def launch_step(self, admit_only: bool = False) -> StepHandle:
+        """The first half of ``step``: schedule and enqueue the device work, without waiting for it.
+        ``admit_only``: waiting requests only (``Scheduler.schedule``), for a step launched while
+        another is in flight; finish the steps in launch order."""
+        scheduler_output = self.scheduler.schedule(admit_only=admit_only)
+        return StepHandle(scheduler_output, self.runner.launch(scheduler_output))
+
+    def finish_step(self, handle: StepHandle) -> list[RequestOutput]:
+        """The second half of ``step``: wait for the launched step and return its deltas."""
         sched = self.scheduler
-        scheduler_output = sched.schedule()
-        result = self.runner.execute(scheduler_output)
+        scheduler_output = handle.scheduler_output
+        result = self.runner.collect(handle.launched)
         updates = sched.update_from_output(scheduler_output, result.sampled_token_ids, result.logprobs)
         now = time.time()
         deltas: dict[str, RequestOutput] = {}

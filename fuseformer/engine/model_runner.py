@@ -67,6 +67,23 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[dict[int, float]]] | None = None
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose device work is enqueued (``ModelRunner.launch``): the requests that sample, their
+    parameters, the sampler's device output (None when nothing samples), a CUDA event recorded after
+    it (None off CUDA: the work is done already), and whether the forward replayed a decode graph."""
+
+    requests: list
+    params: list
+    output: object | None
+    done: torch.cuda.Event | None
+    graphed: bool
+
+    def ready(self) -> bool:
+        """The device work has finished (always, off CUDA)."""
+        return self.done is None or self.done.query()
+
+
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """The decode batch sizes captured as CUDA graphs, vLLM's pattern: 1, 2, 4, every multiple of 8
     up to 256, then every multiple of 16, and ``max_batch`` itself. A step of n decodes replays the
@@ -403,17 +420,25 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(scheduler_output)
         return self.model(input_ids, positions, meta), sample_rows
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; sample a token for each request whose ``sample`` is set."""
+        return self.collect(self.launch(scheduler_output))
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Enqueue the step's forward and sampling on the device and return without waiting for them
+        (``collect`` waits and reads the sampled tokens). Between the two, the host is free: the engine
+        can launch a new request's prefill behind a decode step in flight (``AsyncEngine``)."""
         for rid in scheduler_output.finished_request_ids:
             self.generators.pop(rid, None)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput({})
+            return LaunchedStep([], [], None, None, False)
+        graphs = self.decode_graphs
+        graphed = bool(graphs is not None and graphs.use_graphs and graphs.padded_size(scheduler_output.scheduled))
         hidden, sample_rows = self.forward(scheduler_output)
         sampling = [s.request for s in scheduler_output.scheduled if s.sample]
         if not sampling:
-            return ModelRunnerOutput({})
+            return LaunchedStep([], [], None, None, graphed)
         logits = self.model.compute_logits(hidden, torch.tensor(sample_rows, device=self.device))
         params = [r.sampling_params for r in sampling]
         generators = [
@@ -428,6 +453,19 @@ class ModelRunner:
             generators=generators,
         )
         out = sample(logits, md)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(sampling, params, out, done, graphed)
+
+    @staticmethod
+    def collect(step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step and read its sampled tokens (and logprobs)."""
+        out = step.output
+        if out is None:
+            return ModelRunnerOutput({})
+        sampling, params = step.requests, step.params
         ids = out.sampled_token_ids.tolist()
         sampled = {r.request_id: [t] for r, t in zip(sampling, ids)}
         if out.logprobs is None:

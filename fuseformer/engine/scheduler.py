@@ -203,14 +203,21 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, admit_only: bool = False) -> SchedulerOutput:
+        """The next step: running requests first (preempting the newest when blocks run out), then
+        waiting ones while the token budget, ``max_num_seqs`` and the blocks allow.
+
+        ``admit_only``: waiting requests only, nothing preempted. For a step launched while another
+        step is in flight (its running requests' tokens are not known yet): the in-flight step's
+        requests are left alone, and ``update_from_output`` of the two outputs may come in launch order.
+        """
         cfg = self.config
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         budget = cfg.max_num_batched_tokens
 
         # Running requests first, oldest first; preempt from the newest end when blocks run out.
-        i = 0
+        i = len(self.running) if admit_only else 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)

@@ -24,9 +24,10 @@ def test_bench_serve_code_paths_on_cpu():
     impls = [r["impl"] for r in records]
     assert impls == [
         "offline LLM.generate", "server, unlimited rate", "server, unlimited rate", "server, lone request",
-        "server, 10 req/s",
+        "server, 10 req/s", "server, 10 req/s, overlap_prefill",
     ]  # fmt: skip
-    offline, unlimited, unlimited2, lone, rated = records
+    offline, unlimited, unlimited2, lone, rated, overlapped = records
+    assert overlapped["requests"] == 3 and overlapped["overlapped"] == 0  # no CUDA graphs: nothing to overlap
     assert [unlimited["attempt"], unlimited2["attempt"]] == [0, 1]
     assert offline["output_tok_s"] > 0 and unlimited["output_tok_s"] > 0
     assert unlimited["ratio_to_offline"] == unlimited["output_tok_s"] / offline["output_tok_s"]
