@@ -22,6 +22,7 @@ Every phase is bounded in requests and in wall time (``_PHASE_TIMEOUT_S``)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import multiprocessing
@@ -40,13 +41,15 @@ Record = dict[str, Any]
 _PHASE_TIMEOUT_S = 300.0
 
 
-def _start_server(llm, model_name: str):
+def _start_server(llm_or_engine, model_name: str):
+    """Serve an LLM (on an AsyncEngine) or an engine on a loopback port: (url, stop, engine)."""
     import uvicorn
 
     from fuseformer.engine.async_engine import AsyncEngine
+    from fuseformer.engine.llm import LLM
     from fuseformer.serve.app import create_app
 
-    engine = AsyncEngine(llm, start=False)
+    engine = AsyncEngine(llm_or_engine, start=False) if isinstance(llm_or_engine, LLM) else llm_or_engine
     app = create_app(engine, model_name)
     # IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (as
     # uvicorn's own, made by getaddrinfo, do). Without it Nagle held a response's first token chunk
@@ -207,15 +210,17 @@ def run_serve_case(
     shape_name: str = "custom",
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
+    engines: tuple[str, ...] = ("thread",),
     **llm_kwargs: Any,
 ) -> list[Record]:
     """Offline vs server throughput on ``num_requests`` x (input_len, output_len), the server's run
     ``num_unlimited`` times (each a record: the ratio depends on how arrivals fall on steps); p50 TTFT
-    of ``num_rated`` requests at ``rate`` req/s vs ``num_lone`` lone ones (same lengths)."""
+    of ``num_rated`` requests at ``rate`` req/s vs ``num_lone`` lone ones (same lengths). ``engines``:
+    "thread" (``AsyncEngine`` in this process, as ``fuseformer serve`` runs by default) and/or "process"
+    (``ProcessEngine``, ``fuseformer serve --engine-process``), each through the same phases."""
     from fuseformer.bench.engine import build_models
     from fuseformer.engine.llm import LLM
     from fuseformer.engine.sampling_params import SamplingParams
-    from fuseformer.serve.cli import serving_process
 
     def progress(msg: str) -> None:
         print(f"bench serve: {msg}", flush=True)
@@ -255,72 +260,124 @@ def run_serve_case(
         dict(bench="serve", impl="offline LLM.generate", **case, seconds=offline_s, output_tok_s=offline_tok_s)
     )
     progress(f"offline {offline_tok_s:.0f} output tok/s; starting the server")
+    spec = dict(
+        requests=num_requests, output_len=output_len, lone=num_lone, rated=num_rated, rate=rate, unlimited=num_unlimited
+    )
 
-    url, stop, engine = _start_server(llm, name)
-    client = None
-    settings = serving_process()  # as `fuseformer serve` runs
-    settings.__enter__()
+    stop = None
     try:
-        client = _ClientProcess(url, name)
-        for attempt in range(num_unlimited):
-            before = dict(engine.counters)
-            seconds = client.run("unlimited", fresh(num_requests), output_len)
-            tok_s = num_requests * output_len / seconds
-            # What the server cost the engine: its steps, the time in them, the handoffs to the event loop
-            # and the time the engine waited in them, the steps whose outputs were held back.
-            counters = {k: round(v - before[k], 4) for k, v in engine.counters.items()}
-            records.append(
-                dict(
-                    bench="serve", impl="server, unlimited rate", **case, attempt=attempt, seconds=seconds,
-                    output_tok_s=tok_s, ratio_to_offline=tok_s / offline_tok_s, engine=counters,
-                )
-            )  # fmt: skip
-            progress(
-                f"server, unlimited rate: {tok_s:.0f} output tok/s ({tok_s / offline_tok_s:.3f} of offline); "
-                f"engine {counters}"
-            )
-        engine.first_output_times.clear()
-        lone = client.run("lone", light[:num_lone], output_len)
-        lone_p50 = statistics.median(lone)
-        lone_times = [t for t in engine.first_output_times if "added" in t]
-        records.append(
-            dict(
-                bench="serve",
-                impl="server, lone request",
-                **(case | dict(requests=len(lone))),
-                p50_ttft_ms=1e3 * lone_p50,
-                ttft_ms=[round(1e3 * t, 2) for t in lone],
-                engine_ms=_breakdown(lone_times),
-            )
-        )
-        progress(f"lone requests: p50 TTFT {1e3 * lone_p50:.1f} ms")
-        # At the rate: as served (no overlap), then with AsyncEngine.overlap_prefill (new requests'
-        # prefills launched behind the decode step in flight), on prompts of its own.
-        for overlap, rated_prompts in ((False, light[num_lone:]), (True, fresh(num_rated))):
-            engine.overlap_prefill = overlap
-            engine.first_output_times.clear()
-            before = engine.counters["overlapped"]
-            rated = client.run("rated", rated_prompts, output_len, rate)
-            rated_times = [t for t in engine.first_output_times if "added" in t]
-            rated_p50 = statistics.median(rated)
-            records.append(
-                dict(
-                    bench="serve", impl=f"server, {rate:g} req/s" + (", overlap_prefill" if overlap else ""),
-                    **(case | dict(requests=len(rated))), p50_ttft_ms=1e3 * rated_p50,
-                    ratio_to_lone=rated_p50 / lone_p50, ttft_ms=[round(1e3 * t, 2) for t in rated],
-                    engine_ms=_breakdown(rated_times), overlapped=engine.counters["overlapped"] - before,
-                )
-            )  # fmt: skip
-        engine.overlap_prefill = False
+        url, stop, engine = _start_server(llm, name)
+        records += _server_phases(url, engine, "server", case, offline_tok_s, fresh, light, spec, progress)
     finally:
-        if client is not None:
-            client.close()
-        stop()
-        settings.__exit__(None, None, None)
-        del llm
+        if stop is not None:
+            stop()
+        engine = llm = ours = outs = None
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+    if "process" in engines:
+        # The same server on an engine in a process of its own (ProcessEngine), which builds the same
+        # model (random weights, the same shape and settings) once this process's is freed.
+        from fuseformer.engine.process_engine import ProcessEngine
+
+        progress("starting the engine process ...")
+        factory = functools.partial(
+            _bench_llm, shape, device, dtype, dict(max_model_len=input_len + output_len, **llm_kwargs)
+        )
+        engine = ProcessEngine(factory)
+        stop = None
+        try:
+            url, stop, _ = _start_server(engine, name)
+            records += _server_phases(url, engine, "process engine", case, offline_tok_s, fresh, light, spec, progress)
+        finally:
+            if stop is not None:
+                stop()  # the app's lifespan shuts the engine (and its process) down
+    return records
+
+
+def _bench_llm(shape: dict, device: str, dtype: torch.dtype, llm_kwargs: dict):
+    """The bench's LLM, built in an engine process (``ProcessEngine``'s factory)."""
+    from fuseformer.bench.engine import build_models
+    from fuseformer.engine.llm import LLM
+
+    torch.manual_seed(0)
+    hf, ours = build_models(shape, device, dtype)
+    del hf
+    gc.collect()
+    return LLM(ours, device=device, **llm_kwargs)
+
+
+def _server_phases(url, engine, label, case, offline_tok_s, fresh, light, spec, progress) -> list[Record]:
+    """The server phases against one engine: unlimited rate (``spec["unlimited"]`` times), lone
+    requests, then requests at ``spec["rate"]`` (and again with ``overlap_prefill`` where the engine
+    has it). ``label`` starts each record's impl ("server", "process engine")."""
+    from fuseformer.serve.cli import serving_process
+
+    num_requests, output_len, num_lone, num_rated, rate = (
+        spec[k] for k in ("requests", "output_len", "lone", "rated", "rate")
+    )
+    records: list[Record] = []
+    client = None
+    with serving_process():  # as `fuseformer serve` runs
+        try:
+            client = _ClientProcess(url, "bench")
+            for attempt in range(spec["unlimited"]):
+                before = dict(engine.counters)
+                seconds = client.run("unlimited", fresh(num_requests), output_len)
+                tok_s = num_requests * output_len / seconds
+                # What the server cost the engine: its steps, the time in them, the handoffs to the event
+                # loop and the time the engine waited in them, the steps whose outputs were held back.
+                counters = {k: round(v - before[k], 4) for k, v in engine.counters.items()}
+                records.append(
+                    dict(
+                        bench="serve", impl=f"{label}, unlimited rate", **case, attempt=attempt, seconds=seconds,
+                        output_tok_s=tok_s, ratio_to_offline=tok_s / offline_tok_s, engine=counters,
+                    )
+                )  # fmt: skip
+                progress(
+                    f"{label}, unlimited rate: {tok_s:.0f} output tok/s ({tok_s / offline_tok_s:.3f} of offline); "
+                    f"engine {counters}"
+                )
+            engine.first_output_times.clear()
+            lone = client.run("lone", light[:num_lone], output_len)
+            lone_p50 = statistics.median(lone)
+            lone_times = [t for t in engine.first_output_times if "added" in t]
+            record = dict(
+                bench="serve", impl=f"{label}, lone request", **(case | dict(requests=len(lone))),
+                p50_ttft_ms=1e3 * lone_p50, ttft_ms=[round(1e3 * t, 2) for t in lone],
+            )  # fmt: skip
+            if lone_times:
+                record["engine_ms"] = _breakdown(lone_times)
+            records.append(record)
+            progress(f"{label}, lone requests: p50 TTFT {1e3 * lone_p50:.1f} ms")
+            # At the rate: as served (no overlap), then with AsyncEngine.overlap_prefill (new requests'
+            # prefills launched behind the decode step in flight), on prompts of its own.
+            overlaps = ((False, light[num_lone:]), (True, fresh(num_rated)))
+            if not hasattr(engine, "overlap_prefill"):
+                overlaps = overlaps[:1]
+            for overlap, rated_prompts in overlaps:
+                if overlap:
+                    engine.overlap_prefill = True
+                engine.first_output_times.clear()
+                before = engine.counters.get("overlapped", 0)
+                rated = client.run("rated", rated_prompts, output_len, rate)
+                rated_times = [t for t in engine.first_output_times if "added" in t]
+                rated_p50 = statistics.median(rated)
+                record = dict(
+                    bench="serve", impl=f"{label}, {rate:g} req/s" + (", overlap_prefill" if overlap else ""),
+                    **(case | dict(requests=len(rated))), p50_ttft_ms=1e3 * rated_p50,
+                    ratio_to_lone=rated_p50 / lone_p50, ttft_ms=[round(1e3 * t, 2) for t in rated],
+                )  # fmt: skip
+                if rated_times:
+                    record["engine_ms"] = _breakdown(rated_times)
+                if hasattr(engine, "overlap_prefill"):
+                    record["overlapped"] = engine.counters["overlapped"] - before
+                records.append(record)
+                if overlap:
+                    engine.overlap_prefill = False
+        finally:
+            if client is not None:
+                client.close()
     return records
 
 
@@ -357,6 +414,7 @@ def bench_serve(quick: bool = False, cuda_graphs: bool | None = None) -> list[Re
     """Issue 6's measurement on a CUDA GPU: 256 requests x (256 in, 256 out) at the Llama-3-8B shape,
     then 30 lone requests and 30 at 1 req/s; ``quick``: the Llama-3.2-1B shape, 64 requests, 4 + 8.
 
+    ``FUSEFORMER_BENCH_SERVE_ENGINES`` (default "thread,process"): which engines serve (``run_serve_case``).
     ``cuda_graphs`` (default: ``FUSEFORMER_BENCH_CUDA_GRAPHS``, "1" unless set to "0"): the engine
     replays decode steps as CUDA graphs in both the offline and the server runs, as
     ``fuseformer serve --cuda-graphs`` does; at light load a decode step is then short, so a new
@@ -367,8 +425,10 @@ def bench_serve(quick: bool = False, cuda_graphs: bool | None = None) -> list[Re
         cuda_graphs = os.environ.get("FUSEFORMER_BENCH_CUDA_GRAPHS", "1") != "0"
     name = "llama3.2-1b" if quick else "llama3-8b"
     n, lone, rated = (64, 4, 8) if quick else (256, 30, 30)
+    engines = tuple(e for e in os.environ.get("FUSEFORMER_BENCH_SERVE_ENGINES", "thread,process").split(",") if e)
     records = run_serve_case(
-        SHAPES[name], n, 256, 256, num_lone=lone, num_rated=rated, shape_name=name, cuda_graphs=cuda_graphs
-    )
+        SHAPES[name], n, 256, 256, num_lone=lone, num_rated=rated, shape_name=name, cuda_graphs=cuda_graphs,
+        engines=engines,
+    )  # fmt: skip
     print(format_table(records))
     return records

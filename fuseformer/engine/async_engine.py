@@ -374,6 +374,10 @@ class AsyncEngine:
             raise
         return stream
 
+    def default_sampling_params(self) -> SamplingParams:
+        """The model's defaults (generation_config.json) for requests that leave a parameter unset."""
+        return self.llm.get_default_sampling_params()
+
     def abort(self, request_id: str) -> None:
         """Abort a request: it is removed and its blocks freed before the next step. Safe from any thread."""
         self._command(("abort", request_id))

@@ -87,7 +87,7 @@ class _Server:
 
     def default_params(self) -> SamplingParams:
         if self._default_params is None:
-            self._default_params = self.engine.llm.get_default_sampling_params()  # reads config only
+            self._default_params = self.engine.default_sampling_params()  # reads config only
         return self._default_params
 
     # ---- checks ----------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import signal
 import sys
@@ -53,6 +54,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         action="store_true",
         help="launch a new request's prefill behind the CUDA-graph decode step in flight instead of after it "
         "(lower time to first token under load; experimental: not yet measured on a GPU)",
+    )
+    p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine in a process of its own (no GIL shared with the HTTP server; "
+        "experimental: not yet measured on a GPU)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     p.add_argument(
@@ -131,27 +138,37 @@ def run_serve(args: argparse.Namespace) -> int:
     from fuseformer.engine.llm import LLM
     from fuseformer.serve.app import create_app
 
-    try:
-        llm = LLM(
-            model,
-            dtype=args.dtype,
-            device=args.device,
-            max_model_len=args.max_model_len,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=not args.no_prefix_caching,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            num_kv_blocks=args.num_kv_blocks,
-            block_size=args.block_size,
-            seed=args.seed,
-            cuda_graphs=_use_cuda_graphs(args),
-        )
-    except (FileNotFoundError, ValueError) as exc:
-        return _error(str(exc), 1)
-    name = args.served_model_name or Path(model).resolve().name
-    engine = AsyncEngine(
-        llm, start=False, max_stream_overhead=args.max_stream_overhead, overlap_prefill=args.overlap_prefill
+    llm_kwargs = dict(
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        seed=args.seed,
+        cuda_graphs=_use_cuda_graphs(args),
     )
+    name = args.served_model_name or Path(model).resolve().name
+    if args.engine_process:
+        if args.overlap_prefill:
+            return _error("--overlap-prefill does not work with --engine-process yet", 2)
+        from fuseformer.engine.process_engine import ProcessEngine
+
+        try:
+            engine = ProcessEngine(functools.partial(LLM, model, **llm_kwargs))
+        except RuntimeError as exc:
+            return _error(str(exc), 1)
+    else:
+        try:
+            llm = LLM(model, **llm_kwargs)
+        except (FileNotFoundError, ValueError) as exc:
+            return _error(str(exc), 1)
+        engine = AsyncEngine(
+            llm, start=False, max_stream_overhead=args.max_stream_overhead, overlap_prefill=args.overlap_prefill
+        )
     app = create_app(engine, name, api_key=args.api_key)
     config = uvicorn.Config(
         app,

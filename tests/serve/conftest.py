@@ -17,6 +17,7 @@ import transformers
 import fuseformer
 from fuseformer.engine.async_engine import AsyncEngine
 from fuseformer.engine.llm import LLM
+from fuseformer.engine.process_engine import ProcessEngine
 from fuseformer.testing import save_tiny_tokenizer
 
 CORPUS = [
@@ -61,14 +62,17 @@ def checkpoint(tmp_path_factory):
 @contextlib.contextmanager
 def running_server(checkpoint, api_key=None, timeout=120.0, backend="reference", **llm_kwargs):
     """Yield (base URL, AsyncEngine) of a server on 127.0.0.1 (a free port), stopped on exit.
-    ``checkpoint``: a model directory, or an LLM to serve as it is."""
+    ``checkpoint``: a model directory, an LLM to serve as it is, or an engine (a ProcessEngine)."""
     import uvicorn
 
     from fuseformer.serve.app import create_app
 
     with fuseformer.use_backend(backend):
-        llm = checkpoint if isinstance(checkpoint, LLM) else LLM(checkpoint, **(LLM_KWARGS | llm_kwargs))
-        engine = AsyncEngine(llm, start=False)
+        if isinstance(checkpoint, ProcessEngine):
+            engine = checkpoint
+        else:
+            llm = checkpoint if isinstance(checkpoint, LLM) else LLM(checkpoint, **(LLM_KWARGS | llm_kwargs))
+            engine = AsyncEngine(llm, start=False)
         app = create_app(engine, MODEL, api_key=api_key)
         # IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (uvicorn's own do);
         # without it a reused connection's first chunk waits ~40 ms for the client's delayed ACK.

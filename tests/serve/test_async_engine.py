@@ -262,12 +262,22 @@ def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwar
     from fuseformer.engine.llm import StepHandle
 
     monkeypatch.setattr(StepHandle, "overlappable", property(lambda self: bool(self.scheduler_output.scheduled)))
-    launched_at: dict[int, float] = {}
+    launched_at: dict[int, float] = {}  # id(handle) -> launch time, while the handle is unfinished
+    launch, finish = LLM.launch_step, LLM.finish_step
 
-    def ready(self):  # "in flight" for 20 ms after launch
-        return time.perf_counter() - launched_at.setdefault(id(self), time.perf_counter()) > 0.02
+    def timed_launch(self, admit_only=False):
+        handle = launch(self, admit_only)
+        launched_at[id(handle)] = time.perf_counter()
+        return handle
 
-    monkeypatch.setattr(StepHandle, "ready", property(ready))
+    def timed_finish(self, handle):
+        launched_at.pop(id(handle), None)
+        return finish(self, handle)
+
+    monkeypatch.setattr(LLM, "launch_step", timed_launch)
+    monkeypatch.setattr(LLM, "finish_step", timed_finish)
+    # "In flight" for 50 ms after launch: requests arriving every 30 ms land in a step's window.
+    monkeypatch.setattr(StepHandle, "ready", property(lambda self: time.perf_counter() - launched_at[id(self)] > 0.05))
     prompts = ["Hello world", "The quick brown fox", "Say hello", "Once upon"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with fuseformer.use_backend("reference"):

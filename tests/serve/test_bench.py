@@ -13,20 +13,26 @@ SHAPE = dict(
 )  # fmt: skip
 
 
-def test_bench_serve_code_paths_on_cpu():
+def test_bench_serve_code_paths_on_cpu(monkeypatch):
     from fuseformer.bench.serve import format_table, run_serve_case
 
+    monkeypatch.setenv("FUSEFORMER_BACKEND", "reference")  # the engine process's backend
     with fuseformer.use_backend("reference"):
         records = run_serve_case(
             SHAPE, 6, 8, 5, num_lone=2, num_rated=3, rate=10.0, device="cpu", dtype=torch.float32,
-            num_kv_blocks=64, block_size=4,
+            num_kv_blocks=64, block_size=4, engines=("thread", "process"),
         )  # fmt: skip
     impls = [r["impl"] for r in records]
     assert impls == [
         "offline LLM.generate", "server, unlimited rate", "server, unlimited rate", "server, lone request",
         "server, 10 req/s", "server, 10 req/s, overlap_prefill",
+        "process engine, unlimited rate", "process engine, unlimited rate", "process engine, lone request",
+        "process engine, 10 req/s",
     ]  # fmt: skip
-    offline, unlimited, unlimited2, lone, rated, overlapped = records
+    offline, unlimited, unlimited2, lone, rated, overlapped = records[:6]
+    p_unlimited, _, p_lone, p_rated = records[6:]
+    assert p_unlimited["output_tok_s"] > 0 and p_unlimited["engine"]["steps"] >= 5
+    assert 0 < p_lone["p50_ttft_ms"] < 10_000 and p_rated["requests"] == 3
     assert overlapped["requests"] == 3 and overlapped["overlapped"] == 0  # no CUDA graphs: nothing to overlap
     assert [unlimited["attempt"], unlimited2["attempt"]] == [0, 1]
     assert offline["output_tok_s"] > 0 and unlimited["output_tok_s"] > 0

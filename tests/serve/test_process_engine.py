@@ -1,0 +1,134 @@
+"""ProcessEngine: the engine in a child process (spawned; models on their PyTorch references through
+FUSEFORMER_BACKEND, which the child inherits). Streams hold what LLM.generate returns; bad input
+raises at add_request; closing a stream aborts its request and frees its blocks; shutdown aborts what
+is still running; a child that cannot build its engine fails start(); the HTTP server runs on it."""
+
+import asyncio
+import functools
+
+import httpx
+import pytest
+
+import fuseformer
+from fuseformer.engine.async_engine import EngineShutdownError
+from fuseformer.engine.llm import LLM
+from fuseformer.engine.process_engine import ProcessEngine
+from fuseformer.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _run(coro, timeout=120):
+    async def bounded():
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+async def _collect(stream):
+    tokens, texts, finishes, count = {}, {}, {}, 0
+    async for out in stream:
+        count += 1
+        for c in out.outputs:
+            tokens[c.index] = tokens.get(c.index, []) + c.token_ids
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                finishes[c.index] = c.finish_reason
+    return tokens, texts, finishes, count
+
+
+@pytest.fixture
+def engine(checkpoint, llm_kwargs, monkeypatch):
+    monkeypatch.setenv("FUSEFORMER_BACKEND", "reference")
+    eng = ProcessEngine(functools.partial(LLM, str(checkpoint), **llm_kwargs))
+    yield eng
+    if eng.is_running:
+        _run(eng.shutdown())
+
+
+def test_streams_hold_what_generate_returns(engine, checkpoint, llm_kwargs):
+    prompts = ["Hello world", "The quick brown fox", "Say hello"]
+    params = [GREEDY, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=7, ignore_eos=True), GREEDY]
+    with fuseformer.use_backend("reference"):
+        expected = LLM(checkpoint, **llm_kwargs).generate(prompts, params, use_tqdm=False)
+    assert engine.tokenizer is not None and engine.max_model_len == llm_kwargs["max_model_len"]
+
+    async def main():
+        streams = [await engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        return await asyncio.gather(*(_collect(s) for s in streams))
+
+    results = _run(main())
+    for (tokens, texts, finishes, count), out in zip(results, expected):
+        assert count > 1  # streamed in steps
+        assert [tokens[c.index] for c in out.outputs] == [c.token_ids for c in out.outputs]
+        assert [texts[c.index] for c in out.outputs] == [c.text for c in out.outputs]
+        assert [finishes[c.index] for c in out.outputs] == ["length"] * len(out.outputs)
+    assert engine.counters["steps"] > 0 and engine.get_stats().kv_cache_usage == 0.0
+
+
+def test_bad_input_raises_and_the_engine_goes_on(engine):
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.add_request("long", list(range(1, 100)), GREEDY)
+        with pytest.raises(ValueError, match="already running"):
+            s = await engine.add_request("dup", "Hello", SamplingParams(max_tokens=30, ignore_eos=True))
+            await engine.add_request("dup", "Hello", GREEDY)
+        s.close()
+        return await _collect(await engine.add_request("ok", "Hello world", GREEDY))
+
+    tokens, _, finishes, _ = _run(main())
+    assert len(tokens[0]) == 10 and finishes == {0: "length"}
+
+
+def test_closing_a_stream_aborts_and_frees_its_blocks(engine):
+    long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+
+    async def main():
+        stream = await engine.add_request("r", "Hello world", long)
+        async for out in stream:
+            assert out.outputs[0].token_ids
+            break  # leaves after the first delta: closes the stream
+        for _ in range(500):
+            if engine.get_stats().kv_cache_usage == 0.0 and engine.num_unfinished_requests == 0:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert _run(main())
+
+
+def test_shutdown_aborts_what_runs_and_refuses_new_requests(engine):
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+    async def main():
+        stream = await engine.add_request("r", "Hello world", long)
+        await stream.get_batch()
+        await engine.shutdown(0.0)
+        rest = []
+        while batch := await stream.get_batch():
+            rest += batch
+        with pytest.raises(EngineShutdownError):
+            await engine.add_request("late", "Hello", GREEDY)
+        return rest
+
+    rest = _run(main())
+    assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
+    assert not engine.is_running
+
+
+def test_a_child_that_cannot_build_fails_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEFORMER_BACKEND", "reference")
+    with pytest.raises(RuntimeError, match="building the engine failed"):
+        ProcessEngine(functools.partial(LLM, str(tmp_path / "missing"), device="cpu"))
+
+
+def test_the_server_runs_on_a_process_engine(engine, start_server):
+    body = dict(model="tiny-llama", prompt="Hello world", max_tokens=6, temperature=0, ignore_eos=True)
+    with start_server(engine) as (url, _):
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+        streamed = httpx.post(f"{url}/v1/completions", json=body | dict(stream=True), timeout=60)
+        assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+        bad = httpx.post(f"{url}/v1/completions", json=body | dict(prompt="x " * 200), timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+        assert httpx.get(f"{url}/health").status_code == 200
