@@ -440,27 +440,19 @@ class AsyncEngine:
     def _overlapped_step(self) -> list[RequestOutput]:
         """``LLM.step``, with new requests' prefill launched behind a graph-replayed decode step in
         flight (``overlap_prefill``): their outputs follow the decode step's."""
-        llm = self.llm
-        handle = llm.launch_step()
-        admitted = None
-        if handle.overlappable:
-            while not handle.ready:
-                with self._wake:
-                    if not self._commands and not self._stop:
-                        self._wake.wait(_POLL_S)
-                    commands = list(self._commands)
-                    self._commands.clear()
-                if not commands:
-                    continue
-                for command in commands:
-                    self._apply(command)
-                if llm.has_waiting_requests():
-                    admitted = llm.launch_step(admit_only=True)
-                    self.counters["overlapped"] += 1
-                break
-        outputs = llm.finish_step(handle)
-        if admitted is not None:
-            outputs += llm.finish_step(admitted)
+
+        def arrivals(timeout: float) -> bool:
+            with self._wake:
+                if not self._commands and not self._stop:
+                    self._wake.wait(timeout)
+                commands = list(self._commands)
+                self._commands.clear()
+            for command in commands:
+                self._apply(command)
+            return bool(commands)
+
+        outputs, early = self.llm.step_with_arrivals(arrivals, _POLL_S)
+        self.counters["overlapped"] += early
         return outputs
 
     def _apply(self, command: _Add | tuple[str, str]) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -341,6 +341,27 @@ class LLM:
         """One engine step. Returns, per prompt whose completions changed, a delta RequestOutput: each
         of its ``outputs`` holds the text and tokens that completion gained in this step."""
         return self.finish_step(self.launch_step())
+
+    def step_with_arrivals(
+        self, arrivals: Callable[[float], bool], poll_s: float = 2e-4
+    ) -> tuple[list[RequestOutput], bool]:
+        """``step``, letting requests that arrive meanwhile start early: while a CUDA-graph decode step
+        runs on the device (``StepHandle.overlappable``), call ``arrivals(poll_s)``, which waits up to
+        ``poll_s`` seconds for new requests, adds them (``add_request``) and says whether any came; the
+        first that do get their prefill launched at once, behind the decode step in the device's queue.
+        Returns (the deltas of both steps, in launch order; whether a prefill was launched early)."""
+        handle = self.launch_step()
+        admitted = None
+        if handle.overlappable:
+            while not handle.ready:
+                if arrivals(poll_s):
+                    if self.has_waiting_requests():
+                        admitted = self.launch_step(admit_only=True)
+                    break
+        outputs = self.finish_step(handle)
+        if admitted is not None:
+            outputs += self.finish_step(admitted)
+        return outputs, admitted is not None
 
     def launch_step(self, admit_only: bool = False) -> StepHandle:
         """The first half of ``step``: schedule and enqueue the device work, without waiting for it.

@@ -62,7 +62,7 @@ def _unpack(packed: tuple) -> RequestOutput:
     return RequestOutput(request_id=rid, prompt=None, prompt_token_ids=[], outputs=outputs, finished=finished)
 
 
-def _child_main(commands, results, factory: Callable[[], Any]) -> None:
+def _child_main(commands, results, factory: Callable[[], Any], overlap_prefill: bool = False) -> None:
     """The engine process: build the LLM, then step it, applying commands between steps."""
     outbox: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -87,51 +87,63 @@ def _child_main(commands, results, factory: Callable[[], Any]) -> None:
         stats=llm.scheduler.get_stats(),
     )))  # fmt: skip
     live: set[str] = set()
-    deadline = None  # set by "stop": running requests finish until then, the rest are aborted
+    state = dict(deadline=None)  # "stop" sets it: running requests finish until then, the rest are aborted
+
+    def apply_commands(timeout: float | None) -> bool:
+        """Wait up to ``timeout`` (None: until one comes) for commands and apply all that came."""
+        if not commands.poll(timeout):
+            return False
+        while True:
+            try:
+                msg = commands.recv()
+            except EOFError:  # the parent is gone: stop
+                state["deadline"] = time.monotonic()
+                return True
+            kind = msg[0]
+            if kind == "add":
+                _, rid, prompt, params = msg
+                try:
+                    llm.add_request(rid, prompt, params)
+                except (ValueError, TypeError) as exc:
+                    outbox.put(("added", rid, (type(exc).__name__, str(exc))))
+                else:
+                    live.add(rid)
+                    outbox.put(("added", rid, None))
+            elif kind == "abort":
+                if msg[1] in live:
+                    live.discard(msg[1])
+                    llm.abort(msg[1])
+                    outbox.put(("aborted", msg[1], llm.scheduler.get_stats()))
+            elif kind == "stop":
+                state["deadline"] = time.monotonic() + msg[1]
+            if not commands.poll(0):
+                return True
+
     try:
         while True:
             idle = not llm.has_unfinished_requests()
+            deadline = state["deadline"]
             if deadline is not None and (idle or time.monotonic() >= deadline):
                 for rid in sorted(live):
                     llm.abort(rid)
                     outbox.put(("aborted", rid, llm.scheduler.get_stats()))
                 break
-            wait = None if idle and deadline is None else (0.0 if not idle else max(0.0, deadline - time.monotonic()))
-            if commands.poll(wait):
-                while True:
-                    try:
-                        msg = commands.recv()
-                    except EOFError:  # the parent is gone: stop
-                        deadline = time.monotonic()
-                        break
-                    kind = msg[0]
-                    if kind == "add":
-                        _, rid, prompt, params = msg
-                        try:
-                            llm.add_request(rid, prompt, params)
-                        except (ValueError, TypeError) as exc:
-                            outbox.put(("added", rid, (type(exc).__name__, str(exc))))
-                        else:
-                            live.add(rid)
-                            outbox.put(("added", rid, None))
-                    elif kind == "abort":
-                        if msg[1] in live:
-                            live.discard(msg[1])
-                            llm.abort(msg[1])
-                            outbox.put(("aborted", msg[1], llm.scheduler.get_stats()))
-                    elif kind == "stop":
-                        deadline = time.monotonic() + msg[1]
-                    if not commands.poll(0):
-                        break
-                continue  # re-check idleness and the deadline before stepping
-            if llm.has_unfinished_requests():
-                start = time.perf_counter()
+            if idle:
+                apply_commands(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                continue
+            apply_commands(0.0)
+            if not llm.has_unfinished_requests():
+                continue
+            start = time.perf_counter()
+            if overlap_prefill:
+                outputs, _ = llm.step_with_arrivals(apply_commands)
+            else:
                 outputs = llm.step()
-                step_s = time.perf_counter() - start
-                for out in outputs:
-                    if out.finished:
-                        live.discard(out.request_id)
-                outbox.put(("step", llm.scheduler.get_stats(), step_s, [_pack(o) for o in outputs]))
+            step_s = time.perf_counter() - start
+            for out in outputs:
+                if out.finished:
+                    live.discard(out.request_id)
+            outbox.put(("step", llm.scheduler.get_stats(), step_s, [_pack(o) for o in outputs]))
     except BaseException as exc:  # a failed step: the parent fails every request
         outbox.put(("dead", f"{type(exc).__name__}: {exc}"))
     finally:
@@ -145,10 +157,12 @@ class ProcessEngine:
     Args:
         factory: picklable; called in the child, returns the ``LLM`` to serve.
         start: start the child now and wait until it is ready (else at ``start()``).
+        overlap_prefill: as ``AsyncEngine``'s (``LLM.step_with_arrivals`` in the child).
     """
 
-    def __init__(self, factory: Callable[[], Any], start: bool = True) -> None:
+    def __init__(self, factory: Callable[[], Any], start: bool = True, overlap_prefill: bool = False) -> None:
         self._factory = factory
+        self._overlap_prefill = overlap_prefill
         self._proc: multiprocessing.Process | None = None
         self._commands = None
         self._results = None
@@ -177,7 +191,10 @@ class ProcessEngine:
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         self._results, res_send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
-            target=_child_main, args=(cmd_recv, res_send, self._factory), name="fuseformer-engine", daemon=True
+            target=_child_main,
+            args=(cmd_recv, res_send, self._factory, self._overlap_prefill),
+            name="fuseformer-engine",
+            daemon=True,
         )
         self._proc.start()
         cmd_recv.close()

@@ -153,12 +153,10 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     name = args.served_model_name or Path(model).resolve().name
     if args.engine_process:
-        if args.overlap_prefill:
-            return _error("--overlap-prefill does not work with --engine-process yet", 2)
         from fuseformer.engine.process_engine import ProcessEngine
 
         try:
-            engine = ProcessEngine(functools.partial(LLM, model, **llm_kwargs))
+            engine = ProcessEngine(functools.partial(LLM, model, **llm_kwargs), overlap_prefill=args.overlap_prefill)
         except RuntimeError as exc:
             return _error(str(exc), 1)
     else:

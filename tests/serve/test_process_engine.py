@@ -132,3 +132,33 @@ def test_the_server_runs_on_a_process_engine(engine, start_server):
         bad = httpx.post(f"{url}/v1/completions", json=body | dict(prompt="x " * 200), timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
         assert httpx.get(f"{url}/health").status_code == 200
+
+
+@pytest.mark.gpu
+def test_process_engine_on_the_gpu_with_graphs_and_overlap(checkpoint):
+    """On the GPU (Triton kernels, fp32): the child process builds its engine with CUDA-graph decode
+    and overlap_prefill; requests arriving while others decode all complete, with LLM.generate's greedy
+    tokens but for a rare near-tie."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    kwargs = dict(num_kv_blocks=256, block_size=4, max_model_len=64, device="cuda", dtype="float32")
+    prompts = ["Hello world", "The quick brown fox", "Say hello", "Once upon"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = LLM(checkpoint, **kwargs).generate(prompts, params, use_tqdm=False)
+    engine = ProcessEngine(functools.partial(LLM, str(checkpoint), cuda_graphs=True, **kwargs), overlap_prefill=True)
+
+    async def main():
+        tasks = []
+        for i, p in enumerate(prompts):
+            tasks.append(asyncio.ensure_future(_collect(await engine.add_request(f"r{i}", p, params))))
+            await asyncio.sleep(0.005)
+        results = await asyncio.gather(*tasks)
+        await engine.shutdown()
+        return results
+
+    results = _run(main())
+    assert all(len(tokens[0]) == 40 and finishes[0] == "length" for tokens, _, finishes, _ in results)
+    same = sum(tokens[0] == out.outputs[0].token_ids for (tokens, _, _, _), out in zip(results, expected))
+    assert same >= 3, same
