@@ -168,6 +168,7 @@ class ProcessEngine:
         self._results = None
         self._reader: threading.Thread | None = None
         self._lock = threading.Lock()  # the tables below: event loops add, the reader thread removes
+        self._send_lock = threading.Lock()  # one writer at a time on the command pipe
         self._streams: dict[str, RequestStream] = {}
         self._adds: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._stopping = False
@@ -226,7 +227,7 @@ class ProcessEngine:
         if self._proc is None:
             return
         try:
-            self._commands.send(("stop", float(grace_s)))
+            self._send(("stop", float(grace_s)))
         except (BrokenPipeError, OSError):
             pass
         await asyncio.to_thread(self._proc.join, grace_s + 60)
@@ -263,7 +264,7 @@ class ProcessEngine:
             self._streams[request_id] = stream
             self._adds[request_id] = (loop, done)
         try:
-            self._commands.send(("add", request_id, prompt, sampling_params))
+            self._send(("add", request_id, prompt, sampling_params))
             await done
         except (BrokenPipeError, OSError) as exc:
             self._forget(request_id)
@@ -279,9 +280,13 @@ class ProcessEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the child's next step. Safe from any thread."""
         try:
-            self._commands.send(("abort", request_id))
+            self._send(("abort", request_id))
         except (BrokenPipeError, OSError, AttributeError):
             pass
+
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self._commands.send(msg)
 
     def get_stats(self) -> SchedulerStats:
         return self._stats
