@@ -368,7 +368,7 @@ class LLM:
         ``admit_only``: waiting requests only (``Scheduler.schedule``), for a step launched while
         another is in flight; finish the steps in launch order."""
         scheduler_output = self.scheduler.schedule(admit_only=admit_only)
-        return StepHandle(scheduler_output, self.runner.launch(scheduler_output))
+        return StepHandle(scheduler_output, self.runner.launch(scheduler_output, pinned=admit_only))
 
     def finish_step(self, handle: StepHandle) -> list[RequestOutput]:
         """The second half of ``step``: wait for the launched step and return its deltas."""

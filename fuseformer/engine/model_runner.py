@@ -365,10 +365,12 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------
 
     def prepare(
-        self, scheduler_output: SchedulerOutput
+        self, scheduler_output: SchedulerOutput, pinned: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """The step as device tensors: input_ids (T,), positions (T,), attention metadata, and the
-        rows (indices into T) whose logits sample, in scheduled order."""
+        rows (indices into T) whose logits sample, in scheduled order. ``pinned``: copy through pinned
+        host memory (a copy from pageable memory may wait for the work already queued on the stream:
+        a step launched behind one in flight must not)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -392,8 +394,10 @@ class ModelRunner:
         # Slot of each new token: its block (from its sequence's table) * block_size + offset.
         slots = block_tables[seq_of_token, pos // bs] * bs + pos % bs
 
+        pin = pinned and self.device.type == "cuda"
+
         def dev(x: torch.Tensor) -> torch.Tensor:
-            return x.to(self.device, non_blocking=True)
+            return (x.pin_memory() if pin else x).to(self.device, non_blocking=True)
 
         meta = AttentionMetadata(
             cu_seqlens_q=dev(torch.tensor(cu, dtype=torch.int32)),
@@ -406,7 +410,7 @@ class ModelRunner:
         return dev(torch.tensor(input_ids, dtype=torch.int64)), dev(pos), meta, sample_rows
 
     @torch.inference_mode()
-    def forward(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+    def forward(self, scheduler_output: SchedulerOutput, pinned: bool = False) -> tuple[torch.Tensor, list[int]]:
         """The model forward of a non-empty step: hidden states (T', H) and the rows whose logits
         sample. A decode-only step that fits a captured size replays its graph (T' = the padded size,
         rows [0, n) the step's); any other step runs eagerly (T' = the step's token count)."""
@@ -417,7 +421,7 @@ class ModelRunner:
         if b is not None:
             hidden = graphs.run(scheduled, b)
             return hidden, [i for i, s in enumerate(scheduled) if s.sample]
-        input_ids, positions, meta, sample_rows = self.prepare(scheduler_output)
+        input_ids, positions, meta, sample_rows = self.prepare(scheduler_output, pinned)
         return self.model(input_ids, positions, meta), sample_rows
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -425,17 +429,18 @@ class ModelRunner:
         return self.collect(self.launch(scheduler_output))
 
     @torch.inference_mode()
-    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+    def launch(self, scheduler_output: SchedulerOutput, pinned: bool = False) -> LaunchedStep:
         """Enqueue the step's forward and sampling on the device and return without waiting for them
         (``collect`` waits and reads the sampled tokens). Between the two, the host is free: the engine
-        can launch a new request's prefill behind a decode step in flight (``AsyncEngine``)."""
+        can launch a new request's prefill behind a decode step in flight (``AsyncEngine``); that one
+        is launched ``pinned`` (see ``prepare``)."""
         for rid in scheduler_output.finished_request_ids:
             self.generators.pop(rid, None)
         if scheduler_output.is_empty:
             return LaunchedStep([], [], None, None, False)
         graphs = self.decode_graphs
         graphed = bool(graphs is not None and graphs.use_graphs and graphs.padded_size(scheduler_output.scheduled))
-        hidden, sample_rows = self.forward(scheduler_output)
+        hidden, sample_rows = self.forward(scheduler_output, pinned)
         sampling = [s.request for s in scheduler_output.scheduled if s.sample]
         if not sampling:
             return LaunchedStep([], [], None, None, graphed)
