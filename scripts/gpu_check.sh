@@ -4,9 +4,9 @@
 #
 #   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune] [bench suites...]
 #
-# tune (not part of all): `fuseformer bench --tune --quick` with the autotune cache written to
-# OUT_DIR/tuned; ship the result into the package's defaults afterwards with
-# `python -m fuseformer.runtime.autotune ship OUT_DIR/tuned` (on the machine with the checkout).
+# tune (not part of all): `fuseformer bench --tune --quick`, its autotune cache files archived in
+# OUT_DIR/tuned.tar.gz; ship them into the package's defaults afterwards, on the machine with the
+# checkout: `tar -xzf OUT_DIR/tuned.tar.gz -C /tmp && python -m fuseformer.runtime.autotune ship /tmp/tuned`.
 #
 # bench runs ops (full) and attention, mlp_ce, engine, train (quick) unless suites are named;
 # QUICK=1 makes ops quick too. All of it takes longer than one 10-minute device call: split it
@@ -33,7 +33,11 @@ if [[ "$stage" == all || "$stage" == sweep ]]; then
     tail -n 3 "$out/sweep.log"
 fi
 if [[ "$stage" == tune ]]; then
-    FUSEFORMER_CACHE_DIR="$out/tuned" python3 -m fuseformer.cli bench --tune --quick > "$out/tune.log" 2>&1 || status=1
+    # The cache files go into one archive: the device tool brings back at most 8 files from $OUT (run 20
+    # lost the rms_norm tables that way).
+    tuned="$(mktemp -d)/tuned"
+    FUSEFORMER_CACHE_DIR="$tuned" python3 -m fuseformer.cli bench --tune --quick > "$out/tune.log" 2>&1 || status=1
+    tar -czf "$out/tuned.tar.gz" -C "$(dirname "$tuned")" tuned || status=1
     tail -n 5 "$out/tune.log"
 fi
 if [[ "$stage" == all || "$stage" == bench ]]; then

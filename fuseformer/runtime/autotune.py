@@ -341,8 +341,9 @@ def register_tuner(kernel: str, fn: Callable[[bool], list[dict]]) -> None:
     _TUNERS[kernel] = fn
 
 
-def tune_all(quick: bool = False) -> list[dict]:
-    """Tune every registered kernel on this GPU and fill the disk cache (``fuseformer bench --tune``).
+def tune_all(quick: bool = False, kernels: Iterable[str] | None = None) -> list[dict]:
+    """Tune every registered kernel (or those named in ``kernels``) on this GPU and fill the disk
+    cache (``fuseformer bench --tune``).
 
     Returns one record per (kernel, key): the config chosen and its time, or the error.
     """
@@ -350,8 +351,14 @@ def tune_all(quick: bool = False) -> list[dict]:
         raise RuntimeError("autotune: tune_all needs a CUDA GPU")
     for module in _TUNER_MODULES.values():
         importlib.import_module(module)
+    wanted = set(_TUNERS) if kernels is None else set(kernels)
+    unknown = wanted - set(_TUNERS)
+    if unknown:
+        raise ValueError(f"autotune: tune_all: kernels has unknown names {sorted(unknown)}; known: {sorted(_TUNERS)}")
     records: list[dict[str, Any]] = []
     for kernel, fn in sorted(_TUNERS.items()):
+        if kernel not in wanted:
+            continue
         try:
             records += fn(quick)
         except Exception as exc:
