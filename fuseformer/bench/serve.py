@@ -271,10 +271,13 @@ def run_serve_case(
     finally:
         if stop is not None:
             stop()
-        engine = llm = ours = outs = None
+        # stop's closure holds the server, whose app holds the engine and its LLM: all of it goes, so
+        # that the engine process below finds this process's GPU memory free.
+        stop = engine = llm = ours = outs = None
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+            progress(f"this process holds {torch.cuda.memory_allocated() / 2**30:.2f} GiB of GPU memory now")
     if "process" in engines:
         # The same server on an engine in a process of its own (ProcessEngine), which builds the same
         # model (random weights, the same shape and settings) once this process's is freed.

@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fuseformer.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream
 from fuseformer.engine.outputs import CompletionOutput, RequestOutput
 from fuseformer.engine.sampling_params import SamplingParams
+from fuseformer.engine.scheduler import SchedulerStats
 from fuseformer.serve.metrics import ServerMetrics
 from fuseformer.serve.protocol import (
     APIError,
@@ -402,11 +403,15 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     # a chunk, the only sign of progress a client gets (the serving benchmark times its first one).
     text_only = engine.tokenizer is not None
 
+    # Handlers reach the engine through ``server`` only, never as a closure variable: after shutdown the
+    # app lets go of it (FastAPI keeps the endpoint functions of every app it built in a cache, so an
+    # engine a closure held would live on, model and KV cache included, for as long as the process).
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
+        server.engine.start()
         yield
-        await engine.shutdown(shutdown_grace_s)
+        await server.engine.shutdown(shutdown_grace_s)
+        server.engine = None
 
     app = FastAPI(title="fuseformer", version=__version__, lifespan=lifespan)
     app.state.server = server
@@ -478,14 +483,15 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        if not engine.is_running:
+        if server.engine is None or not server.engine.is_running:
             err = APIError("the engine is not running", None, status=503, type="service_unavailable_error")
             return JSONResponse(err.body(), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(server.metrics.render(engine.get_stats()), media_type=server.metrics.content_type)
+        stats = server.engine.get_stats() if server.engine is not None else SchedulerStats(0, 0, 0.0, 0.0, 0)
+        return Response(server.metrics.render(stats), media_type=server.metrics.content_type)
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:

@@ -14,9 +14,33 @@ SHAPE = dict(
 
 
 def test_bench_serve_code_paths_on_cpu(monkeypatch):
+    import gc
+    import weakref
+
+    import fuseformer.bench.serve as bench_serve
     from fuseformer.bench.serve import format_table, run_serve_case
+    from fuseformer.engine.llm import LLM
+    from fuseformer.engine.process_engine import ProcessEngine
 
     monkeypatch.setenv("FUSEFORMER_BACKEND", "reference")  # the engine process's backend
+    # The in-process LLM is freed before the engine process builds its own (on a GPU: its memory).
+    served, freed_first = [], []
+    start_server = bench_serve._start_server
+
+    def tracking_start_server(llm_or_engine, name):
+        if isinstance(llm_or_engine, LLM):
+            served.append(weakref.ref(llm_or_engine))
+        return start_server(llm_or_engine, name)
+
+    init = ProcessEngine.__init__
+
+    def checking_init(self, *args, **kwargs):
+        gc.collect()
+        freed_first.append(bool(served) and served[0]() is None)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(bench_serve, "_start_server", tracking_start_server)
+    monkeypatch.setattr(ProcessEngine, "__init__", checking_init)
     with fuseformer.use_backend("reference"):
         records = run_serve_case(
             SHAPE, 6, 8, 5, num_lone=2, num_rated=3, rate=10.0, device="cpu", dtype=torch.float32,
@@ -31,6 +55,7 @@ def test_bench_serve_code_paths_on_cpu(monkeypatch):
     ]  # fmt: skip
     offline, unlimited, unlimited2, lone, rated, overlapped = records[:6]
     p_unlimited, _, p_lone, p_rated = records[6:]
+    assert freed_first == [True]
     assert p_unlimited["output_tok_s"] > 0 and p_unlimited["engine"]["steps"] >= 5
     assert 0 < p_lone["p50_ttft_ms"] < 10_000 and p_rated["requests"] == 3
     assert overlapped["requests"] == 3 and overlapped["overlapped"] == 0  # no CUDA graphs: nothing to overlap
