@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -64,6 +65,11 @@ def _unpack(packed: tuple) -> RequestOutput:
 
 def _child_main(commands, results, factory: Callable[[], Any], overlap_prefill: bool = False) -> None:
     """The engine process: build the LLM, then step it, applying commands between steps."""
+    # Shutdown is the parent's to run (a "stop" command, or the command pipe closing when the parent
+    # dies): a Ctrl-C or a SIGTERM sent to the whole process group must not kill the engine under the
+    # requests the parent is still finishing.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     outbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def send_all() -> None:  # the engine thread never blocks on a slow parent
