@@ -291,7 +291,9 @@ def run_serve_case(
         stop = None
         try:
             url, stop, _ = _start_server(engine, name)
-            records += _server_phases(url, engine, "process engine", case, offline_tok_s, fresh, light, spec, progress)
+            records += _server_phases(
+                url, engine, "process engine", case, offline_tok_s, fresh, light, spec, progress, warm_up=True
+            )
         finally:
             if stop is not None:
                 stop()  # the app's lifespan shuts the engine (and its process) down
@@ -310,10 +312,14 @@ def _bench_llm(shape: dict, device: str, dtype: torch.dtype, llm_kwargs: dict):
     return LLM(ours, device=device, **llm_kwargs)
 
 
-def _server_phases(url, engine, label, case, offline_tok_s, fresh, light, spec, progress) -> list[Record]:
+def _server_phases(
+    url, engine, label, case, offline_tok_s, fresh, light, spec, progress, warm_up: bool = False
+) -> list[Record]:
     """The server phases against one engine: unlimited rate (``spec["unlimited"]`` times), lone
     requests, then requests at ``spec["rate"]`` (and again with ``overlap_prefill`` where the engine
-    has it). ``label`` starts each record's impl ("server", "process engine")."""
+    has it). ``label`` starts each record's impl ("server", "process engine"). ``warm_up``: first an
+    untimed unlimited phase of 4-token outputs, for an engine that has not run the offline shapes
+    (a fresh engine process: its Triton kernels load, its plans fill)."""
     from fuseformer.serve.cli import serving_process
 
     num_requests, output_len, num_lone, num_rated, rate = (
@@ -324,6 +330,8 @@ def _server_phases(url, engine, label, case, offline_tok_s, fresh, light, spec, 
     with serving_process():  # as `fuseformer serve` runs
         try:
             client = _ClientProcess(url, "bench")
+            if warm_up:
+                client.run("unlimited", fresh(num_requests), 4)
             for attempt in range(spec["unlimited"]):
                 before = dict(engine.counters)
                 seconds = client.run("unlimited", fresh(num_requests), output_len)
