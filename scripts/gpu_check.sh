@@ -2,7 +2,9 @@
 # The GPU check: correctness at real sizes (tests marked `gpu`, bf16/fp16/fp32) and every benchmark,
 # in one go, on a CUDA machine. Writes logs, JSON and PNG plots to OUT_DIR.
 #
-#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune] [bench suites...]
+#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune|serve] [bench suites...]
+#
+# serve (not part of all): the serving GPU tests and `fuseformer bench serve`, in one device call.
 #
 # tune (not part of all): `fuseformer bench --tune --quick`, its autotune cache files archived in
 # OUT_DIR/tuned.tar.gz; ship them into the package's defaults afterwards, on the machine with the
@@ -31,6 +33,15 @@ fi
 if [[ "$stage" == all || "$stage" == sweep ]]; then
     python3 -m fuseformer.cli bench sweep --out "$out" > "$out/sweep.log" 2>&1 || status=1
     tail -n 3 "$out/sweep.log"
+fi
+if [[ "$stage" == serve ]]; then
+    # The serving checks in one device call (~7 min): the GPU tests of both engines (CUDA graphs,
+    # overlap_prefill, the engine process), then `fuseformer bench serve` (both engines, 8B shape).
+    python3 -m pytest -q -m gpu tests/serve/test_process_engine.py tests/serve/test_async_engine.py \
+        2>&1 | tee "$out/gpu-tests-serve.log" | tail -n 15
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    python3 -m fuseformer.cli bench serve --out "$out" > "$out/bench-serve.log" 2>&1 || status=1
+    grep "bench serve" "$out/bench-serve.log" | tail -n 20
 fi
 if [[ "$stage" == tune ]]; then
     # The cache files go into one archive: the device tool brings back at most 8 files from $OUT (run 20
