@@ -121,3 +121,47 @@ def tiny_llama(device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0, 
             elif "norm" not in name:
                 p.copy_(0.3 * r)
     return model.to(device, dtype).eval(), config
+
+
+# --------------------------------------------------------------------------------------------
+# Engine streams (AsyncEngine, ProcessEngine) in tests
+# --------------------------------------------------------------------------------------------
+def run_bounded(coro, timeout: float = 60.0):
+    """``asyncio.run(coro)``, failing with TimeoutError after ``timeout`` seconds instead of hanging."""
+    import asyncio
+
+    async def bounded():
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+async def collect_stream(stream) -> tuple[dict[int, str], dict[int, list[int]], dict[int, str], int]:
+    """Read an engine stream to its end: per completion index its text, its tokens and its finish
+    reason, and the number of deltas read."""
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[int]] = {}
+    finishes: dict[int, str] = {}
+    count = 0
+    async for out in stream:
+        count += 1
+        for c in out.outputs:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            tokens[c.index] = tokens.get(c.index, []) + c.token_ids
+            if c.finish_reason is not None:
+                finishes[c.index] = c.finish_reason
+    return texts, tokens, finishes, count
+
+
+async def collect_staggered(engine, prompts: list, params, gap_s: float) -> list[tuple]:
+    """Add ``prompts`` to ``engine`` one every ``gap_s`` seconds (ids r0, r1, ...), each collected as it
+    streams (``collect_stream``); the results in prompt order."""
+    import asyncio
+
+    tasks = []
+    for i, prompt in enumerate(prompts):
+        if i:
+            await asyncio.sleep(gap_s)
+        stream = await engine.add_request(f"r{i}", prompt, params)
+        tasks.append(asyncio.ensure_future(collect_stream(stream)))
+    return await asyncio.gather(*tasks)

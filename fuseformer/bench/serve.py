@@ -266,13 +266,14 @@ def run_serve_case(
 
     stop = None
     try:
-        url, stop, engine = _start_server(llm, name)
-        records += _server_phases(url, engine, "server", case, offline_tok_s, fresh, light, spec, progress)
+        if "thread" in engines:
+            url, stop, engine = _start_server(llm, name)
+            records += _server_phases(url, engine, "server", case, offline_tok_s, fresh, light, spec, progress)
     finally:
         if stop is not None:
             stop()
-        # stop's closure holds the server, whose app holds the engine and its LLM: all of it goes, so
-        # that the engine process below finds this process's GPU memory free.
+        # The server (stop's closure), its engine and the LLM all go, so that the engine process below
+        # finds this process's GPU memory free.
         stop = engine = llm = ours = outs = None
         gc.collect()
         if device.startswith("cuda"):
@@ -349,10 +350,13 @@ def _server_phases(
                     f"{label}, unlimited rate: {tok_s:.0f} output tok/s ({tok_s / offline_tok_s:.3f} of offline); "
                     f"engine {counters}"
                 )
-            engine.first_output_times.clear()
+            # RequestStream.times of the engine's first outputs (AsyncEngine only: not across processes)
+            times = getattr(engine, "first_output_times", None)
+            if times is not None:
+                times.clear()
             lone = client.run("lone", light[:num_lone], output_len)
             lone_p50 = statistics.median(lone)
-            lone_times = [t for t in engine.first_output_times if "added" in t]
+            lone_times = [t for t in times or () if "added" in t]
             record = dict(
                 bench="serve", impl=f"{label}, lone request", **(case | dict(requests=len(lone))),
                 p50_ttft_ms=1e3 * lone_p50, ttft_ms=[round(1e3 * t, 2) for t in lone],
@@ -369,10 +373,11 @@ def _server_phases(
             for overlap, rated_prompts in overlaps:
                 if overlap:
                     engine.overlap_prefill = True
-                engine.first_output_times.clear()
+                if times is not None:
+                    times.clear()
                 before = engine.counters.get("overlapped", 0)
                 rated = client.run("rated", rated_prompts, output_len, rate)
-                rated_times = [t for t in engine.first_output_times if "added" in t]
+                rated_times = [t for t in times or () if "added" in t]
                 rated_p50 = statistics.median(rated)
                 record = dict(
                     bench="serve", impl=f"{label}, {rate:g} req/s" + (", overlap_prefill" if overlap else ""),

@@ -195,17 +195,16 @@ _POLL_S = 2e-4
 
 
 class _Handoff:
-    """Set (``done``) once an event loop has handled a step's outputs and then had nothing left to do,
-    or at ``deadline`` (``time.perf_counter``). Idleness is seen from the loop's side: a callback that
-    re-schedules itself runs again at once when nothing else is ready. ``busy_s``: how long the loop
-    took from the post to idleness (set when it got there, whether or not the engine waited)."""
+    """Set (``done``) once an event loop has handled a step's outputs and then had nothing left to do
+    (the engine waits on it with its own timeout). Idleness is seen from the loop's side: a callback
+    that re-schedules itself runs again at once when nothing else is ready. ``busy_s``: how long the
+    loop took from the post to idleness (set when it got there, whether or not the engine waited)."""
 
-    __slots__ = ("loop", "done", "deadline", "_last", "posted", "busy_s", "superseded")
+    __slots__ = ("loop", "done", "_last", "posted", "busy_s", "superseded")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.done = threading.Event()
-        self.deadline = deadline
         self._last = 0.0
         self.posted = time.perf_counter()
         self.busy_s: float | None = None
@@ -220,13 +219,11 @@ class _Handoff:
 
     def _probe(self) -> None:
         now = time.perf_counter()
-        idle = now - self._last < _IDLE_GAP_S
-        if idle or now >= self.deadline:
-            self.done.set()
-        if idle:
+        if now - self._last < _IDLE_GAP_S:
             self.busy_s = now - self.posted
-        elif not (self.superseded and self.done.is_set()):  # else: stop probing (a loop never idle
-            self._last = now  # would otherwise gather one probe per urgent handoff)
+            self.done.set()
+        elif not self.superseded:  # a later handoff's probe took over (a loop never idle would
+            self._last = now  # otherwise gather one probe per urgent handoff)
             self.loop.call_soon(self._probe)
 
 
@@ -512,14 +509,16 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if "step_end" not in stream.times:
-                stream.times["step_end"], stream.times["step_s"] = step_end, step_s
             for c in out.outputs:
                 if c.finished:
                     stream._done_indexes.add(c.index)
             if out.finished:
                 del self._streams[out.request_id]
-            if out.finished or not stream._handed_any:
+            if not stream._handed_any:
+                urgent = True
+                if "step_end" not in stream.times:  # the step of its first output
+                    stream.times["step_end"], stream.times["step_s"] = step_end, step_s
+            elif out.finished:
                 urgent = True
             held = self._held.get(out.request_id)
             if held is None:
@@ -553,7 +552,7 @@ class AsyncEngine:
             wait_s = min(wait_s, self._wait_credit)
         handoffs = []
         for loop, items in by_loop.items():
-            handoff = _Handoff(loop, start + max(step_s, _MIN_HANDOFF_S))
+            handoff = _Handoff(loop)
             try:
                 loop.call_soon_threadsafe(handoff.deliver, items)
             except RuntimeError:  # the loop is closed: nobody is listening any more

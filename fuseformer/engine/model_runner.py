@@ -409,20 +409,25 @@ class ModelRunner:
         )
         return dev(torch.tensor(input_ids, dtype=torch.int64)), dev(pos), meta, sample_rows
 
-    @torch.inference_mode()
     def forward(self, scheduler_output: SchedulerOutput, pinned: bool = False) -> tuple[torch.Tensor, list[int]]:
         """The model forward of a non-empty step: hidden states (T', H) and the rows whose logits
         sample. A decode-only step that fits a captured size replays its graph (T' = the padded size,
         rows [0, n) the step's); any other step runs eagerly (T' = the step's token count)."""
+        hidden, sample_rows, _ = self._forward(scheduler_output, pinned)
+        return hidden, sample_rows
+
+    @torch.inference_mode()
+    def _forward(self, scheduler_output: SchedulerOutput, pinned: bool) -> tuple[torch.Tensor, list[int], bool]:
+        """``forward``, and whether a captured graph replayed."""
         self.num_steps += 1
         graphs = self.decode_graphs
         scheduled = scheduler_output.scheduled
         b = graphs.padded_size(scheduled) if graphs is not None else None
         if b is not None:
             hidden = graphs.run(scheduled, b)
-            return hidden, [i for i, s in enumerate(scheduled) if s.sample]
+            return hidden, [i for i, s in enumerate(scheduled) if s.sample], graphs.use_graphs
         input_ids, positions, meta, sample_rows = self.prepare(scheduler_output, pinned)
-        return self.model(input_ids, positions, meta), sample_rows
+        return self.model(input_ids, positions, meta), sample_rows, False
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; sample a token for each request whose ``sample`` is set."""
@@ -438,9 +443,7 @@ class ModelRunner:
             self.generators.pop(rid, None)
         if scheduler_output.is_empty:
             return LaunchedStep([], [], None, None, False)
-        graphs = self.decode_graphs
-        graphed = bool(graphs is not None and graphs.use_graphs and graphs.padded_size(scheduler_output.scheduled))
-        hidden, sample_rows = self.forward(scheduler_output, pinned)
+        hidden, sample_rows, graphed = self._forward(scheduler_output, pinned)
         sampling = [s.request for s in scheduler_output.scheduled if s.sample]
         if not sampling:
             return LaunchedStep([], [], None, None, graphed)

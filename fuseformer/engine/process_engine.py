@@ -184,7 +184,6 @@ class ProcessEngine:
         self._defaults: SamplingParams | None = None
         self._stats = SchedulerStats(0, 0, 0.0, 0.0, 0)
         self.counters = dict(steps=0, step_s=0.0)
-        self.first_output_times: list = []  # RequestStream's interface; not timed across processes
         if start:
             self.start()
 
@@ -334,22 +333,20 @@ class ProcessEngine:
             with self._lock:
                 streams, self._streams = list(self._streams.values()), {}
                 adds, self._adds = list(self._adds.values()), {}
+            dead = EngineDeadError(f"ProcessEngine: the engine failed: {self.error}") if self.error else None
             for stream in streams:
-                if self.error is not None:
-                    stream._put(EngineDeadError(f"ProcessEngine: the engine failed: {self.error}"))
-                else:
-                    stream._put(stream._abort_output())
+                stream._put(dead if dead is not None else stream._abort_output())
             for loop, fut in adds:
-                _settle(loop, fut, EngineShutdownError("ProcessEngine: the engine is shutting down"))
+                _settle(loop, fut, dead or EngineShutdownError("ProcessEngine: the engine is shutting down"))
 
     def _on_step(self, stats: SchedulerStats, step_s: float, packed: list) -> None:
         self._stats = stats
         self.counters["steps"] += 1
         self.counters["step_s"] += step_s
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        outputs = [_unpack(p) for p in packed]
         with self._lock:
-            for p in packed:
-                out = _unpack(p)
+            for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is None:
                     continue
@@ -385,15 +382,9 @@ class ProcessEngine:
             stream._put(stream._abort_output())
 
     def _fail(self, message: str) -> None:
+        """The engine failed: nothing more is accepted, and once the child's pipe closes (it exits
+        after saying so) every open stream and add gets the error (``_read``'s ``finally``)."""
         self.error = RuntimeError(message)
-        with self._lock:
-            streams, self._streams = list(self._streams.values()), {}
-            adds, self._adds = list(self._adds.values()), {}
-        for stream in streams:
-            stream._put(EngineDeadError(f"ProcessEngine: the engine failed: {message}"))
-        for loop, fut in adds:
-            _settle(loop, fut, EngineDeadError(f"ProcessEngine: the engine failed: {message}"))
-
 
 def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, out in items:

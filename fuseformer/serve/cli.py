@@ -83,9 +83,10 @@ def _error(message: str, code: int) -> int:
 
 
 # The GIL's switch interval while serving (Python's default: 5 ms). The event loop and the engine thread
-# both run Python; when one wants the GIL that the other holds, it waits up to the interval. At 5 ms a
-# request's first token waited for one or two such switches while the engine ran its prefill (the lone
-# p50 TTFT on the H200 split into ~20 ms and ~32 ms modes).
+# both run Python; when one wants the GIL that the other holds, it waits up to the interval. Set on the
+# guess that such waits made the lone TTFT's slow mode on the H200 (~20 ms and ~27-45 ms modes); with
+# it (run 23, 2026-11-30) the two modes stayed, so that guess was wrong; neither throughput nor TTFT was
+# measured without it under otherwise equal conditions.
 SWITCH_INTERVAL_S = 0.5e-3
 
 

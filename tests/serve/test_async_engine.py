@@ -10,6 +10,7 @@ import fuseformer
 from fuseformer.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError
 from fuseformer.engine.llm import LLM
 from fuseformer.engine.sampling_params import SamplingParams
+from fuseformer.testing import collect_staggered, collect_stream, run_bounded
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -21,25 +22,6 @@ def engine(checkpoint, llm_kwargs):
         yield AsyncEngine(llm)
 
 
-def _run(coro, timeout=60):
-    async def bounded():
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
-
-
-async def _collect(stream):
-    texts, tokens, finishes, count = {}, {}, {}, 0
-    async for out in stream:
-        count += 1
-        for c in out.outputs:
-            texts[c.index] = texts.get(c.index, "") + c.text
-            tokens[c.index] = tokens.get(c.index, []) + c.token_ids
-            if c.finish_reason is not None:
-                finishes[c.index] = c.finish_reason
-    return texts, tokens, finishes, count
-
-
 def test_streams_hold_what_generate_returns(engine):
     prompts = ["Hello world", "The quick brown fox", "Say hello"]
     params = [GREEDY, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=7, ignore_eos=True), GREEDY]
@@ -49,15 +31,15 @@ def test_streams_hold_what_generate_returns(engine):
 
     async def main():
         streams = [await engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        return await asyncio.gather(*(_collect(s) for s in streams))
+        return await asyncio.gather(*(collect_stream(s) for s in streams))
 
-    results = _run(main())
+    results = run_bounded(main())
     for (texts, tokens, finishes, count), out in zip(results, expected):
         assert count > 1  # streamed in steps, not in one piece
         assert [texts[c.index] for c in out.outputs] == [c.text for c in out.outputs]
         assert [tokens[c.index] for c in out.outputs] == [c.token_ids for c in out.outputs]
         assert [finishes[c.index] for c in out.outputs] == ["length"] * len(out.outputs)
-    _run(engine.shutdown())
+    run_bounded(engine.shutdown())
     assert engine.llm.scheduler.kv.pool.num_free_blocks == 255
 
 
@@ -70,11 +52,11 @@ def test_bad_input_raises_at_add_request(engine):
         stream = await engine.add_request("ok", [5, 6], GREEDY)
         with pytest.raises(ValueError, match="already running"):
             await engine.add_request("ok", [5, 6], GREEDY)
-        return await _collect(stream)
+        return await collect_stream(stream)
 
-    _, tokens, finishes, _ = _run(main())
+    _, tokens, finishes, _ = run_bounded(main())
     assert len(tokens[0]) == 10 and finishes == {0: "length"}
-    _run(engine.shutdown())
+    run_bounded(engine.shutdown())
 
 
 def test_leaving_a_stream_or_abort_frees_blocks_at_once(engine):
@@ -93,7 +75,7 @@ def test_leaving_a_stream_or_abort_frees_blocks_at_once(engine):
         engine.abort("b")  # abort from outside
         outs = [out async for out in b]
         assert outs[-1].finished and outs[-1].outputs[-1].finish_reason == "abort"
-        task = asyncio.ensure_future(_collect(c))
+        task = asyncio.ensure_future(collect_stream(c))
         await asyncio.sleep(0.05)
         task.cancel()  # a cancelled consumer aborts too
         with pytest.raises(asyncio.CancelledError):
@@ -101,10 +83,10 @@ def test_leaving_a_stream_or_abort_frees_blocks_at_once(engine):
         await asyncio.wait_for(wait_idle(), 5)
         return engine.num_steps
 
-    steps = _run(main())
+    steps = run_bounded(main())
     assert steps < 50  # none ran to its 50 tokens
     assert engine.llm.scheduler.kv.pool.num_free_blocks == 255 and not engine.llm.has_unfinished_requests()
-    _run(engine.shutdown())
+    run_bounded(engine.shutdown())
 
 
 def test_shutdown_finishes_within_grace_then_aborts(engine):
@@ -120,9 +102,9 @@ def test_shutdown_finishes_within_grace_then_aborts(engine):
         await engine.shutdown(grace_s=0.5)
         with pytest.raises(EngineShutdownError):
             await engine.add_request("late", "Hello", GREEDY)
-        return await _collect(short), await _collect(long)
+        return await collect_stream(short), await collect_stream(long)
 
-    (_, _, short_finish, _), (_, long_tokens, long_finish, _) = _run(main())
+    (_, _, short_finish, _), (_, long_tokens, long_finish, _) = run_bounded(main())
     assert short_finish in ({0: "length"}, {0: "stop"})
     assert long_finish == {0: "abort"} and len(long_tokens[0]) < 60
     assert not engine.is_running and engine.llm.scheduler.kv.pool.num_free_blocks == 255
@@ -137,11 +119,11 @@ def test_a_failed_step_reaches_every_caller(engine):
     async def main():
         stream = await engine.add_request("x", "Hello", GREEDY)
         with pytest.raises(EngineDeadError, match="device lost"):
-            await _collect(stream)
+            await collect_stream(stream)
         with pytest.raises(EngineDeadError):
             await engine.add_request("y", "Hello", GREEDY)
 
-    _run(main())
+    run_bounded(main())
     assert not engine.is_running
 
 
@@ -175,8 +157,8 @@ def test_outputs_held_under_load_are_joined_not_lost(checkpoint, llm_kwargs):
             streams = [await engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
             return await asyncio.gather(*(_collect_all(s) for s in streams))
 
-        results = _run(main())
-        _run(engine.shutdown())
+        results = run_bounded(main())
+        run_bounded(engine.shutdown())
     for (deltas, tokens, texts, logprobs), out, sp in zip(results, expected, params):
         assert all(len(c.token_ids) == 1 for c in deltas[0].outputs)  # the first output is never held
         assert len(deltas) < sp.max_tokens  # the rest came joined
@@ -213,8 +195,8 @@ def test_an_abort_delivers_the_held_outputs_first(checkpoint, llm_kwargs):
             engine.abort("x")
             return [first, *[out async for out in stream]]
 
-        deltas = _run(main())
-        _run(engine.shutdown())
+        deltas = run_bounded(main())
+        run_bounded(engine.shutdown())
     tokens = [t for out in deltas for c in out.outputs for t in c.token_ids]
     assert deltas[-1].outputs[-1].finish_reason == "abort" and len(deltas) == 3  # first, held (joined), abort
     assert 1 < len(tokens) < 40 and tokens == expected.outputs[0].token_ids[: len(tokens)]
@@ -284,17 +266,8 @@ def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwar
         expected = LLM(checkpoint, **llm_kwargs).generate(prompts, params, use_tqdm=False)
         engine = AsyncEngine(LLM(checkpoint, **llm_kwargs), overlap_prefill=True)
 
-        async def main():
-            streams = [await engine.add_request("r0", prompts[0], params)]
-            tasks = [asyncio.ensure_future(_collect(streams[0]))]
-            for i, p in enumerate(prompts[1:], 1):
-                await asyncio.sleep(0.03)  # arrive while r0 decodes
-                stream = await engine.add_request(f"r{i}", p, params)
-                tasks.append(asyncio.ensure_future(_collect(stream)))
-            return await asyncio.gather(*tasks)
-
-        results = _run(main())
-        _run(engine.shutdown())
+        results = run_bounded(collect_staggered(engine, prompts, params, 0.03))  # arrive while r0 decodes
+        run_bounded(engine.shutdown())
     assert engine.counters["overlapped"] >= 1
     for (texts, tokens, finishes, _), out in zip(results, expected):
         assert tokens[0] == out.outputs[0].token_ids and texts[0] == out.outputs[0].text
@@ -316,16 +289,8 @@ def test_overlap_prefill_with_cuda_graphs_matches_generate_gpu(checkpoint):
     expected = LLM(checkpoint, **kwargs).generate(prompts, params, use_tqdm=False)
     engine = AsyncEngine(LLM(checkpoint, cuda_graphs=True, **kwargs), overlap_prefill=True)
 
-    async def main():
-        streams = [await engine.add_request("r0", prompts[0], params)]
-        tasks = [asyncio.ensure_future(_collect(streams[0]))]
-        for i, p in enumerate(prompts[1:], 1):
-            await asyncio.sleep(0.005)
-            tasks.append(asyncio.ensure_future(_collect(await engine.add_request(f"r{i}", p, params))))
-        return await asyncio.gather(*tasks)
-
-    results = _run(main())
-    _run(engine.shutdown())
+    results = run_bounded(collect_staggered(engine, prompts, params, 0.005))
+    run_bounded(engine.shutdown())
     assert engine.counters["overlapped"] >= 1
     assert all(len(tokens[0]) == 40 and finishes[0] == "length" for _, tokens, finishes, _ in results)
     # Greedy tokens as generate's, but for a rare near-tie (the step's batch differs: a padded graph

@@ -14,27 +14,9 @@ from fuseformer.engine.async_engine import EngineShutdownError
 from fuseformer.engine.llm import LLM
 from fuseformer.engine.process_engine import ProcessEngine
 from fuseformer.engine.sampling_params import SamplingParams
+from fuseformer.testing import collect_staggered, collect_stream, run_bounded
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-
-def _run(coro, timeout=120):
-    async def bounded():
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
-
-
-async def _collect(stream):
-    tokens, texts, finishes, count = {}, {}, {}, 0
-    async for out in stream:
-        count += 1
-        for c in out.outputs:
-            tokens[c.index] = tokens.get(c.index, []) + c.token_ids
-            texts[c.index] = texts.get(c.index, "") + c.text
-            if c.finish_reason is not None:
-                finishes[c.index] = c.finish_reason
-    return tokens, texts, finishes, count
 
 
 @pytest.fixture
@@ -43,7 +25,7 @@ def engine(checkpoint, llm_kwargs, monkeypatch):
     eng = ProcessEngine(functools.partial(LLM, str(checkpoint), **llm_kwargs))
     yield eng
     if eng.is_running:
-        _run(eng.shutdown())
+        run_bounded(eng.shutdown(), 120)
 
 
 def test_streams_hold_what_generate_returns(engine, checkpoint, llm_kwargs):
@@ -55,10 +37,10 @@ def test_streams_hold_what_generate_returns(engine, checkpoint, llm_kwargs):
 
     async def main():
         streams = [await engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        return await asyncio.gather(*(_collect(s) for s in streams))
+        return await asyncio.gather(*(collect_stream(s) for s in streams))
 
-    results = _run(main())
-    for (tokens, texts, finishes, count), out in zip(results, expected):
+    results = run_bounded(main(), 120)
+    for (texts, tokens, finishes, count), out in zip(results, expected):
         assert count > 1  # streamed in steps
         assert [tokens[c.index] for c in out.outputs] == [c.token_ids for c in out.outputs]
         assert [texts[c.index] for c in out.outputs] == [c.text for c in out.outputs]
@@ -74,9 +56,9 @@ def test_bad_input_raises_and_the_engine_goes_on(engine):
             s = await engine.add_request("dup", "Hello", SamplingParams(max_tokens=30, ignore_eos=True))
             await engine.add_request("dup", "Hello", GREEDY)
         s.close()
-        return await _collect(await engine.add_request("ok", "Hello world", GREEDY))
+        return await collect_stream(await engine.add_request("ok", "Hello world", GREEDY))
 
-    tokens, _, finishes, _ = _run(main())
+    _, tokens, finishes, _ = run_bounded(main(), 120)
     assert len(tokens[0]) == 10 and finishes == {0: "length"}
 
 
@@ -94,7 +76,7 @@ def test_closing_a_stream_aborts_and_frees_its_blocks(engine):
             await asyncio.sleep(0.01)
         return False
 
-    assert _run(main())
+    assert run_bounded(main(), 120)
 
 
 def test_shutdown_aborts_what_runs_and_refuses_new_requests(engine):
@@ -111,7 +93,7 @@ def test_shutdown_aborts_what_runs_and_refuses_new_requests(engine):
             await engine.add_request("late", "Hello", GREEDY)
         return rest
 
-    rest = _run(main())
+    rest = run_bounded(main(), 120)
     assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
     assert not engine.is_running
 
@@ -150,15 +132,11 @@ def test_process_engine_on_the_gpu_with_graphs_and_overlap(checkpoint):
     engine = ProcessEngine(functools.partial(LLM, str(checkpoint), cuda_graphs=True, **kwargs), overlap_prefill=True)
 
     async def main():
-        tasks = []
-        for i, p in enumerate(prompts):
-            tasks.append(asyncio.ensure_future(_collect(await engine.add_request(f"r{i}", p, params))))
-            await asyncio.sleep(0.005)
-        results = await asyncio.gather(*tasks)
+        results = await collect_staggered(engine, prompts, params, 0.005)
         await engine.shutdown()
         return results
 
-    results = _run(main())
-    assert all(len(tokens[0]) == 40 and finishes[0] == "length" for tokens, _, finishes, _ in results)
-    same = sum(tokens[0] == out.outputs[0].token_ids for (tokens, _, _, _), out in zip(results, expected))
+    results = run_bounded(main(), 120)
+    assert all(len(tokens[0]) == 40 and finishes[0] == "length" for _, tokens, finishes, _ in results)
+    same = sum(tokens[0] == out.outputs[0].token_ids for (_, tokens, _, _), out in zip(results, expected))
     assert same >= 3, same
