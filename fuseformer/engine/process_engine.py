@@ -386,6 +386,7 @@ class ProcessEngine:
         after saying so) every open stream and add gets the error (``_read``'s ``finally``)."""
         self.error = RuntimeError(message)
 
+
 def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, out in items:
         stream._push(out)
