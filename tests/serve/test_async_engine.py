@@ -235,15 +235,14 @@ def test_launch_step_admit_only_leaves_the_step_in_flight_alone(checkpoint, llm_
     assert tokens["b"] == alone[1].outputs[0].token_ids
 
 
-def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwargs, monkeypatch):
-    """AsyncEngine(overlap_prefill=True) with the decode step made to look in flight (a graph replay
-    whose event is not ready for a while; on the CPU the work is done already): requests that arrive
-    meanwhile are launched behind it, and every stream holds what LLM.generate returns."""
+def _hold_steps_in_flight(monkeypatch, seconds: float) -> None:
+    """Make every launched step report itself unfinished (``StepHandle.ready`` false) for ``seconds``
+    after its launch, so that requests arriving meanwhile land in its window whatever the device's
+    speed (on the CPU the work is done already; a tiny model's GPU step takes well under a ms)."""
     import time
 
     from fuseformer.engine.llm import StepHandle
 
-    monkeypatch.setattr(StepHandle, "overlappable", property(lambda self: bool(self.scheduler_output.scheduled)))
     launched_at: dict[int, float] = {}  # id(handle) -> launch time, while the handle is unfinished
     launch, finish = LLM.launch_step, LLM.finish_step
 
@@ -258,8 +257,18 @@ def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwar
 
     monkeypatch.setattr(LLM, "launch_step", timed_launch)
     monkeypatch.setattr(LLM, "finish_step", timed_finish)
-    # "In flight" for 50 ms after launch: requests arriving every 30 ms land in a step's window.
-    monkeypatch.setattr(StepHandle, "ready", property(lambda self: time.perf_counter() - launched_at[id(self)] > 0.05))
+    in_flight = property(lambda self: time.perf_counter() - launched_at[id(self)] > seconds)
+    monkeypatch.setattr(StepHandle, "ready", in_flight)
+
+
+def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwargs, monkeypatch):
+    """AsyncEngine(overlap_prefill=True) with the decode step made to look in flight (a graph replay
+    whose event is not ready for a while; on the CPU the work is done already): requests that arrive
+    meanwhile are launched behind it, and every stream holds what LLM.generate returns."""
+    from fuseformer.engine.llm import StepHandle
+
+    monkeypatch.setattr(StepHandle, "overlappable", property(lambda self: bool(self.scheduler_output.scheduled)))
+    _hold_steps_in_flight(monkeypatch, 0.05)
     prompts = ["Hello world", "The quick brown fox", "Say hello", "Once upon"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with fuseformer.use_backend("reference"):
@@ -276,7 +285,7 @@ def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwar
 
 
 @pytest.mark.gpu
-def test_overlap_prefill_with_cuda_graphs_matches_generate_gpu(checkpoint):
+def test_overlap_prefill_with_cuda_graphs_matches_generate_gpu(checkpoint, monkeypatch):
     """On the GPU with CUDA-graph decode (fp32): requests arriving while others decode are launched
     behind the decode step in flight, and every stream holds what LLM.generate returns."""
     import torch
@@ -287,9 +296,12 @@ def test_overlap_prefill_with_cuda_graphs_matches_generate_gpu(checkpoint):
     prompts = ["Hello world", "The quick brown fox", "Say hello", "Once upon"]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = LLM(checkpoint, **kwargs).generate(prompts, params, use_tqdm=False)
+    # Decode steps look in flight for 50 ms (a tiny model's replay ends before the next request
+    # arrives); the requests, 30 ms apart, are launched behind real graph replays.
+    _hold_steps_in_flight(monkeypatch, 0.05)
     engine = AsyncEngine(LLM(checkpoint, cuda_graphs=True, **kwargs), overlap_prefill=True)
 
-    results = run_bounded(collect_staggered(engine, prompts, params, 0.005))
+    results = run_bounded(collect_staggered(engine, prompts, params, 0.03))
     run_bounded(engine.shutdown())
     assert engine.counters["overlapped"] >= 1
     assert all(len(tokens[0]) == 40 and finishes[0] == "length" for _, tokens, finishes, _ in results)
