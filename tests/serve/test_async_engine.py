@@ -257,8 +257,8 @@ def _hold_steps_in_flight(monkeypatch, seconds: float) -> None:
 
     monkeypatch.setattr(LLM, "launch_step", timed_launch)
     monkeypatch.setattr(LLM, "finish_step", timed_finish)
-    in_flight = property(lambda self: time.perf_counter() - launched_at[id(self)] > seconds)
-    monkeypatch.setattr(StepHandle, "ready", in_flight)
+    ready_later = property(lambda self: time.perf_counter() - launched_at[id(self)] > seconds)
+    monkeypatch.setattr(StepHandle, "ready", ready_later)
 
 
 def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwargs, monkeypatch):
