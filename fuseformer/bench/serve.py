@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from fuseformer.engine.step_log import summarize, totals_since
+
 Record = dict[str, Any]
 
 _PHASE_TIMEOUT_S = 300.0
@@ -250,15 +252,21 @@ def run_serve_case(
     # lookups out of the timed runs (a warm-up of 8 prompts left the offline run its 8192-token chunks).
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     sync()
+    steps_before = llm.step_log.totals()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     sync()
     offline_s = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     offline_tok_s = num_out / offline_s
+    steps = totals_since(llm.step_log.totals(), steps_before)
     records.append(
-        dict(bench="serve", impl="offline LLM.generate", **case, seconds=offline_s, output_tok_s=offline_tok_s)
-    )
+        dict(
+            bench="serve", impl="offline LLM.generate", **case, seconds=offline_s, output_tok_s=offline_tok_s,
+            steps=steps,
+        )
+    )  # fmt: skip
+    progress(f"offline steps {steps}")
     progress(f"offline {offline_tok_s:.0f} output tok/s; starting the server")
     spec = dict(
         requests=num_requests, output_len=output_len, lone=num_lone, rated=num_rated, rate=rate, unlimited=num_unlimited
@@ -335,26 +343,30 @@ def _server_phases(
                 client.run("unlimited", fresh(num_requests), 4)
             for attempt in range(spec["unlimited"]):
                 before = dict(engine.counters)
+                steps_before = engine.step_log.totals()
                 seconds = client.run("unlimited", fresh(num_requests), output_len)
                 tok_s = num_requests * output_len / seconds
                 # What the server cost the engine: its steps, the time in them, the handoffs to the event
                 # loop and the time the engine waited in them, the steps whose outputs were held back.
                 counters = {k: round(v - before[k], 4) for k, v in engine.counters.items()}
+                steps = totals_since(engine.step_log.totals(), steps_before)
                 records.append(
                     dict(
                         bench="serve", impl=f"{label}, unlimited rate", **case, attempt=attempt, seconds=seconds,
-                        output_tok_s=tok_s, ratio_to_offline=tok_s / offline_tok_s, engine=counters,
+                        output_tok_s=tok_s, ratio_to_offline=tok_s / offline_tok_s, engine=counters, steps=steps,
                     )
                 )  # fmt: skip
                 progress(
                     f"{label}, unlimited rate: {tok_s:.0f} output tok/s ({tok_s / offline_tok_s:.3f} of offline); "
-                    f"engine {counters}"
+                    f"engine {counters}; steps {steps}"
                 )
             # RequestStream.times of the engine's first outputs (AsyncEngine only: not across processes)
             times = getattr(engine, "first_output_times", None)
             if times is not None:
                 times.clear()
+            logged = engine.step_log.count
             lone = client.run("lone", light[:num_lone], output_len)
+            lone_steps = _prefill_steps(engine.step_log.since(logged))
             lone_p50 = statistics.median(lone)
             lone_times = [t for t in times or () if "added" in t]
             record = dict(
@@ -363,6 +375,7 @@ def _server_phases(
             )  # fmt: skip
             if lone_times:
                 record["engine_ms"] = _breakdown(lone_times)
+            record["prefill_steps"] = lone_steps
             records.append(record)
             progress(f"{label}, lone requests: p50 TTFT {1e3 * lone_p50:.1f} ms")
             # At the rate: as served (no overlap), then with AsyncEngine.overlap_prefill (new requests'
@@ -376,7 +389,9 @@ def _server_phases(
                 if times is not None:
                     times.clear()
                 before = engine.counters.get("overlapped", 0)
+                logged = engine.step_log.count
                 rated = client.run("rated", rated_prompts, output_len, rate)
+                rated_steps = _prefill_steps(engine.step_log.since(logged))
                 rated_times = [t for t in times or () if "added" in t]
                 rated_p50 = statistics.median(rated)
                 record = dict(
@@ -386,6 +401,7 @@ def _server_phases(
                 )  # fmt: skip
                 if rated_times:
                     record["engine_ms"] = _breakdown(rated_times)
+                record["prefill_steps"] = rated_steps
                 if hasattr(engine, "overlap_prefill"):
                     record["overlapped"] = engine.counters["overlapped"] - before
                 records.append(record)
@@ -395,6 +411,16 @@ def _server_phases(
             if client is not None:
                 client.close()
     return records
+
+
+def _prefill_steps(records) -> dict[str, dict[str, float]]:
+    """Where the steps that ran prompts (the ones that make a request's first token) spent their
+    time, by kind ("prefill": prompts alone; "mixed": with decoding requests); see ``StepLog``."""
+    by_kind: dict[str, list] = {}
+    for r in records:
+        if r.kind in ("prefill", "mixed"):
+            by_kind.setdefault(r.kind, []).append(r)
+    return {kind: dict(steps=len(rs), **summarize(rs)) for kind, rs in by_kind.items()}
 
 
 def _breakdown(times: list[dict[str, float]]) -> dict[str, dict[str, float]]:

@@ -329,6 +329,11 @@ class AsyncEngine:
             self._thread.start()
 
     @property
+    def step_log(self):
+        """The engine's ``LLM.step_log`` (read it from another thread only for benchmarks)."""
+        return self.llm.step_log
+
+    @property
     def is_running(self) -> bool:
         """The step loop is alive and accepts requests."""
         return self._thread is not None and self._thread.is_alive() and not self._stopping and self.error is None

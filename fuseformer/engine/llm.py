@@ -30,6 +30,7 @@ from fuseformer.engine.outputs import CompletionOutput, RequestMetrics, RequestO
 from fuseformer.engine.request import Request, RequestStatus
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from fuseformer.engine.step_log import StepLog, StepRecord
 from fuseformer.models.config import ModelConfig
 from fuseformer.models.llama import LlamaForCausalLM
 from fuseformer.models.loader import load_model
@@ -74,6 +75,8 @@ class StepHandle:
 
     scheduler_output: SchedulerOutput
     launched: LaunchedStep
+    launch_ms: float = 0.0
+    start_event: torch.cuda.Event | None = None  # recorded before the step's first device work
 
     @property
     def ready(self) -> bool:
@@ -213,6 +216,8 @@ class LLM:
         self._groups: dict[str, _Group] = {}  # unfinished prompts by request id
         self._sequences: dict[str, _Sequence] = {}  # unfinished completions by scheduler request id
         self._counter = itertools.count()
+        # Where the steps' time goes, by kind (see fuseformer.engine.step_log): for benchmarks.
+        self.step_log = StepLog()
 
     # ---- defaults and validation -------------------------------------------------------------
 
@@ -367,14 +372,22 @@ class LLM:
         """The first half of ``step``: schedule and enqueue the device work, without waiting for it.
         ``admit_only``: waiting requests only (``Scheduler.schedule``), for a step launched while
         another is in flight; finish the steps in launch order."""
+        start = time.perf_counter()
+        event = None
+        if self.runner.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
         scheduler_output = self.scheduler.schedule(admit_only=admit_only)
-        return StepHandle(scheduler_output, self.runner.launch(scheduler_output, pinned=admit_only))
+        launched = self.runner.launch(scheduler_output, pinned=admit_only)
+        return StepHandle(scheduler_output, launched, 1e3 * (time.perf_counter() - start), event)
 
     def finish_step(self, handle: StepHandle) -> list[RequestOutput]:
         """The second half of ``step``: wait for the launched step and return its deltas."""
         sched = self.scheduler
         scheduler_output = handle.scheduler_output
+        start = time.perf_counter()
         result = self.runner.collect(handle.launched)
+        collected = time.perf_counter()
         updates = sched.update_from_output(scheduler_output, result.sampled_token_ids, result.logprobs)
         now = time.time()
         deltas: dict[str, RequestOutput] = {}
@@ -426,7 +439,25 @@ class LLM:
             out.finished = group.finished
             if out.finished:
                 del self._groups[out.request_id]
+        self._log_step(handle, 1e3 * (collected - start), 1e3 * (time.perf_counter() - collected))
         return list(deltas.values())
+
+    def _log_step(self, handle: StepHandle, wait_ms: float, post_ms: float) -> None:
+        scheduled = handle.scheduler_output.scheduled
+        if not scheduled:
+            return
+        tokens = handle.scheduler_output.num_batched_tokens
+        if handle.launched.graphed:
+            kind = "graph"
+        elif tokens == len(scheduled):
+            kind = "decode"
+        else:
+            kind = "mixed" if any(len(s.token_ids) == 1 for s in scheduled) else "prefill"
+        gpu_ms = None
+        done = handle.launched.done
+        if handle.start_event is not None and done is not None:
+            gpu_ms = handle.start_event.elapsed_time(done)
+        self.step_log.add(StepRecord(kind, tokens, len(scheduled), handle.launch_ms, wait_ms, post_ms, gpu_ms))
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         seq.finish_reason = reason

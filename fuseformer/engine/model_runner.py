@@ -463,7 +463,7 @@ class ModelRunner:
         out = sample(logits, md)
         done = None
         if self.device.type == "cuda":
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)  # LLM.step_log times the step with it
             done.record()
         return LaunchedStep(sampling, params, out, done, graphed)
 

@@ -19,9 +19,9 @@ same ``RequestStream`` objects. ``factory`` must be picklable (a module-level fu
 
 Wire: two pipes. Parent -> child: ("add", id, prompt, params), ("abort", id), ("stop", grace_s). Child ->
 parent, written by a sender thread so that the engine never waits on the parent: ("ready", info),
-("added", id, error or None), ("step", stats, step_s, outputs), ("aborted", id, stats), ("dead", message). A step's
-outputs travel lean: per request its id, finished flag and completions' deltas (no prompt tokens).
-In the parent a reader thread receives them and hands each event loop its share in one
+("added", id, error or None), ("step", stats, step_s, outputs, step records), ("aborted", id, stats),
+("dead", message). A step's outputs travel lean: per request its id, finished flag and completions'
+deltas (no prompt tokens). In the parent a reader thread receives them and hands each event loop its share in one
 ``call_soon_threadsafe`` per message.
 """
 
@@ -34,12 +34,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import astuple
 from typing import Any
 
 from fuseformer.engine.async_engine import EngineDeadError, EngineShutdownError, RequestStream
 from fuseformer.engine.outputs import CompletionOutput, RequestOutput
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import SchedulerStats
+from fuseformer.engine.step_log import StepLog, StepRecord
 
 _START_TIMEOUT_S = 600.0  # building the model in the child (a checkpoint load, CUDA graph capture)
 
@@ -125,6 +127,7 @@ def _child_main(commands, results, factory: Callable[[], Any], overlap_prefill: 
             if not commands.poll(0):
                 return True
 
+    logged = llm.step_log.count  # step records already sent
     try:
         while True:
             idle = not llm.has_unfinished_requests()
@@ -149,7 +152,9 @@ def _child_main(commands, results, factory: Callable[[], Any], overlap_prefill: 
             for out in outputs:
                 if out.finished:
                     live.discard(out.request_id)
-            outbox.put(("step", llm.scheduler.get_stats(), step_s, [_pack(o) for o in outputs]))
+            records = [astuple(r) for r in llm.step_log.since(logged)]
+            logged = llm.step_log.count
+            outbox.put(("step", llm.scheduler.get_stats(), step_s, [_pack(o) for o in outputs], records))
     except BaseException as exc:  # a failed step: the parent fails every request
         outbox.put(("dead", f"{type(exc).__name__}: {exc}"))
     finally:
@@ -184,6 +189,7 @@ class ProcessEngine:
         self._defaults: SamplingParams | None = None
         self._stats = SchedulerStats(0, 0, 0.0, 0.0, 0)
         self.counters = dict(steps=0, step_s=0.0)
+        self.step_log = StepLog()  # the child's steps (LLM.step_log), as they arrive
         if start:
             self.start()
 
@@ -339,10 +345,12 @@ class ProcessEngine:
             for loop, fut in adds:
                 _settle(loop, fut, dead or EngineShutdownError("ProcessEngine: the engine is shutting down"))
 
-    def _on_step(self, stats: SchedulerStats, step_s: float, packed: list) -> None:
+    def _on_step(self, stats: SchedulerStats, step_s: float, packed: list, records: list[tuple]) -> None:
         self._stats = stats
         self.counters["steps"] += 1
         self.counters["step_s"] += step_s
+        for record in records:
+            self.step_log.add(StepRecord(*record))
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         outputs = [_unpack(p) for p in packed]
         with self._lock:

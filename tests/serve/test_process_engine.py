@@ -46,6 +46,10 @@ def test_streams_hold_what_generate_returns(engine, checkpoint, llm_kwargs):
         assert [texts[c.index] for c in out.outputs] == [c.text for c in out.outputs]
         assert [finishes[c.index] for c in out.outputs] == ["length"] * len(out.outputs)
     assert engine.counters["steps"] > 0 and engine.get_stats().kv_cache_usage == 0.0
+    # The child's step records came along, the first a prompt's.
+    totals = engine.step_log.totals()
+    assert engine.step_log.count >= engine.counters["steps"] and engine.step_log.records[0].kind == "prefill"
+    assert sum(t["steps"] for t in totals.values()) == engine.step_log.count and "decode" in totals
 
 
 def test_bad_input_raises_and_the_engine_goes_on(engine):
