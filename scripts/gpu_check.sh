@@ -35,9 +35,10 @@ if [[ "$stage" == all || "$stage" == sweep ]]; then
     tail -n 3 "$out/sweep.log"
 fi
 if [[ "$stage" == serve ]]; then
-    # The serving checks in one device call (~7 min): the GPU tests of both engines (CUDA graphs,
-    # overlap_prefill, the engine process), then `fuseformer bench serve` (both engines, 8B shape).
+    # The serving checks in one device call (~7 min): the GPU tests of the engine and both serving
+    # engines (CUDA graphs, sampling, overlap_prefill, the engine process), then `fuseformer bench serve` (both engines, 8B shape).
     python3 -m pytest -q -m gpu tests/serve/test_process_engine.py tests/serve/test_async_engine.py \
+        tests/engine/test_cuda_graphs.py tests/engine/test_sampler.py tests/engine/test_llm.py \
         2>&1 | tee "$out/gpu-tests-serve.log" | tail -n 15
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     python3 -m fuseformer.cli bench serve --out "$out" > "$out/bench-serve.log" 2>&1 || status=1

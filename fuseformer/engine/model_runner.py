@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fuseformer.engine.sampler import SamplingMetadata, make_generator, sample
+from fuseformer.engine.sampler import SamplingMetadata, make_generator, sample, to_device
 from fuseformer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fuseformer.models.config import ModelConfig
 from fuseformer.models.llama import AttentionMetadata
@@ -447,7 +447,10 @@ class ModelRunner:
         sampling = [s.request for s in scheduler_output.scheduled if s.sample]
         if not sampling:
             return LaunchedStep([], [], None, None, graphed)
-        logits = self.model.compute_logits(hidden, torch.tensor(sample_rows, device=self.device))
+        if graphed and sample_rows == list(range(len(sample_rows))):
+            logits = self.model.compute_logits(hidden[: len(sample_rows)])  # a decode graph's first rows
+        else:
+            logits = self.model.compute_logits(hidden, to_device(torch.tensor(sample_rows), self.device))
         params = [r.sampling_params for r in sampling]
         generators = [
             self._generator(r.request_id, p.seed) if p.seed is not None else None for r, p in zip(sampling, params)
@@ -473,6 +476,8 @@ class ModelRunner:
         out = step.output
         if out is None:
             return ModelRunnerOutput({})
+        if step.done is not None:
+            step.done.synchronize()  # the wait, with the GIL released (reading the tokens would hold it)
         sampling, params = step.requests, step.params
         ids = out.sampled_token_ids.tolist()
         sampled = {r.request_id: [t] for r, t in zip(sampling, ids)}

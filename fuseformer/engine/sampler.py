@@ -77,7 +77,7 @@ class SamplingMetadata:
         n = len(params)
 
         def col(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         greedy = [p.is_greedy for p in params]
         md = cls(
@@ -102,8 +102,8 @@ class SamplingMetadata:
             md.presence_penalty = col([p.presence_penalty for p in params])
             md.frequency_penalty = col([p.frequency_penalty for p in params])
             # Only penalized rows' tokens are copied: a long prompt costs nothing unless it is penalized.
-            md.prompt_token_ids = _pad(prompt_token_ids, penalized, vocab_size).to(device, non_blocking=True)
-            md.output_token_ids = _pad(output_token_ids, penalized, vocab_size).to(device, non_blocking=True)
+            md.prompt_token_ids = to_device(_pad(prompt_token_ids, penalized, vocab_size), device)
+            md.output_token_ids = to_device(_pad(output_token_ids, penalized, vocab_size), device)
 
         if generators is not None:
             if len(generators) != n:
@@ -112,6 +112,15 @@ class SamplingMetadata:
         asked = [p.logprobs for p in params if p.logprobs is not None]
         md.max_num_logprobs = max(asked) if asked else None
         return md
+
+
+def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``x`` (on the CPU) copied to ``device`` without waiting for the work queued there: on CUDA
+    through pinned memory (a copy from pageable memory first waits for the stream to drain, which
+    made every engine step's launch wait for its own forward pass, holding the GIL)."""
+    if torch.device(device).type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 def _pad(rows: Sequence[Sequence[int]], keep: Sequence[bool], pad: int) -> torch.Tensor:
