@@ -41,7 +41,7 @@ class StepRecord:
 class StepLog:
     """The last ``maxlen`` steps, and totals by kind since the start (``totals``)."""
 
-    def __init__(self, maxlen: int = 4096) -> None:
+    def __init__(self, maxlen: int = 16384) -> None:
         if not isinstance(maxlen, int) or maxlen < 1:
             raise ValueError(f"StepLog: maxlen must be a positive int, got {maxlen!r}")
         self.records: deque[StepRecord] = deque(maxlen=maxlen)
