@@ -242,6 +242,7 @@ def run_serve_case(
     warm, prompts, light = fresh(num_requests), fresh(num_requests), fresh(num_lone + num_rated)
     case = dict(model=shape_name, requests=num_requests, input_len=input_len, output_len=output_len, dtype=str(dtype))
     case["cuda_graphs"] = bool(llm_kwargs.get("cuda_graphs", False))
+    case["async_scheduling"] = bool(llm_kwargs.get("async_scheduling", False))
     name = "bench"
     llm = LLM(ours, device=device, max_model_len=input_len + output_len, **llm_kwargs)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -252,21 +253,28 @@ def run_serve_case(
     # lookups out of the timed runs (a warm-up of 8 prompts left the offline run its 8192-token chunks).
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     sync()
-    steps_before = llm.step_log.totals()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    sync()
-    offline_s = time.perf_counter() - start
-    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    offline_tok_s = num_out / offline_s
-    steps = totals_since(llm.step_log.totals(), steps_before)
-    records.append(
-        dict(
-            bench="serve", impl="offline LLM.generate", **case, seconds=offline_s, output_tok_s=offline_tok_s,
-            steps=steps,
+    # With async_scheduling, a synchronous offline run first, on prompts of its own (a record for
+    # comparison); the ratios are to the offline run with the server's settings.
+    for ahead in (False, True) if case["async_scheduling"] else (False,):
+        llm.async_scheduling = ahead
+        steps_before, ahead_before = llm.step_log.totals(), llm.num_steps_ahead
+        start = time.perf_counter()
+        outs = llm.generate(
+            prompts if ahead == case["async_scheduling"] else fresh(num_requests), params, use_tqdm=False
         )
-    )  # fmt: skip
-    progress(f"offline steps {steps}")
+        sync()
+        offline_s = time.perf_counter() - start
+        num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        offline_tok_s = num_out / offline_s
+        steps = totals_since(llm.step_log.totals(), steps_before)
+        impl = "offline LLM.generate" + (", async_scheduling" if ahead else "")
+        records.append(
+            dict(
+                bench="serve", impl=impl, **(case | dict(async_scheduling=ahead)), seconds=offline_s,
+                output_tok_s=offline_tok_s, steps=steps, steps_ahead=llm.num_steps_ahead - ahead_before,
+            )
+        )  # fmt: skip
+        progress(f"{impl}: {offline_tok_s:.0f} output tok/s; steps {steps}")
     progress(f"offline {offline_tok_s:.0f} output tok/s; starting the server")
     spec = dict(
         requests=num_requests, output_len=output_len, lone=num_lone, rated=num_rated, rate=rate, unlimited=num_unlimited
@@ -460,17 +468,20 @@ def bench_serve(quick: bool = False, cuda_graphs: bool | None = None) -> list[Re
     ``cuda_graphs`` (default: ``FUSEFORMER_BENCH_CUDA_GRAPHS``, "1" unless set to "0"): the engine
     replays decode steps as CUDA graphs in both the offline and the server runs, as
     ``fuseformer serve --cuda-graphs`` does; at light load a decode step is then short, so a new
-    request waits less for the step in flight (the TTFT bar)."""
+    request waits less for the step in flight (the TTFT bar).
+    ``FUSEFORMER_BENCH_ASYNC_SCHEDULING`` ("1": on; default off): ``LLM(async_scheduling=True)`` in the
+    offline run (after a synchronous one, recorded too) and the server's (``run_serve_case``)."""
     from fuseformer.bench.engine import SHAPES
 
     if cuda_graphs is None:
         cuda_graphs = os.environ.get("FUSEFORMER_BENCH_CUDA_GRAPHS", "1") != "0"
+    async_scheduling = os.environ.get("FUSEFORMER_BENCH_ASYNC_SCHEDULING", "0") == "1"
     name = "llama3.2-1b" if quick else "llama3-8b"
     n, lone, rated = (64, 4, 8) if quick else (256, 30, 30)
     engines = tuple(e for e in os.environ.get("FUSEFORMER_BENCH_SERVE_ENGINES", "thread,process").split(",") if e)
     records = run_serve_case(
         SHAPES[name], n, 256, 256, num_lone=lone, num_rated=rated, shape_name=name, cuda_graphs=cuda_graphs,
-        engines=engines,
+        engines=engines, async_scheduling=async_scheduling,
     )  # fmt: skip
     print(format_table(records))
     return records

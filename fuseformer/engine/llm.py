@@ -138,6 +138,12 @@ class LLM:
             ``enforce_eager=True`` is ``cuda_graphs=False`` here, our default until the graphs have
             run in production). Needs a CUDA device: True with another device raises ValueError.
             Capture takes a few seconds and ~0.1 GiB at the 8B shape, taken from the KV cache.
+        async_scheduling: in ``step`` (and so ``generate``), schedule and launch the next decode step
+            before the current one's tokens are read (``Scheduler.schedule_ahead``; vLLM's
+            ``async_scheduling``): the host's per-step work (reading tokens, detokenizing, outputs,
+            scheduling) overlaps the device's next step instead of leaving the device idle. Outputs
+            are the same; a request that finishes has one step of device work done for nothing.
+            Steps of requests with penalties, or with requests waiting, are not scheduled ahead.
     """
 
     def __init__(
@@ -156,7 +162,13 @@ class LLM:
         cpu_kv_cache_gib: float = 1.0,
         tokenizer: str | Path | Tokenizer | None = None,
         cuda_graphs: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"LLM: async_scheduling must be a bool, got {async_scheduling!r}")
+        self.async_scheduling = async_scheduling
+        self._ahead: StepHandle | None = None  # a step scheduled ahead, launched, not yet finished
+        self.num_steps_ahead = 0  # steps launched ahead of the previous step's tokens
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"LLM: max_model_len must be an int >= 2 or None, got {max_model_len!r}")
         cache_config = CacheConfig(
@@ -344,8 +356,24 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns, per prompt whose completions changed, a delta RequestOutput: each
-        of its ``outputs`` holds the text and tokens that completion gained in this step."""
-        return self.finish_step(self.launch_step())
+        of its ``outputs`` holds the text and tokens that completion gained in this step.
+
+        With ``async_scheduling`` the next decode step is launched before this one's tokens are read
+        (it is this method's next step; its requests' outputs come from the next call)."""
+        handle = self._take_ahead() or self.launch_step()
+        if self.async_scheduling and handle.launched.output is not None:
+            ahead = self.scheduler.schedule_ahead(handle.scheduler_output)
+            if ahead is not None:
+                self._ahead = self._launch(lambda: ahead, True, handle.launched.output.sampled_token_ids)
+                self.num_steps_ahead += 1
+        outputs = self.finish_step(handle)
+        if self._ahead is not None and not self.scheduler.has_unfinished_requests():
+            self.finish_step(self._take_ahead())  # every request of it finished: nothing to report
+        return outputs
+
+    def _take_ahead(self) -> StepHandle | None:
+        handle, self._ahead = self._ahead, None
+        return handle
 
     def step_with_arrivals(
         self, arrivals: Callable[[float], bool], poll_s: float = 2e-4
@@ -354,8 +382,9 @@ class LLM:
         runs on the device (``StepHandle.overlappable``), call ``arrivals(poll_s)``, which waits up to
         ``poll_s`` seconds for new requests, adds them (``add_request``) and says whether any came; the
         first that do get their prefill launched at once, behind the decode step in the device's queue.
-        Returns (the deltas of both steps, in launch order; whether a prefill was launched early)."""
-        handle = self.launch_step()
+        Returns (the deltas of both steps, in launch order; whether a prefill was launched early).
+        A step scheduled ahead by ``step`` (``async_scheduling``) is this call's step in flight."""
+        handle = self._take_ahead() or self.launch_step()
         admitted = None
         if handle.overlappable:
             while not handle.ready:
@@ -372,13 +401,18 @@ class LLM:
         """The first half of ``step``: schedule and enqueue the device work, without waiting for it.
         ``admit_only``: waiting requests only (``Scheduler.schedule``), for a step launched while
         another is in flight; finish the steps in launch order."""
+        if self._ahead is not None and not admit_only:
+            raise RuntimeError("LLM.launch_step: a step scheduled ahead is in flight (async_scheduling): use step()")
+        return self._launch(lambda: self.scheduler.schedule(admit_only=admit_only), admit_only, None)
+
+    def _launch(self, schedule: Callable[[], SchedulerOutput], pinned: bool, prev_tokens) -> StepHandle:
         start = time.perf_counter()
         event = None
         if self.runner.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-        scheduler_output = self.scheduler.schedule(admit_only=admit_only)
-        launched = self.runner.launch(scheduler_output, pinned=admit_only)
+        scheduler_output = schedule()
+        launched = self.runner.launch(scheduler_output, pinned=pinned, prev_tokens=prev_tokens)
         return StepHandle(scheduler_output, launched, 1e3 * (time.perf_counter() - start), event)
 
     def finish_step(self, handle: StepHandle) -> list[RequestOutput]:

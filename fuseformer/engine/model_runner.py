@@ -180,6 +180,9 @@ class _DecodeGraphs:
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
         self.capture_seconds = time.perf_counter() - start
 
+    def _host(self, x: torch.Tensor) -> torch.Tensor:
+        return x.pin_memory() if self.device.type == "cuda" else x
+
     def padded_size(self, scheduled: list[ScheduledRequest]) -> int | None:
         """The captured size for this step, or None when it must run eagerly: a request computes more
         than one token (a prefill chunk), more requests than the largest size, or a longer block table
@@ -192,10 +195,12 @@ class _DecodeGraphs:
                 return None
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def run(self, scheduled: list[ScheduledRequest], b: int) -> torch.Tensor:
+    def run(self, scheduled: list[ScheduledRequest], b: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Load the step into rows [0, n) of the static buffers, pad [n, B), replay the size-``b``
-        graph (or run the forward, without graphs). Returns hidden states (B, H); rows [0, n) are the
-        step's, in scheduled order; the tensor is overwritten by the next run."""
+        graph (or run the forward, without graphs). ``input_ids`` (n,) on the device: the rows'
+        input tokens instead of their ``token_ids`` (a step scheduled ahead). Returns hidden states
+        (B, H); rows [0, n) are the step's, in scheduled order; the tensor is overwritten by the next
+        run. The copies come from pinned memory: they never wait for a step still on the device."""
         bs, pad = self.block_size, b - len(scheduled)
         ids, pos, slots, ctx, tables = [], [], [], [], []
         for s in scheduled:
@@ -209,10 +214,13 @@ class _DecodeGraphs:
         rows = [t + (0,) * (width - len(t)) for t in tables] + [(0,) * width] * pad
         # Host-to-device copies, stream-ordered before the replay that reads them.
         self._ids_pos_slots[:, :b].copy_(
-            torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad], dtype=torch.int64), non_blocking=True
+            self._host(torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad], dtype=torch.int64)),
+            non_blocking=True,
         )
-        self.context_lens[:b].copy_(torch.tensor(ctx + [1] * pad, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:b, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        if input_ids is not None:
+            self._ids_pos_slots[0, : len(scheduled)].copy_(input_ids)
+        self.context_lens[:b].copy_(self._host(torch.tensor(ctx + [1] * pad, dtype=torch.int32)), non_blocking=True)
+        self.block_tables[:b, :width].copy_(self._host(torch.tensor(rows, dtype=torch.int32)), non_blocking=True)
         self.replays[b] += 1
         self.padded_rows += pad
         if not self.use_graphs:
@@ -413,37 +421,53 @@ class ModelRunner:
         """The model forward of a non-empty step: hidden states (T', H) and the rows whose logits
         sample. A decode-only step that fits a captured size replays its graph (T' = the padded size,
         rows [0, n) the step's); any other step runs eagerly (T' = the step's token count)."""
-        hidden, sample_rows, _ = self._forward(scheduler_output, pinned)
+        hidden, sample_rows, _ = self._forward(scheduler_output, pinned, None)
         return hidden, sample_rows
 
     @torch.inference_mode()
-    def _forward(self, scheduler_output: SchedulerOutput, pinned: bool) -> tuple[torch.Tensor, list[int], bool]:
-        """``forward``, and whether a captured graph replayed."""
+    def _forward(
+        self, scheduler_output: SchedulerOutput, pinned: bool, prev_tokens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[int], bool]:
+        """``forward``, and whether a captured graph replayed. ``prev_tokens``: the previous step's
+        sampled tokens on the device, for a step scheduled ahead (its input ids are rows of them)."""
         self.num_steps += 1
         graphs = self.decode_graphs
         scheduled = scheduler_output.scheduled
+        input_ids = None
+        if scheduler_output.ahead_rows is not None:
+            if prev_tokens is None:
+                raise ValueError("ModelRunner: a step scheduled ahead needs the previous step's sampled tokens")
+            rows = scheduler_output.ahead_rows
+            if rows == list(range(len(rows))):
+                input_ids = prev_tokens[: len(rows)]
+            else:
+                input_ids = prev_tokens.index_select(0, to_device(torch.tensor(rows), self.device))
+            pinned = True  # the previous step is still on the device: no copy may wait for it
         b = graphs.padded_size(scheduled) if graphs is not None else None
         if b is not None:
-            hidden = graphs.run(scheduled, b)
+            hidden = graphs.run(scheduled, b, input_ids)
             return hidden, [i for i, s in enumerate(scheduled) if s.sample], graphs.use_graphs
-        input_ids, positions, meta, sample_rows = self.prepare(scheduler_output, pinned)
-        return self.model(input_ids, positions, meta), sample_rows, False
+        ids, positions, meta, sample_rows = self.prepare(scheduler_output, pinned)
+        return self.model(ids if input_ids is None else input_ids, positions, meta), sample_rows, False
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; sample a token for each request whose ``sample`` is set."""
         return self.collect(self.launch(scheduler_output))
 
     @torch.inference_mode()
-    def launch(self, scheduler_output: SchedulerOutput, pinned: bool = False) -> LaunchedStep:
+    def launch(
+        self, scheduler_output: SchedulerOutput, pinned: bool = False, prev_tokens: torch.Tensor | None = None
+    ) -> LaunchedStep:
         """Enqueue the step's forward and sampling on the device and return without waiting for them
         (``collect`` waits and reads the sampled tokens). Between the two, the host is free: the engine
         can launch a new request's prefill behind a decode step in flight (``AsyncEngine``); that one
-        is launched ``pinned`` (see ``prepare``)."""
+        is launched ``pinned`` (see ``prepare``); or the next decode step, scheduled ahead, whose input
+        tokens are rows of ``prev_tokens`` (the step in flight's ``LaunchedStep.output.sampled_token_ids``)."""
         for rid in scheduler_output.finished_request_ids:
             self.generators.pop(rid, None)
         if scheduler_output.is_empty:
             return LaunchedStep([], [], None, None, False)
-        hidden, sample_rows, graphed = self._forward(scheduler_output, pinned)
+        hidden, sample_rows, graphed = self._forward(scheduler_output, pinned, prev_tokens)
         sampling = [s.request for s in scheduler_output.scheduled if s.sample]
         if not sampling:
             return LaunchedStep([], [], None, None, graphed)

@@ -56,6 +56,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "(lower time to first token under load; experimental: not yet measured on a GPU)",
     )
     p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="launch each decode step before the previous one's tokens are read, so that the host's per-step "
+        "work overlaps the GPU's (vLLM's --async-scheduling; experimental). Not combined with --overlap-prefill",
+    )
+    p.add_argument(
         "--engine-process",
         action="store_true",
         help="run the engine in a process of its own (no GIL shared with the HTTP server; "
@@ -151,6 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         seed=args.seed,
         cuda_graphs=_use_cuda_graphs(args),
+        async_scheduling=args.async_scheduling,
     )
     name = args.served_model_name or Path(model).resolve().name
     if args.engine_process:

@@ -237,11 +237,12 @@ def test_logprobs(checkpoint):
     assert abs(c.cumulative_logprob - sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs))) < 1e-9
 
 
-def test_stop_token_ids_and_eos(checkpoint):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_token_ids_and_eos(checkpoint, async_scheduling):
     path, _ = checkpoint("llama")
     prompt = _prompts((5,), seed=6)[0]
     with fuseformer.use_backend("reference"):
-        llm = _llm(path)
+        llm = _llm(path, async_scheduling=async_scheduling)
         full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         full = full[0].outputs[0].token_ids
         stop_id = full[4]
@@ -253,12 +254,14 @@ def test_stop_token_ids_and_eos(checkpoint):
         llm.eos_token_ids = [stop_id]
         (out,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
         assert out.outputs[0].token_ids == cut and out.outputs[0].finish_reason == "stop"
+        assert llm.scheduler.kv.pool.num_free_blocks == 63 and (llm.num_steps_ahead > 0) == async_scheduling
     assert _llm(path).eos_token_ids == [2]
 
 
-def test_stop_strings_and_text(text_checkpoint):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_strings_and_text(text_checkpoint, async_scheduling):
     with fuseformer.use_backend("reference"):
-        llm = _llm(text_checkpoint)
+        llm = _llm(text_checkpoint, async_scheduling=async_scheduling)
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
         (full,) = llm.generate("Hello world", params, use_tqdm=False)
         text = full.outputs[0].text
@@ -271,6 +274,8 @@ def test_stop_strings_and_text(text_checkpoint):
         c = out.outputs[0]
         assert (c.text, c.finish_reason, c.stop_reason) == (text[: text.index(stop)], "stop", stop)
         assert len(c.token_ids) < len(full.outputs[0].token_ids)
+        assert llm.scheduler.kv.pool.num_free_blocks == 63
+        assert (llm.num_steps_ahead > 0) == async_scheduling
 
 
 def test_chat_uses_the_template(text_checkpoint):
@@ -374,10 +379,11 @@ def test_prompt_plus_max_tokens_past_max_model_len_finishes_with_length(checkpoi
     assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
 
 
-def test_step_api_streams_what_generate_returns(text_checkpoint):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_api_streams_what_generate_returns(text_checkpoint, async_scheduling):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["zzz"])
     with fuseformer.use_backend("reference"):
-        llm = _llm(text_checkpoint)
+        llm = _llm(text_checkpoint, async_scheduling=async_scheduling)
         (expected,) = llm.generate("The quick", params, use_tqdm=False)
         rid = llm.add_request("a", "The quick", params)
         other = llm.add_request("b", "Hello", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
@@ -400,6 +406,7 @@ def test_step_api_streams_what_generate_returns(text_checkpoint):
                 assert "b" not in llm.scheduler.requests
         assert finished and text == expected.outputs[0].text and tokens == expected.outputs[0].token_ids
         assert llm.scheduler.kv.pool.num_free_blocks == 63
+        assert (llm.num_steps_ahead > 0) == async_scheduling
 
 
 def _cli(*args, timeout=120):

@@ -15,10 +15,10 @@ from fuseformer.testing import collect_staggered, collect_stream, run_bounded
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
-@pytest.fixture
-def engine(checkpoint, llm_kwargs):
+@pytest.fixture(params=[False, True], ids=["sync", "async_scheduling"])
+def engine(checkpoint, llm_kwargs, request):
     with fuseformer.use_backend("reference"):
-        llm = LLM(checkpoint, **llm_kwargs)
+        llm = LLM(checkpoint, async_scheduling=request.param, **llm_kwargs)
         yield AsyncEngine(llm)
 
 

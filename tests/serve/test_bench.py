@@ -44,17 +44,21 @@ def test_bench_serve_code_paths_on_cpu(monkeypatch):
     with fuseformer.use_backend("reference"):
         records = run_serve_case(
             SHAPE, 6, 8, 5, num_lone=2, num_rated=3, rate=10.0, device="cpu", dtype=torch.float32,
-            num_kv_blocks=64, block_size=4, engines=("thread", "process"),
+            num_kv_blocks=64, block_size=4, engines=("thread", "process"), async_scheduling=True,
         )  # fmt: skip
     impls = [r["impl"] for r in records]
     assert impls == [
-        "offline LLM.generate", "server, unlimited rate", "server, unlimited rate", "server, lone request",
+        "offline LLM.generate", "offline LLM.generate, async_scheduling",
+        "server, unlimited rate", "server, unlimited rate", "server, lone request",
         "server, 10 req/s", "server, 10 req/s, overlap_prefill",
         "process engine, unlimited rate", "process engine, unlimited rate", "process engine, lone request",
         "process engine, 10 req/s",
     ]  # fmt: skip
-    offline, unlimited, unlimited2, lone, rated, overlapped = records[:6]
-    p_unlimited, _, p_lone, p_rated = records[6:]
+    sync_offline, offline, unlimited, unlimited2, lone, rated, overlapped = records[:7]
+    p_unlimited, _, p_lone, p_rated = records[7:]
+    # Both offline runs, the server's settings (async_scheduling) last: the ratios are to that one.
+    assert not sync_offline["async_scheduling"] and sync_offline["steps_ahead"] == 0
+    assert offline["async_scheduling"] and offline["steps_ahead"] > 0 and unlimited["async_scheduling"]
     assert freed_first == [True]
     assert p_unlimited["output_tok_s"] > 0 and p_unlimited["engine"]["steps"] >= 5
     assert 0 < p_lone["p50_ttft_ms"] < 10_000 and p_rated["requests"] == 3

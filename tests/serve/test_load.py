@@ -202,7 +202,7 @@ def test_sigterm_stops_accepting_and_exits_0(checkpoint, finishes, engine_proces
         "--host", "127.0.0.1", "--device", "cpu", "--num-kv-blocks", "2048", "--block-size", "4",
         "--max-model-len", "64", "--served-model-name", MODEL, "--log-level", "critical",
         "--shutdown-timeout", "30" if finishes else "0.1",
-    ] + (["--engine-process"] if engine_process else [])  # fmt: skip
+    ] + (["--engine-process", "--async-scheduling"] if engine_process else [])  # fmt: skip
     # 40 tokens; or 128 completions x 60 tokens, which take well over 0.1 s on the CPU
     body = dict(model=MODEL, prompt="Hello", max_tokens=40, stream=True)
     if not finishes:
