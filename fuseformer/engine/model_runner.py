@@ -78,10 +78,20 @@ class LaunchedStep:
     output: object | None
     done: torch.cuda.Event | None
     graphed: bool
+    # On CUDA: the output's sampled ids, logprob ids and logprobs (None where absent), copied to
+    # pinned host memory before ``done``.
+    host: tuple | None = None
 
     def ready(self) -> bool:
         """The device work has finished (always, off CUDA)."""
         return self.done is None or self.done.query()
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of device tensor ``t`` in pinned host memory, enqueued on the current stream."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -489,10 +499,17 @@ class ModelRunner:
         )
         out = sample(logits, md)
         done = None
+        host = None
         if self.device.type == "cuda":
+            # The results come to pinned host memory in the stream, before the event: reading them
+            # later waits for this step only (a .tolist() of a device tensor would wait for the whole
+            # stream, a step launched ahead included).
+            host = tuple(
+                None if t is None else _to_host(t) for t in (out.sampled_token_ids, out.logprob_token_ids, out.logprobs)
+            )
             done = torch.cuda.Event(enable_timing=True)  # LLM.step_log times the step with it
             done.record()
-        return LaunchedStep(sampling, params, out, done, graphed)
+        return LaunchedStep(sampling, params, out, done, graphed, host)
 
     @staticmethod
     def collect(step: LaunchedStep) -> ModelRunnerOutput:
@@ -501,13 +518,14 @@ class ModelRunner:
         if out is None:
             return ModelRunnerOutput({})
         if step.done is not None:
-            step.done.synchronize()  # the wait, with the GIL released (reading the tokens would hold it)
+            step.done.synchronize()  # the wait, with the GIL released
+        sampled_ids, lp_ids, lps = step.host or (out.sampled_token_ids, out.logprob_token_ids, out.logprobs)
         sampling, params = step.requests, step.params
-        ids = out.sampled_token_ids.tolist()
+        ids = sampled_ids.tolist()
         sampled = {r.request_id: [t] for r, t in zip(sampling, ids)}
-        if out.logprobs is None:
+        if lps is None:
             return ModelRunnerOutput(sampled)
-        lp_ids, lps = out.logprob_token_ids.tolist(), out.logprobs.tolist()
+        lp_ids, lps = lp_ids.tolist(), lps.tolist()
         logprobs = {}
         for i, (r, p) in enumerate(zip(sampling, params)):
             if p.logprobs is not None:
