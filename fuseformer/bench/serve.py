@@ -469,19 +469,24 @@ def bench_serve(quick: bool = False, cuda_graphs: bool | None = None) -> list[Re
     replays decode steps as CUDA graphs in both the offline and the server runs, as
     ``fuseformer serve --cuda-graphs`` does; at light load a decode step is then short, so a new
     request waits less for the step in flight (the TTFT bar).
-    ``FUSEFORMER_BENCH_ASYNC_SCHEDULING`` ("1": on; default off): ``LLM(async_scheduling=True)`` in the
-    offline run (after a synchronous one, recorded too) and the server's (``run_serve_case``)."""
+    ``FUSEFORMER_BENCH_ASYNC_SCHEDULING`` ("1" unless set to "0"): ``LLM(async_scheduling=True)`` from
+    ``fuseformer serve``'s ``ASYNC_MIN_SEQS`` requests on, as the server runs on CUDA, in the offline
+    run (after a synchronous one, recorded too) and the server's (``run_serve_case``)."""
     from fuseformer.bench.engine import SHAPES
 
     if cuda_graphs is None:
         cuda_graphs = os.environ.get("FUSEFORMER_BENCH_CUDA_GRAPHS", "1") != "0"
-    async_scheduling = os.environ.get("FUSEFORMER_BENCH_ASYNC_SCHEDULING", "0") == "1"
+    from fuseformer.serve.cli import ASYNC_MIN_SEQS
+
+    ahead = {}
+    if os.environ.get("FUSEFORMER_BENCH_ASYNC_SCHEDULING", "1") != "0":
+        ahead = dict(async_scheduling=True, async_scheduling_min_seqs=ASYNC_MIN_SEQS)
     name = "llama3.2-1b" if quick else "llama3-8b"
     n, lone, rated = (64, 4, 8) if quick else (256, 30, 30)
     engines = tuple(e for e in os.environ.get("FUSEFORMER_BENCH_SERVE_ENGINES", "thread,process").split(",") if e)
     records = run_serve_case(
         SHAPES[name], n, 256, 256, num_lone=lone, num_rated=rated, shape_name=name, cuda_graphs=cuda_graphs,
-        engines=engines, async_scheduling=async_scheduling,
+        engines=engines, **ahead,
     )  # fmt: skip
     print(format_table(records))
     return records

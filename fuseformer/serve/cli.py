@@ -23,6 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+# --async-scheduling schedules ahead steps of this many requests or more: below, the host work hidden
+# is ~1 ms a step at the 8B shape, and a request arriving would wait for the step scheduled ahead too
+# (run 30: 1 req/s p50 TTFT 1.27x a lone request's with every step scheduled ahead).
+ASYNC_MIN_SEQS = 8
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -57,9 +61,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="launch each decode step before the previous one's tokens are read, so that the host's per-step "
-        "work overlaps the GPU's (vLLM's --async-scheduling; experimental). Not combined with --overlap-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"launch each decode step of {ASYNC_MIN_SEQS} or more requests before the previous one's tokens are "
+        "read, so that the host's per-step work overlaps the GPU's (vLLM's --async-scheduling; default: on with a "
+        "CUDA device; at the Llama-3-8B shape on an H200 it raised the offline engine's output tok/s 11-22%%)",
     )
     p.add_argument(
         "--engine-process",
@@ -116,8 +122,13 @@ def serving_process() -> Iterator[None]:
 def _use_cuda_graphs(args: argparse.Namespace) -> bool:
     """--cuda-graphs as given; unset, on when the server runs on a CUDA device (--device, else CUDA
     when one is available)."""
-    if args.cuda_graphs is not None:
-        return args.cuda_graphs
+    return _on_cuda_unless_set(args, args.cuda_graphs)
+
+
+def _on_cuda_unless_set(args: argparse.Namespace, value: bool | None) -> bool:
+    """A flag's value as given; unset (None), whether the server runs on a CUDA device."""
+    if value is not None:
+        return value
     import torch
 
     if args.device is not None:
@@ -157,7 +168,8 @@ def run_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         seed=args.seed,
         cuda_graphs=_use_cuda_graphs(args),
-        async_scheduling=args.async_scheduling,
+        async_scheduling=_on_cuda_unless_set(args, args.async_scheduling),
+        async_scheduling_min_seqs=ASYNC_MIN_SEQS,
     )
     name = args.served_model_name or Path(model).resolve().name
     if args.engine_process:

@@ -76,6 +76,14 @@ def test_outputs_equal_those_of_synchronous_steps(padded):
     assert llm.num_steps_ahead > 0 and sync_llm.num_steps_ahead == 0
     assert llm.scheduler.num_preemptions > 0 and llm.scheduler.kv.pool.prefix_stats.hits > 0
     assert llm.scheduler.kv.pool.num_free_blocks == 39 and llm._ahead is None
+    # From 100 requests on: never here.
+    with fuseformer.use_backend("reference"):
+        few = LLM(model, async_scheduling=True, async_scheduling_min_seqs=100, **_KW)
+        assert _flat(few.generate(prompts, params, use_tqdm=False)) == _flat(expected) and few.num_steps_ahead == 0
+    with pytest.raises(ValueError, match="async_scheduling_min_seqs"):
+        LLM(model, async_scheduling=True, async_scheduling_min_seqs=0, **_KW)
+    with pytest.raises(ValueError, match="async_scheduling must be a bool"):
+        LLM(model, async_scheduling="yes", **_KW)
     if padded:
         assert sum(llm.runner.decode_graphs.replays.values()) > 0
 

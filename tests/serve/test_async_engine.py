@@ -244,10 +244,10 @@ def _hold_steps_in_flight(monkeypatch, seconds: float) -> None:
     from fuseformer.engine.llm import StepHandle
 
     launched_at: dict[int, float] = {}  # id(handle) -> launch time, while the handle is unfinished
-    launch, finish = LLM.launch_step, LLM.finish_step
+    launch, finish = LLM._launch, LLM.finish_step  # every step's launch goes through _launch
 
-    def timed_launch(self, admit_only=False):
-        handle = launch(self, admit_only)
+    def timed_launch(self, *args):
+        handle = launch(self, *args)
         launched_at[id(handle)] = time.perf_counter()
         return handle
 
@@ -255,16 +255,19 @@ def _hold_steps_in_flight(monkeypatch, seconds: float) -> None:
         launched_at.pop(id(handle), None)
         return finish(self, handle)
 
-    monkeypatch.setattr(LLM, "launch_step", timed_launch)
+    monkeypatch.setattr(LLM, "_launch", timed_launch)
     monkeypatch.setattr(LLM, "finish_step", timed_finish)
     ready_later = property(lambda self: time.perf_counter() - launched_at[id(self)] > seconds)
     monkeypatch.setattr(StepHandle, "ready", ready_later)
 
 
-def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwargs, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwargs, monkeypatch, async_scheduling):
     """AsyncEngine(overlap_prefill=True) with the decode step made to look in flight (a graph replay
     whose event is not ready for a while; on the CPU the work is done already): requests that arrive
-    meanwhile are launched behind it, and every stream holds what LLM.generate returns."""
+    meanwhile are launched behind it, and every stream holds what LLM.generate returns. With async
+    scheduling from 2 requests on, both overlaps happen: arrivals launched behind a lone request's
+    step, steps of two or more scheduled ahead."""
     from fuseformer.engine.llm import StepHandle
 
     monkeypatch.setattr(StepHandle, "overlappable", property(lambda self: bool(self.scheduler_output.scheduled)))
@@ -273,11 +276,13 @@ def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwar
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with fuseformer.use_backend("reference"):
         expected = LLM(checkpoint, **llm_kwargs).generate(prompts, params, use_tqdm=False)
-        engine = AsyncEngine(LLM(checkpoint, **llm_kwargs), overlap_prefill=True)
+        ahead = dict(async_scheduling=True, async_scheduling_min_seqs=2) if async_scheduling else {}
+        engine = AsyncEngine(LLM(checkpoint, **llm_kwargs, **ahead), overlap_prefill=True)
 
         results = run_bounded(collect_staggered(engine, prompts, params, 0.03))  # arrive while r0 decodes
         run_bounded(engine.shutdown())
     assert engine.counters["overlapped"] >= 1
+    assert (engine.llm.num_steps_ahead > 0) == async_scheduling
     for (texts, tokens, finishes, _), out in zip(results, expected):
         assert tokens[0] == out.outputs[0].token_ids and texts[0] == out.outputs[0].text
         assert finishes[0] == "length"

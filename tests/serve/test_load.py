@@ -287,6 +287,10 @@ def test_serve_cuda_graphs_default_on_with_a_cuda_device(argv, cuda_available, e
     parser = argparse.ArgumentParser()
     cli.add_serve_parser(parser.add_subparsers(dest="command"))
     assert cli._use_cuda_graphs(parser.parse_args(["serve", *argv])) is expected
+    # --async-scheduling follows the same rule.
+    flipped = [a.replace("cuda-graphs", "async-scheduling") for a in argv]
+    args = parser.parse_args(["serve", *flipped])
+    assert cli._on_cuda_unless_set(args, args.async_scheduling) is expected
 
 
 @pytest.mark.gpu
