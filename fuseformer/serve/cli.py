@@ -57,7 +57,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--overlap-prefill",
         action="store_true",
         help="launch a new request's prefill behind the CUDA-graph decode step in flight instead of after it "
-        "(lower time to first token under load; experimental: not yet measured on a GPU)",
+        "(experimental: on an H200 it moved the p50 time to first token at 1 req/s by -16%% to +4%%)",
     )
     p.add_argument(
         "--async-scheduling",
@@ -70,8 +70,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument(
         "--engine-process",
         action="store_true",
-        help="run the engine in a process of its own (no GIL shared with the HTTP server; "
-        "experimental: not yet measured on a GPU)",
+        help="run the engine in a process of its own (no GIL shared with the HTTP server; experimental: "
+        "on an H200 it was no faster than the engine thread)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     p.add_argument(
