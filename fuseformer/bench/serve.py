@@ -16,7 +16,8 @@ Records:
   sent one at a time.
 - ``server, 1 req/s``: p50 TTFT of requests arriving once a second (Poisson arrivals would be vLLM's
   choice; fixed 1 s gaps make runs comparable), and its ratio to the lone p50 (the bar: <= 1.1); then
-  the same with ``AsyncEngine.overlap_prefill`` on (``server, 1 req/s, overlap_prefill``).
+  the same with ``AsyncEngine.overlap_prefill`` on (``server, 1 req/s, overlap_prefill``), and on CUDA
+  with the overlapped prefill on a stream of its own (``... + prefill_stream``, ``LLM.prefill_stream``).
 Every phase is bounded in requests and in wall time (``_PHASE_TIMEOUT_S``)."""
 
 from __future__ import annotations
@@ -388,12 +389,17 @@ def _server_phases(
             progress(f"{label}, lone requests: p50 TTFT {1e3 * lone_p50:.1f} ms")
             # At the rate: as served (no overlap), then with AsyncEngine.overlap_prefill (new requests'
             # prefills launched behind the decode step in flight), on prompts of its own.
-            overlaps = ((False, light[num_lone:]), (True, fresh(num_rated)))
+            # Then with the overlapped prefill on a CUDA stream of its own (LLM.prefill_stream).
+            overlaps = ((False, False, light[num_lone:]), (True, False, fresh(num_rated)))
+            if hasattr(engine, "llm") and engine.llm.runner.device.type == "cuda":
+                overlaps += ((True, True, fresh(num_rated)),)
             if not hasattr(engine, "overlap_prefill"):
                 overlaps = overlaps[:1]
-            for overlap, rated_prompts in overlaps:
+            for overlap, stream, rated_prompts in overlaps:
                 if overlap:
                     engine.overlap_prefill = True
+                if stream:
+                    engine.llm.prefill_stream = True
                 if times is not None:
                     times.clear()
                 before = engine.counters.get("overlapped", 0)
@@ -403,7 +409,9 @@ def _server_phases(
                 rated_times = [t for t in times or () if "added" in t]
                 rated_p50 = statistics.median(rated)
                 record = dict(
-                    bench="serve", impl=f"{label}, {rate:g} req/s" + (", overlap_prefill" if overlap else ""),
+                    bench="serve",
+                    impl=f"{label}, {rate:g} req/s" + (", overlap_prefill" if overlap else "")
+                    + (" + prefill_stream" if stream else ""),
                     **(case | dict(requests=len(rated))), p50_ttft_ms=1e3 * rated_p50,
                     ratio_to_lone=rated_p50 / lone_p50, ttft_ms=[round(1e3 * t, 2) for t in rated],
                 )  # fmt: skip
@@ -415,6 +423,8 @@ def _server_phases(
                 records.append(record)
                 if overlap:
                     engine.overlap_prefill = False
+                if stream:
+                    engine.llm.prefill_stream = False
         finally:
             if client is not None:
                 client.close()

@@ -147,6 +147,10 @@ class LLM:
         async_scheduling_min_seqs: schedule ahead only steps of at least this many requests. At a
             small batch the host work hidden is small (~1 ms at batch 1–2 at the 8B shape) and a
             request that arrives waits for the step scheduled ahead too (``fuseformer serve`` uses 8).
+        prefill_stream: on CUDA, a prefill that ``step_with_arrivals`` launches while a decode step is
+            in flight runs on a second stream, beside that step instead of queued behind it (the
+            prefill is host-bound, the decode step memory-bound: they share the GPU well).
+            Experimental, not yet measured on a GPU.
     """
 
     def __init__(
@@ -167,13 +171,18 @@ class LLM:
         cuda_graphs: bool = False,
         async_scheduling: bool = False,
         async_scheduling_min_seqs: int = 1,
+        prefill_stream: bool = False,
     ) -> None:
         if not isinstance(async_scheduling, bool):
             raise ValueError(f"LLM: async_scheduling must be a bool, got {async_scheduling!r}")
         if not isinstance(async_scheduling_min_seqs, int) or async_scheduling_min_seqs < 1:
             raise ValueError(f"LLM: async_scheduling_min_seqs must be an int >= 1, got {async_scheduling_min_seqs!r}")
+        if not isinstance(prefill_stream, bool):
+            raise ValueError(f"LLM: prefill_stream must be a bool, got {prefill_stream!r}")
         self.async_scheduling = async_scheduling
         self.async_scheduling_min_seqs = async_scheduling_min_seqs
+        self.prefill_stream = prefill_stream
+        self._side_stream = None  # prefill_stream's CUDA stream, made at first use
         self._ahead: StepHandle | None = None  # a step scheduled ahead, launched, not yet finished
         self.num_steps_ahead = 0  # steps launched ahead of the previous step's tokens
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
@@ -415,12 +424,27 @@ class LLM:
             while not handle.ready:
                 if arrivals(poll_s):
                     if self.has_waiting_requests():
-                        admitted = self.launch_step(admit_only=True)
+                        admitted = self._launch_admitted()
                     break
         outputs = self.finish_step(handle)
         if admitted is not None:
             outputs += self.finish_step(admitted)
         return outputs, admitted is not None
+
+    def _launch_admitted(self) -> StepHandle:
+        """``launch_step(admit_only=True)``; with ``prefill_stream`` on CUDA, on a stream of its own.
+
+        The admitted requests' work touches nothing of the step in flight: their KV blocks are their
+        own (a prefix-cache hit is a full block written by an earlier, finished step); the memory of
+        their intermediates is the side stream's in the caching allocator; their inputs and results
+        go through pinned host memory. ``finish_step`` waits for its event on the host, so the next
+        step, on the default stream, starts after it."""
+        if not self.prefill_stream or self.runner.device.type != "cuda":
+            return self.launch_step(admit_only=True)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.runner.device)
+        with torch.cuda.stream(self._side_stream):
+            return self.launch_step(admit_only=True)
 
     def launch_step(self, admit_only: bool = False) -> StepHandle:
         """The first half of ``step``: schedule and enqueue the device work, without waiting for it.

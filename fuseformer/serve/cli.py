@@ -68,6 +68,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "CUDA device; at the Llama-3-8B shape on an H200 it raised the offline engine's output tok/s 11-22%%)",
     )
     p.add_argument(
+        "--prefill-stream",
+        action="store_true",
+        help="with --overlap-prefill on CUDA, run that prefill on a second CUDA stream, beside the decode step "
+        "in flight (experimental: not yet measured on a GPU)",
+    )
+    p.add_argument(
         "--engine-process",
         action="store_true",
         help="run the engine in a process of its own (no GIL shared with the HTTP server; experimental: "
@@ -170,6 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
         cuda_graphs=_use_cuda_graphs(args),
         async_scheduling=_on_cuda_unless_set(args, args.async_scheduling),
         async_scheduling_min_seqs=ASYNC_MIN_SEQS,
+        prefill_stream=args.prefill_stream,
     )
     name = args.served_model_name or Path(model).resolve().name
     if args.engine_process:

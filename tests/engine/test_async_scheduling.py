@@ -84,6 +84,8 @@ def test_outputs_equal_those_of_synchronous_steps(padded):
         LLM(model, async_scheduling=True, async_scheduling_min_seqs=0, **_KW)
     with pytest.raises(ValueError, match="async_scheduling must be a bool"):
         LLM(model, async_scheduling="yes", **_KW)
+    with pytest.raises(ValueError, match="prefill_stream must be a bool"):
+        LLM(model, prefill_stream=1, **_KW)
     if padded:
         assert sum(llm.runner.decode_graphs.replays.values()) > 0
 

@@ -290,9 +290,11 @@ def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwar
 
 
 @pytest.mark.gpu
-def test_overlap_prefill_with_cuda_graphs_matches_generate_gpu(checkpoint, monkeypatch):
+@pytest.mark.parametrize("prefill_stream", [False, True])
+def test_overlap_prefill_with_cuda_graphs_matches_generate_gpu(checkpoint, monkeypatch, prefill_stream):
     """On the GPU with CUDA-graph decode (fp32): requests arriving while others decode are launched
-    behind the decode step in flight, and every stream holds what LLM.generate returns."""
+    behind the decode step in flight (or beside it, on a stream of their own), and every stream holds
+    what LLM.generate returns."""
     import torch
 
     if not torch.cuda.is_available():
@@ -304,7 +306,9 @@ def test_overlap_prefill_with_cuda_graphs_matches_generate_gpu(checkpoint, monke
     # Decode steps look in flight for 50 ms (a tiny model's replay ends before the next request
     # arrives); the requests, 30 ms apart, are launched behind real graph replays.
     _hold_steps_in_flight(monkeypatch, 0.05)
-    engine = AsyncEngine(LLM(checkpoint, cuda_graphs=True, **kwargs), overlap_prefill=True)
+    engine = AsyncEngine(
+        LLM(checkpoint, cuda_graphs=True, prefill_stream=prefill_stream, **kwargs), overlap_prefill=True
+    )
 
     results = run_bounded(collect_staggered(engine, prompts, params, 0.03))
     run_bounded(engine.shutdown())
