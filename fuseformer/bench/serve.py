@@ -210,6 +210,7 @@ def run_serve_case(
     num_rated: int = 20,
     num_unlimited: int = 2,
     rate: float = 1.0,
+    rounds: int = 3,
     shape_name: str = "custom",
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
@@ -218,7 +219,8 @@ def run_serve_case(
 ) -> list[Record]:
     """Offline vs server throughput on ``num_requests`` x (input_len, output_len), the server's run
     ``num_unlimited`` times (each a record: the ratio depends on how arrivals fall on steps); p50 TTFT
-    of ``num_rated`` requests at ``rate`` req/s vs ``num_lone`` lone ones (same lengths). ``engines``:
+    of ``num_rated`` requests at ``rate`` req/s vs ``num_lone`` lone ones (same lengths), interleaved in
+    ``rounds`` rounds (``_light_load``). ``engines``:
     "thread" (``AsyncEngine`` in this process, as ``fuseformer serve`` runs by default) and/or "process"
     (``ProcessEngine``, ``fuseformer serve --engine-process``), each through the same phases."""
     from fuseformer.bench.engine import build_models
@@ -240,7 +242,7 @@ def run_serve_case(
         ran at 1.33x the offline figure)."""
         return torch.randint(0, shape["vocab_size"], (count, input_len), generator=gen).tolist()
 
-    warm, prompts, light = fresh(num_requests), fresh(num_requests), fresh(num_lone + num_rated)
+    warm, prompts = fresh(num_requests), fresh(num_requests)
     case = dict(model=shape_name, requests=num_requests, input_len=input_len, output_len=output_len, dtype=str(dtype))
     case["cuda_graphs"] = bool(llm_kwargs.get("cuda_graphs", False))
     case["async_scheduling"] = bool(llm_kwargs.get("async_scheduling", False))
@@ -278,14 +280,20 @@ def run_serve_case(
         progress(f"{impl}: {offline_tok_s:.0f} output tok/s; steps {steps}")
     progress(f"offline {offline_tok_s:.0f} output tok/s; starting the server")
     spec = dict(
-        requests=num_requests, output_len=output_len, lone=num_lone, rated=num_rated, rate=rate, unlimited=num_unlimited
+        requests=num_requests,
+        output_len=output_len,
+        lone=num_lone,
+        rated=num_rated,
+        rate=rate,
+        unlimited=num_unlimited,
+        rounds=rounds,
     )
 
     stop = None
     try:
         if "thread" in engines:
             url, stop, engine = _start_server(llm, name)
-            records += _server_phases(url, engine, "server", case, offline_tok_s, fresh, light, spec, progress)
+            records += _server_phases(url, engine, "server", case, offline_tok_s, fresh, spec, progress)
     finally:
         if stop is not None:
             stop()
@@ -310,7 +318,7 @@ def run_serve_case(
         try:
             url, stop, _ = _start_server(engine, name)
             records += _server_phases(
-                url, engine, "process engine", case, offline_tok_s, fresh, light, spec, progress, warm_up=True
+                url, engine, "process engine", case, offline_tok_s, fresh, spec, progress, warm_up=True
             )
         finally:
             if stop is not None:
@@ -331,18 +339,15 @@ def _bench_llm(shape: dict, device: str, dtype: torch.dtype, llm_kwargs: dict):
 
 
 def _server_phases(
-    url, engine, label, case, offline_tok_s, fresh, light, spec, progress, warm_up: bool = False
+    url, engine, label, case, offline_tok_s, fresh, spec, progress, warm_up: bool = False
 ) -> list[Record]:
-    """The server phases against one engine: unlimited rate (``spec["unlimited"]`` times), lone
-    requests, then requests at ``spec["rate"]`` (and again with ``overlap_prefill`` where the engine
-    has it). ``label`` starts each record's impl ("server", "process engine"). ``warm_up``: first an
+    """The server phases against one engine: unlimited rate (``spec["unlimited"]`` times), then the
+    light-load phases (``_light_load``). ``label`` starts each record's impl ("server", "process engine"). ``warm_up``: first an
     untimed unlimited phase of 4-token outputs, for an engine that has not run the offline shapes
     (a fresh engine process: its Triton kernels load, its plans fill)."""
     from fuseformer.serve.cli import serving_process
 
-    num_requests, output_len, num_lone, num_rated, rate = (
-        spec[k] for k in ("requests", "output_len", "lone", "rated", "rate")
-    )
+    num_requests, output_len = spec["requests"], spec["output_len"]
     records: list[Record] = []
     client = None
     with serving_process():  # as `fuseformer serve` runs
@@ -369,65 +374,74 @@ def _server_phases(
                     f"{label}, unlimited rate: {tok_s:.0f} output tok/s ({tok_s / offline_tok_s:.3f} of offline); "
                     f"engine {counters}; steps {steps}"
                 )
-            # RequestStream.times of the engine's first outputs (AsyncEngine only: not across processes)
-            times = getattr(engine, "first_output_times", None)
+            records += _light_load(client, engine, label, case, fresh, spec, progress)
+        finally:
+            if client is not None:
+                client.close()
+    return records
+
+
+def _light_load(client, engine, label, case, fresh, spec, progress) -> list[Record]:
+    """Lone requests and requests at ``spec["rate"]`` (as served; with ``overlap_prefill``; with it on a
+    CUDA stream of its own, ``LLM.prefill_stream``, where the engine has them), interleaved in
+    ``spec["rounds"]`` rounds of a share of each: the host's speed drifts between phases (a lone p50 of
+    20 ms in one run, 41 ms in another), so the ratio compares samples taken side by side."""
+    output_len, rate, rounds = spec["output_len"], spec["rate"], spec["rounds"]
+    variants = [("lone", False, False), ("rated", False, False)]
+    if hasattr(engine, "overlap_prefill"):
+        variants.append(("rated", True, False))
+        if engine.llm.runner.device.type == "cuda":
+            variants.append(("rated", True, True))
+    # RequestStream.times of the engine's first outputs (AsyncEngine only: not across processes)
+    times = getattr(engine, "first_output_times", None)
+    got = {v: dict(ttft=[], times=[], steps=[], overlapped=0) for v in variants}
+    for r in range(rounds):
+        for v in variants:
+            kind, overlap, stream = v
+            total = spec["lone"] if kind == "lone" else spec["rated"]
+            count = total // rounds + (1 if r < total % rounds else 0)
+            if not count:
+                continue
+            if overlap:
+                engine.overlap_prefill = True
+            if stream:
+                engine.llm.prefill_stream = True
             if times is not None:
                 times.clear()
-            logged = engine.step_log.count
-            lone = client.run("lone", light[:num_lone], output_len)
-            lone_steps = _prefill_steps(engine.step_log.since(logged))
-            lone_p50 = statistics.median(lone)
-            lone_times = [t for t in times or () if "added" in t]
-            record = dict(
-                bench="serve", impl=f"{label}, lone request", **(case | dict(requests=len(lone))),
-                p50_ttft_ms=1e3 * lone_p50, ttft_ms=[round(1e3 * t, 2) for t in lone],
-            )  # fmt: skip
-            if lone_times:
-                record["engine_ms"] = _breakdown(lone_times)
-            record["prefill_steps"] = lone_steps
-            records.append(record)
-            progress(f"{label}, lone requests: p50 TTFT {1e3 * lone_p50:.1f} ms")
-            # At the rate: as served (no overlap), then with AsyncEngine.overlap_prefill (new requests'
-            # prefills launched behind the decode step in flight), on prompts of its own.
-            # Then with the overlapped prefill on a CUDA stream of its own (LLM.prefill_stream).
-            overlaps = ((False, False, light[num_lone:]), (True, False, fresh(num_rated)))
-            if hasattr(engine, "llm") and engine.llm.runner.device.type == "cuda":
-                overlaps += ((True, True, fresh(num_rated)),)
-            if not hasattr(engine, "overlap_prefill"):
-                overlaps = overlaps[:1]
-            for overlap, stream, rated_prompts in overlaps:
-                if overlap:
-                    engine.overlap_prefill = True
-                if stream:
-                    engine.llm.prefill_stream = True
-                if times is not None:
-                    times.clear()
-                before = engine.counters.get("overlapped", 0)
-                logged = engine.step_log.count
-                rated = client.run("rated", rated_prompts, output_len, rate)
-                rated_steps = _prefill_steps(engine.step_log.since(logged))
-                rated_times = [t for t in times or () if "added" in t]
-                rated_p50 = statistics.median(rated)
-                record = dict(
-                    bench="serve",
-                    impl=f"{label}, {rate:g} req/s" + (", overlap_prefill" if overlap else "")
-                    + (" + prefill_stream" if stream else ""),
-                    **(case | dict(requests=len(rated))), p50_ttft_ms=1e3 * rated_p50,
-                    ratio_to_lone=rated_p50 / lone_p50, ttft_ms=[round(1e3 * t, 2) for t in rated],
-                )  # fmt: skip
-                if rated_times:
-                    record["engine_ms"] = _breakdown(rated_times)
-                record["prefill_steps"] = rated_steps
-                if hasattr(engine, "overlap_prefill"):
-                    record["overlapped"] = engine.counters["overlapped"] - before
-                records.append(record)
+            before, logged = engine.counters.get("overlapped", 0), engine.step_log.count
+            try:
+                args = (rate,) if kind == "rated" else ()
+                got[v]["ttft"] += client.run(kind, fresh(count), output_len, *args)
+            finally:
                 if overlap:
                     engine.overlap_prefill = False
                 if stream:
                     engine.llm.prefill_stream = False
-        finally:
-            if client is not None:
-                client.close()
+            got[v]["steps"] += engine.step_log.since(logged)
+            got[v]["times"] += [t for t in times or () if "added" in t]
+            got[v]["overlapped"] += engine.counters.get("overlapped", 0) - before
+    records = []
+    lone_p50 = statistics.median(got[variants[0]]["ttft"])
+    for v in variants:
+        kind, overlap, stream = v
+        ttft = got[v]["ttft"]
+        p50 = statistics.median(ttft)
+        impl = f"{label}, lone request" if kind == "lone" else f"{label}, {rate:g} req/s"
+        impl += (", overlap_prefill" if overlap else "") + (" + prefill_stream" if stream else "")
+        record = dict(
+            bench="serve", impl=impl, **(case | dict(requests=len(ttft))), rounds=rounds, p50_ttft_ms=1e3 * p50,
+            ttft_ms=[round(1e3 * t, 2) for t in ttft],
+        )  # fmt: skip
+        if kind == "rated":
+            record["ratio_to_lone"] = p50 / lone_p50
+        if got[v]["times"]:
+            record["engine_ms"] = _breakdown(got[v]["times"])
+        record["prefill_steps"] = _prefill_steps(got[v]["steps"])
+        if hasattr(engine, "overlap_prefill") and kind == "rated":
+            record["overlapped"] = got[v]["overlapped"]
+        records.append(record)
+        ratio = f" = {p50 / lone_p50:.3f}x lone" if kind == "rated" else ""
+        progress(f"{impl}: p50 TTFT {1e3 * p50:.1f} ms{ratio}")
     return records
 
 
