@@ -454,7 +454,11 @@ class LLM:
             raise RuntimeError("LLM.launch_step: a step scheduled ahead is in flight (async_scheduling): use step()")
         return self._launch(lambda: self.scheduler.schedule(admit_only=admit_only), admit_only, None)
 
-    def _launch(self, schedule: Callable[[], SchedulerOutput], pinned: bool, prev_tokens) -> StepHandle:
+    def _launch(
+        self, schedule: Callable[[], SchedulerOutput], pinned: bool, prev_tokens: torch.Tensor | None
+    ) -> StepHandle:
+        """Schedule (``schedule()``) and launch a step, timed for ``step_log``; ``prev_tokens``: the
+        sampled tokens of the step in flight, for a step scheduled ahead."""
         start = time.perf_counter()
         event = None
         if self.runner.device.type == "cuda":
