@@ -277,7 +277,9 @@ def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwar
     with fuseformer.use_backend("reference"):
         expected = LLM(checkpoint, **llm_kwargs).generate(prompts, params, use_tqdm=False)
         # (prefill_stream: on the CPU there is no stream to use; the admitted step runs as without it)
-        ahead = dict(async_scheduling=True, async_scheduling_min_seqs=2, prefill_stream=True) if async_scheduling else {}
+        ahead = {}
+        if async_scheduling:
+            ahead = dict(async_scheduling=True, async_scheduling_min_seqs=2, prefill_stream=True)
         engine = AsyncEngine(LLM(checkpoint, **llm_kwargs, **ahead), overlap_prefill=True)
 
         results = run_bounded(collect_staggered(engine, prompts, params, 0.03))  # arrive while r0 decodes
