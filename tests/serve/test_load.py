@@ -294,13 +294,16 @@ def test_serve_cuda_graphs_default_on_with_a_cuda_device(argv, cuda_available, e
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize(
+    "cuda_graphs, async_scheduling", [(False, False), (True, False), (True, True)], ids=["eager", "graphs", "async"]
+)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_gpu_256_concurrent_streams_at_real_layer_sizes(dtype, cuda_graphs, start_server, read_metric):
+def test_gpu_256_concurrent_streams_at_real_layer_sizes(dtype, cuda_graphs, async_scheduling, start_server, read_metric):
     """On the GPU (Triton kernels): hidden 1024, head dim 128, GQA 8/2, vocab 4096, random weights;
     256 streaming clients with prompts of 20-700 tokens (half sharing a 300-token prefix) on a cache
     too small for all of them at once: every request completes exactly once with its max_tokens, the
-    prefix cache hits, and the cache is empty afterwards."""
+    prefix cache hits, and the cache is empty afterwards. Also with async scheduling, as
+    ``fuseformer serve`` runs on CUDA (from 8 running requests on)."""
     import torch
 
     from fuseformer.bench.engine import build_models
@@ -311,8 +314,9 @@ def test_gpu_256_concurrent_streams_at_real_layer_sizes(dtype, cuda_graphs, star
     )  # fmt: skip
     _, model = build_models(shape, "cuda", getattr(torch, dtype))
     llm = LLM(
-        model, device="cuda", max_model_len=1024, num_kv_blocks=1 + 64 * 16, block_size=16, cuda_graphs=cuda_graphs
-    )
+        model, device="cuda", max_model_len=1024, num_kv_blocks=1 + 64 * 16, block_size=16, cuda_graphs=cuda_graphs,
+        async_scheduling=async_scheduling, async_scheduling_min_seqs=8,
+    )  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, 4096, (300,), generator=gen).tolist()
     lengths = torch.randint(20, 400, (256,), generator=gen).tolist()
@@ -347,6 +351,7 @@ def test_gpu_256_concurrent_streams_at_real_layer_sizes(dtype, cuda_graphs, star
         _wait_until(lambda: read_metric(url, "fuseformer_kv_cache_usage_perc") == 0.0, 10, "KV usage 0")
         assert read_metric(url, "fuseformer_prefix_cache_hit_rate") > 0.2
         assert engine.llm.scheduler.num_preemptions > 0
+        assert (engine.llm.num_steps_ahead > 0) == async_scheduling
 
 
 def test_serving_process_settings_are_restored():
