@@ -298,7 +298,9 @@ def test_serve_cuda_graphs_default_on_with_a_cuda_device(argv, cuda_available, e
     "cuda_graphs, async_scheduling", [(False, False), (True, False), (True, True)], ids=["eager", "graphs", "async"]
 )
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_gpu_256_concurrent_streams_at_real_layer_sizes(dtype, cuda_graphs, async_scheduling, start_server, read_metric):
+def test_gpu_256_concurrent_streams_at_real_layer_sizes(
+    dtype, cuda_graphs, async_scheduling, start_server, read_metric
+):
     """On the GPU (Triton kernels): hidden 1024, head dim 128, GQA 8/2, vocab 4096, random weights;
     256 streaming clients with prompts of 20-700 tokens (half sharing a 300-token prefix) on a cache
     too small for all of them at once: every request completes exactly once with its max_tokens, the
