@@ -110,13 +110,15 @@ def _run_ours(
         llm.generate(prompts[: min(8, len(prompts))], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         graphs = llm.runner.decode_graphs
         replays_before = sum(graphs.replays.values()) if graphs is not None else 0
-        steps_before = llm.runner.num_steps
+        steps_before, ahead_before = llm.runner.num_steps, llm.num_steps_ahead
         _sync(device)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         _sync(device)
         seconds = time.perf_counter() - start
         extra["steps"] = llm.runner.num_steps - steps_before
+        if llm.async_scheduling:
+            extra["steps_ahead"] = llm.num_steps_ahead - ahead_before
         if graphs is not None:
             extra |= dict(
                 graph_steps=sum(graphs.replays.values()) - replays_before,
@@ -197,9 +199,9 @@ def run_case(
     cuda_graphs: bool | None = None,
     **llm_kwargs: Any,
 ) -> list[Record]:
-    """Our engine (eager, then with CUDA graphs), then each peer (a run that fails is recorded with
-    its error), on one set of random weights and random prompts. ``cuda_graphs``: add the graphs
-    row; None: on CUDA only."""
+    """Our engine (eager, then with CUDA graphs, then with graphs and async scheduling), then each peer
+    (a run that fails is recorded with its error), on one set of random weights and random prompts.
+    ``cuda_graphs``: add the graphs rows; None: on CUDA only."""
     hf, ours = build_models(shape, device, dtype)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, shape["vocab_size"], (num_requests, input_len), generator=gen).tolist()
@@ -211,6 +213,9 @@ def run_case(
         runs.append(
             (graphs, lambda: _run_ours(ours, prompts, output_len, case, device, graphs, cuda_graphs=True, **llm_kwargs))
         )
+        ahead = "fuseformer LLM + graphs + async scheduling"
+        kw = dict(cuda_graphs=True, async_scheduling=True) | llm_kwargs
+        runs.append((ahead, lambda: _run_ours(ours, prompts, output_len, case, device, ahead, **kw)))
     if peers:
         runs.append(("HF generate_batch", lambda: _run_hf_generate_batch(hf, prompts, output_len, case, device)))
         runs.append(("HF generate bs 64", lambda: _run_hf_generate(hf, prompts, output_len, case, device)))

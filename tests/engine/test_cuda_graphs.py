@@ -290,9 +290,13 @@ def test_bench_graphs_row_code_path_on_cpu(monkeypatch):
             shape, 4, 8, 3, device="cpu", dtype=torch.float32, peers=False, cuda_graphs=True,
             num_kv_blocks=64, block_size=4,
         )  # fmt: skip
-    assert [r["impl"] for r in records] == ["fuseformer LLM", "fuseformer LLM + CUDA graphs"]
-    eager, graphs = records
+    assert [r["impl"] for r in records] == [
+        "fuseformer LLM", "fuseformer LLM + CUDA graphs", "fuseformer LLM + graphs + async scheduling"
+    ]  # fmt: skip
+    eager, graphs, ahead = records
     assert "error" not in graphs and graphs["output_tokens"] == eager["output_tokens"] == 12, graphs
     assert graphs["graph_steps"] == 2 and graphs["steps"] == eager["steps"] == 3  # prefill, then 2 decodes
-    assert "graph_steps" not in eager
+    assert "graph_steps" not in eager and "steps_ahead" not in graphs
+    # The second decode step was scheduled ahead of the first's tokens.
+    assert "error" not in ahead and ahead["output_tokens"] == 12 and ahead["steps_ahead"] == 1, ahead
     assert "2/3 steps on graphs" in format_table(records)
