@@ -123,6 +123,18 @@ def tiny_llama(device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0, 
     return model.to(device, dtype).eval(), config
 
 
+def shared_prefix_prompts(vocab_size: int, num: int, max_len: int, generator: torch.Generator) -> list[list[int]]:
+    """``num`` engine prompts of 1..``max_len`` random tokens, every other one behind a shared 12-token
+    prefix (prefix-cache hits), drawn from ``generator``."""
+    shared = torch.randint(0, vocab_size, (12,), generator=generator).tolist()
+    prompts = []
+    for i in range(num):
+        n = int(torch.randint(1, max_len + 1, (1,), generator=generator))
+        tail = torch.randint(0, vocab_size, (n,), generator=generator).tolist()
+        prompts.append(shared + tail[: max(1, n - 12)] if i % 2 else tail)
+    return prompts
+
+
 # --------------------------------------------------------------------------------------------
 # Engine streams (AsyncEngine, ProcessEngine) in tests
 # --------------------------------------------------------------------------------------------

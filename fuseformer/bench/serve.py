@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from fuseformer.engine.step_log import summarize, totals_since
+from fuseformer.engine.step_log import p50_max, summarize, totals_since
 
 Record = dict[str, Any]
 
@@ -467,11 +467,7 @@ def _breakdown(times: list[dict[str, float]]) -> dict[str, dict[str, float]]:
         "to_stream": [t["pushed"] - t["posted"] for t in times],
         "engine_total": [t["pushed"] - t["queued"] for t in times],
     }
-    return {
-        name: dict(p50=round(1e3 * statistics.median(v), 2), max=round(1e3 * max(v), 2))
-        for name, v in parts.items()
-        if v
-    }
+    return {name: p50_max([1e3 * x for x in v]) for name, v in parts.items() if v}
 
 
 def format_table(records: list[Record]) -> str:

@@ -227,6 +227,20 @@ class _Handoff:
             self.loop.call_soon(self._probe)
 
 
+def take_stream(streams: dict[str, RequestStream], out: RequestOutput) -> RequestStream | None:
+    """The stream ``out`` goes to (None: nobody listens any more), with ``out``'s finished completions
+    marked on it; a finished request's stream leaves ``streams`` (the engine's side of a step's output)."""
+    stream = streams.get(out.request_id)
+    if stream is None:
+        return None
+    for c in out.outputs:
+        if c.finished:
+            stream._done_indexes.add(c.index)
+    if out.finished:
+        del streams[out.request_id]
+    return stream
+
+
 def _join(into: RequestOutput, out: RequestOutput) -> None:
     """Append delta ``out`` to the held delta ``into`` of the same request (objects of the engine
     thread's own, from ``LLM.step``)."""
@@ -279,7 +293,8 @@ class AsyncEngine:
     later step's: the same text, in fewer, larger chunks. A request's first output, a finished one
     and an abort are never held.
 
-    ``overlap_prefill`` (off by default: not yet measured on a GPU): while a CUDA-graph decode step
+    ``overlap_prefill`` (off by default: on an H200 it moved the 1 req/s p50 time to first token by -15%
+    to +4%): while a CUDA-graph decode step
     runs on the device, the engine thread watches for new requests instead of blocking on the step's
     result; one that arrives has its prefill launched at once, behind the decode step in the device's
     queue (``LLM.launch_step(admit_only=True)``), and both steps finish in order. A new request then
@@ -511,14 +526,9 @@ class AsyncEngine:
         urgent = False
         step_end = time.perf_counter()
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            stream = take_stream(self._streams, out)
             if stream is None:
                 continue
-            for c in out.outputs:
-                if c.finished:
-                    stream._done_indexes.add(c.index)
-            if out.finished:
-                del self._streams[out.request_id]
             if not stream._handed_any:
                 urgent = True
                 if "step_end" not in stream.times:  # the step of its first output

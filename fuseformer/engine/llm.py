@@ -395,7 +395,7 @@ class LLM:
         ahead = self.scheduler.schedule_ahead(handle.scheduler_output)
         if ahead is None:
             return False
-        self._ahead = self._launch(lambda: ahead, True, handle.launched.output.sampled_token_ids)
+        self._ahead = self._launch(lambda: ahead, handle.launched.output.sampled_token_ids)
         self.num_steps_ahead += 1
         return True
 
@@ -452,11 +452,9 @@ class LLM:
         another is in flight; finish the steps in launch order."""
         if self._ahead is not None and not admit_only:
             raise RuntimeError("LLM.launch_step: a step scheduled ahead is in flight (async_scheduling): use step()")
-        return self._launch(lambda: self.scheduler.schedule(admit_only=admit_only), admit_only, None)
+        return self._launch(lambda: self.scheduler.schedule(admit_only=admit_only), None)
 
-    def _launch(
-        self, schedule: Callable[[], SchedulerOutput], pinned: bool, prev_tokens: torch.Tensor | None
-    ) -> StepHandle:
+    def _launch(self, schedule: Callable[[], SchedulerOutput], prev_tokens: torch.Tensor | None) -> StepHandle:
         """Schedule (``schedule()``) and launch a step, timed for ``step_log``; ``prev_tokens``: the
         sampled tokens of the step in flight, for a step scheduled ahead."""
         start = time.perf_counter()
@@ -465,7 +463,7 @@ class LLM:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         scheduler_output = schedule()
-        launched = self.runner.launch(scheduler_output, pinned=pinned, prev_tokens=prev_tokens)
+        launched = self.runner.launch(scheduler_output, prev_tokens=prev_tokens)
         return StepHandle(scheduler_output, launched, 1e3 * (time.perf_counter() - start), event)
 
     def finish_step(self, handle: StepHandle) -> list[RequestOutput]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fuseformer.engine.sampler import SamplingMetadata, make_generator, sample, to_device
+from fuseformer.engine.sampler import SamplingMetadata, make_generator, sample, staged, to_device
 from fuseformer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fuseformer.models.config import ModelConfig
 from fuseformer.models.llama import AttentionMetadata
@@ -190,9 +190,6 @@ class _DecodeGraphs:
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
         self.capture_seconds = time.perf_counter() - start
 
-    def _host(self, x: torch.Tensor) -> torch.Tensor:
-        return x.pin_memory() if self.device.type == "cuda" else x
-
     def padded_size(self, scheduled: list[ScheduledRequest]) -> int | None:
         """The captured size for this step, or None when it must run eagerly: a request computes more
         than one token (a prefill chunk), more requests than the largest size, or a longer block table
@@ -223,14 +220,13 @@ class _DecodeGraphs:
         width = max(len(t) for t in tables)
         rows = [t + (0,) * (width - len(t)) for t in tables] + [(0,) * width] * pad
         # Host-to-device copies, stream-ordered before the replay that reads them.
-        self._ids_pos_slots[:, :b].copy_(
-            self._host(torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad], dtype=torch.int64)),
-            non_blocking=True,
-        )
+        dev = self.device
+        ids_pos_slots = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
+        self._ids_pos_slots[:, :b].copy_(staged(ids_pos_slots, dev), non_blocking=True)
         if input_ids is not None:
             self._ids_pos_slots[0, : len(scheduled)].copy_(input_ids)
-        self.context_lens[:b].copy_(self._host(torch.tensor(ctx + [1] * pad, dtype=torch.int32)), non_blocking=True)
-        self.block_tables[:b, :width].copy_(self._host(torch.tensor(rows, dtype=torch.int32)), non_blocking=True)
+        self.context_lens[:b].copy_(staged(torch.tensor(ctx + [1] * pad, dtype=torch.int32), dev), non_blocking=True)
+        self.block_tables[:b, :width].copy_(staged(torch.tensor(rows, dtype=torch.int32), dev), non_blocking=True)
         self.replays[b] += 1
         self.padded_rows += pad
         if not self.use_graphs:
@@ -383,12 +379,11 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------
 
     def prepare(
-        self, scheduler_output: SchedulerOutput, pinned: bool = False
+        self, scheduler_output: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """The step as device tensors: input_ids (T,), positions (T,), attention metadata, and the
-        rows (indices into T) whose logits sample, in scheduled order. ``pinned``: copy through pinned
-        host memory (a copy from pageable memory may wait for the work already queued on the stream:
-        a step launched behind one in flight must not)."""
+        rows (indices into T) whose logits sample, in scheduled order. The copies never wait for a
+        step still on the device (``to_device``)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -412,10 +407,8 @@ class ModelRunner:
         # Slot of each new token: its block (from its sequence's table) * block_size + offset.
         slots = block_tables[seq_of_token, pos // bs] * bs + pos % bs
 
-        pin = pinned and self.device.type == "cuda"
-
         def dev(x: torch.Tensor) -> torch.Tensor:
-            return (x.pin_memory() if pin else x).to(self.device, non_blocking=True)
+            return to_device(x, self.device)
 
         meta = AttentionMetadata(
             cu_seqlens_q=dev(torch.tensor(cu, dtype=torch.int32)),
@@ -427,16 +420,16 @@ class ModelRunner:
         )
         return dev(torch.tensor(input_ids, dtype=torch.int64)), dev(pos), meta, sample_rows
 
-    def forward(self, scheduler_output: SchedulerOutput, pinned: bool = False) -> tuple[torch.Tensor, list[int]]:
+    def forward(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """The model forward of a non-empty step: hidden states (T', H) and the rows whose logits
         sample. A decode-only step that fits a captured size replays its graph (T' = the padded size,
         rows [0, n) the step's); any other step runs eagerly (T' = the step's token count)."""
-        hidden, sample_rows, _ = self._forward(scheduler_output, pinned, None)
+        hidden, sample_rows, _ = self._forward(scheduler_output, None)
         return hidden, sample_rows
 
     @torch.inference_mode()
     def _forward(
-        self, scheduler_output: SchedulerOutput, pinned: bool, prev_tokens: torch.Tensor | None
+        self, scheduler_output: SchedulerOutput, prev_tokens: torch.Tensor | None
     ) -> tuple[torch.Tensor, list[int], bool]:
         """``forward``, and whether a captured graph replayed. ``prev_tokens``: the previous step's
         sampled tokens on the device, for a step scheduled ahead (its input ids are rows of them)."""
@@ -452,12 +445,11 @@ class ModelRunner:
                 input_ids = prev_tokens[: len(rows)]
             else:
                 input_ids = prev_tokens.index_select(0, to_device(torch.tensor(rows), self.device))
-            pinned = True  # the previous step is still on the device: no copy may wait for it
         b = graphs.padded_size(scheduled) if graphs is not None else None
         if b is not None:
             hidden = graphs.run(scheduled, b, input_ids)
             return hidden, [i for i, s in enumerate(scheduled) if s.sample], graphs.use_graphs
-        ids, positions, meta, sample_rows = self.prepare(scheduler_output, pinned)
+        ids, positions, meta, sample_rows = self.prepare(scheduler_output)
         return self.model(ids if input_ids is None else input_ids, positions, meta), sample_rows, False
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -465,19 +457,17 @@ class ModelRunner:
         return self.collect(self.launch(scheduler_output))
 
     @torch.inference_mode()
-    def launch(
-        self, scheduler_output: SchedulerOutput, pinned: bool = False, prev_tokens: torch.Tensor | None = None
-    ) -> LaunchedStep:
+    def launch(self, scheduler_output: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
         """Enqueue the step's forward and sampling on the device and return without waiting for them
-        (``collect`` waits and reads the sampled tokens). Between the two, the host is free: the engine
-        can launch a new request's prefill behind a decode step in flight (``AsyncEngine``); that one
-        is launched ``pinned`` (see ``prepare``); or the next decode step, scheduled ahead, whose input
+        (``collect`` waits and reads the sampled tokens; no copy in between waits for the device).
+        Between the two, the host is free: the engine can launch a new request's prefill behind a
+        decode step in flight (``AsyncEngine``), or the next decode step, scheduled ahead, whose input
         tokens are rows of ``prev_tokens`` (the step in flight's ``LaunchedStep.output.sampled_token_ids``)."""
         for rid in scheduler_output.finished_request_ids:
             self.generators.pop(rid, None)
         if scheduler_output.is_empty:
             return LaunchedStep([], [], None, None, False)
-        hidden, sample_rows, graphed = self._forward(scheduler_output, pinned, prev_tokens)
+        hidden, sample_rows, graphed = self._forward(scheduler_output, prev_tokens)
         sampling = [s.request for s in scheduler_output.scheduled if s.sample]
         if not sampling:
             return LaunchedStep([], [], None, None, graphed)

@@ -5,7 +5,9 @@
 stream per step) share one GIL. On an H200 at the Llama-3-8B shape with CUDA-graph decode, that
 sharing left the server at 0.88-0.97 of the offline engine's throughput from run to run (BENCHMARKS.md,
 issue 6). Here the engine runs in a child process (spawned: no copy of the parent's CUDA state), as
-vLLM's engine core does; the server's process only parses, streams and forwards.
+vLLM's engine core does; the server's process only parses, streams and forwards. Measured since (runs
+24-26): no better than the engine thread (0.84-0.94 of offline), so it stays opt-in
+(``fuseformer serve --engine-process``).
 
     engine = ProcessEngine(functools.partial(LLM, "/path/to/model", cuda_graphs=True))  # the child builds it
     stream = await engine.add_request("req-1", [1, 2, 3], SamplingParams(max_tokens=8))  # ValueError if bad
@@ -37,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import astuple
 from typing import Any
 
-from fuseformer.engine.async_engine import EngineDeadError, EngineShutdownError, RequestStream
+from fuseformer.engine.async_engine import EngineDeadError, EngineShutdownError, RequestStream, take_stream
 from fuseformer.engine.outputs import CompletionOutput, RequestOutput
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import SchedulerStats
@@ -187,7 +189,7 @@ class ProcessEngine:
         self.tokenizer = None
         self.max_model_len = 0
         self._defaults: SamplingParams | None = None
-        self._stats = SchedulerStats(0, 0, 0.0, 0.0, 0)
+        self._stats = SchedulerStats()
         self.counters = dict(steps=0, step_s=0.0)
         self.step_log = StepLog()  # the child's steps (LLM.step_log), as they arrive
         if start:
@@ -355,15 +357,9 @@ class ProcessEngine:
         outputs = [_unpack(p) for p in packed]
         with self._lock:
             for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
-                    continue
-                for c in out.outputs:
-                    if c.finished:
-                        stream._done_indexes.add(c.index)
-                if out.finished:
-                    del self._streams[out.request_id]
-                by_loop.setdefault(stream._loop, []).append((stream, out))
+                stream = take_stream(self._streams, out)
+                if stream is not None:
+                    by_loop.setdefault(stream._loop, []).append((stream, out))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)

@@ -114,13 +114,16 @@ class SamplingMetadata:
         return md
 
 
+def staged(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``x`` (on the CPU) as the source of a copy to ``device`` that never waits for the work queued
+    there: pinned when ``device`` is CUDA (a copy from pageable memory first waits for the stream to
+    drain, which made every engine step's launch wait for its own forward pass, holding the GIL)."""
+    return x.pin_memory() if torch.device(device).type == "cuda" else x
+
+
 def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``x`` (on the CPU) copied to ``device`` without waiting for the work queued there: on CUDA
-    through pinned memory (a copy from pageable memory first waits for the stream to drain, which
-    made every engine step's launch wait for its own forward pass, holding the GIL)."""
-    if torch.device(device).type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
+    """``x`` (on the CPU) copied to ``device`` without waiting for the work queued there (``staged``)."""
+    return staged(x, device).to(device, non_blocking=True)
 
 
 def _pad(rows: Sequence[Sequence[int]], keep: Sequence[bool], pad: int) -> torch.Tensor:

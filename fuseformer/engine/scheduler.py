@@ -145,11 +145,13 @@ class RequestUpdate:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_hit_rate: float
-    num_preemptions: int
+    """An engine's load (the defaults: an idle engine, before its first step)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
 
 
 class Scheduler:

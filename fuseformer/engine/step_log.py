@@ -20,8 +20,6 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-KINDS = ("graph", "decode", "prefill", "mixed")
-
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
@@ -85,12 +83,16 @@ def totals_since(now: dict[str, dict[str, float]], before: dict[str, dict[str, f
     return out
 
 
+def p50_max(values: list[float]) -> dict[str, float]:
+    """{"p50": median, "max": max} of non-empty ``values``, rounded to 0.01."""
+    return dict(p50=round(statistics.median(values), 2), max=round(max(values), 2))
+
+
 def summarize(records: list[StepRecord]) -> dict[str, dict[str, float]]:
     """Median and max, ms, of each interval over ``records`` (e.g. the prefill steps of lone requests)."""
     out: dict[str, dict[str, float]] = {}
     for name in ("launch_ms", "wait_ms", "post_ms", "gpu_ms", "wall_ms"):
-        values = [getattr(r, name) for r in records]
-        values = [v for v in values if v is not None]
+        values = [v for r in records if (v := getattr(r, name)) is not None]
         if values:
-            out[name] = dict(p50=round(statistics.median(values), 2), max=round(max(values), 2))
+            out[name] = p50_max(values)
     return out

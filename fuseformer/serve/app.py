@@ -490,7 +490,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        stats = server.engine.get_stats() if server.engine is not None else SchedulerStats(0, 0, 0.0, 0.0, 0)
+        stats = server.engine.get_stats() if server.engine is not None else SchedulerStats()
         return Response(server.metrics.render(stats), media_type=server.metrics.content_type)
 
     @app.get("/v1/models", dependencies=auth)

@@ -13,7 +13,7 @@ from fuseformer.engine.llm import LLM
 from fuseformer.engine.request import Request
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import AHEAD_TOKEN, Scheduler, SchedulerConfig
-from fuseformer.testing import TINY_LLAMA, tiny_llama
+from fuseformer.testing import TINY_LLAMA, shared_prefix_prompts, tiny_llama
 
 _KW = dict(num_kv_blocks=40, block_size=4, max_model_len=64, max_num_batched_tokens=24, max_num_seqs=12)
 
@@ -23,12 +23,8 @@ def _workload(num, seed=0):
     penalized requests; max_tokens 2..18; some stop at a token id."""
     vocab = TINY_LLAMA["vocab_size"]
     gen = torch.Generator().manual_seed(seed)
-    shared = torch.randint(0, vocab, (12,), generator=gen).tolist()
-    prompts, params = [], []
+    prompts, params = shared_prefix_prompts(vocab, num, 30, gen), []
     for i in range(num):
-        n = int(torch.randint(1, 31, (1,), generator=gen))
-        tail = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        prompts.append(shared + tail[: max(1, n - 12)] if i % 2 else tail)
         kind = i % 4
         p = dict(max_tokens=2 + (7 * i) % 17, ignore_eos=True)
         if kind == 0:

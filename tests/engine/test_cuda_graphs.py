@@ -23,7 +23,7 @@ from fuseformer.engine.model_runner import CacheConfig, ModelRunner, graph_batch
 from fuseformer.engine.request import Request
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import Scheduler, SchedulerConfig
-from fuseformer.testing import TINY_LLAMA, assert_close, tiny_llama
+from fuseformer.testing import TINY_LLAMA, assert_close, shared_prefix_prompts, tiny_llama
 
 _model = tiny_llama
 
@@ -149,14 +149,10 @@ def _near_tie_or_equal(eager, graphs, tol):
 def _workload(vocab, num, seed=0):
     """``num`` prompts of 1..40 tokens, every other one behind a shared 12-token prefix, with
     max_tokens 3..19: a batch that shrinks through many padded sizes."""
-    gen = torch.Generator().manual_seed(seed)
-    shared = torch.randint(0, vocab, (12,), generator=gen).tolist()
-    prompts, params = [], []
-    for i in range(num):
-        n = int(torch.randint(1, 41, (1,), generator=gen))
-        tail = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        prompts.append(shared + tail[: max(1, n - 12)] if i % 2 else tail)
-        params.append(SamplingParams(temperature=0, max_tokens=3 + (7 * i) % 17, ignore_eos=True, logprobs=2))
+    prompts = shared_prefix_prompts(vocab, num, 40, torch.Generator().manual_seed(seed))
+    params = [
+        SamplingParams(temperature=0, max_tokens=3 + (7 * i) % 17, ignore_eos=True, logprobs=2) for i in range(num)
+    ]
     return prompts, params
 
 

@@ -124,6 +124,20 @@ def read_metric():
     return metric
 
 
+@pytest.fixture
+def gpu_staggered(checkpoint):
+    """The GPU overlap tests' case (skipped without CUDA): (LLM kwargs: fp32 on CUDA, four prompts, 40
+    greedy tokens each, what ``LLM.generate`` returns for them)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from fuseformer.engine.sampling_params import SamplingParams
+
+    kwargs = dict(num_kv_blocks=256, block_size=4, max_model_len=64, device="cuda", dtype="float32")
+    prompts = ["Hello world", "The quick brown fox", "Say hello", "Once upon"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    return kwargs, prompts, params, LLM(checkpoint, **kwargs).generate(prompts, params, use_tqdm=False)
+
+
 @pytest.fixture(scope="session")
 def llm_kwargs():
     return dict(LLM_KWARGS)

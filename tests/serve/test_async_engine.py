@@ -294,18 +294,11 @@ def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwar
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prefill_stream", [False, True])
-def test_overlap_prefill_with_cuda_graphs_matches_generate_gpu(checkpoint, monkeypatch, prefill_stream):
+def test_overlap_prefill_with_cuda_graphs_matches_generate_gpu(checkpoint, gpu_staggered, monkeypatch, prefill_stream):
     """On the GPU with CUDA-graph decode (fp32): requests arriving while others decode are launched
     behind the decode step in flight (or beside it, on a stream of their own), and every stream holds
     what LLM.generate returns."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    kwargs = dict(num_kv_blocks=256, block_size=4, max_model_len=64, device="cuda", dtype="float32")
-    prompts = ["Hello world", "The quick brown fox", "Say hello", "Once upon"]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    expected = LLM(checkpoint, **kwargs).generate(prompts, params, use_tqdm=False)
+    kwargs, prompts, params, expected = gpu_staggered
     # Decode steps look in flight for 50 ms (a tiny model's replay ends before the next request
     # arrives); the requests, 30 ms apart, are launched behind real graph replays.
     _hold_steps_in_flight(monkeypatch, 0.05)

@@ -121,18 +121,11 @@ def test_the_server_runs_on_a_process_engine(engine, start_server):
 
 
 @pytest.mark.gpu
-def test_process_engine_on_the_gpu_with_graphs_and_overlap(checkpoint):
+def test_process_engine_on_the_gpu_with_graphs_and_overlap(checkpoint, gpu_staggered):
     """On the GPU (Triton kernels, fp32): the child process builds its engine with CUDA-graph decode
     and overlap_prefill; requests arriving while others decode all complete, with LLM.generate's greedy
     tokens but for a rare near-tie."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    kwargs = dict(num_kv_blocks=256, block_size=4, max_model_len=64, device="cuda", dtype="float32")
-    prompts = ["Hello world", "The quick brown fox", "Say hello", "Once upon"]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    expected = LLM(checkpoint, **kwargs).generate(prompts, params, use_tqdm=False)
+    kwargs, prompts, params, expected = gpu_staggered
     engine = ProcessEngine(functools.partial(LLM, str(checkpoint), cuda_graphs=True, **kwargs), overlap_prefill=True)
 
     async def main():
