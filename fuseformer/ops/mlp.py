@@ -211,22 +211,87 @@ def _mlp_split_k_epilogue_kernel(
     M, N,
     stride_ym, stride_pm,
     ACTIVATION: tl.constexpr, SAVE_PRE: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GLU: tl.constexpr = True,
 ):  # fmt: skip
-    # Sums the SPLIT_K fp32 partials of WS (SPLIT_K, M, 2N) in split order (deterministic).
+    # Sums the SPLIT_K fp32 partials of WS in split order (deterministic): (SPLIT_K, M, 2N) [g | u]
+    # then the activation (GLU), or (SPLIT_K, M, N) rounded to Y as they are (the down GEMM).
     col_blocks = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
     rm = (pid // col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     rows = rm.to(tl.int64)[:, None]
+    width = 2 * N if GLU else N
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        ws = WS + (s * M + rows) * (2 * N)
+        ws = WS + (s * M + rows) * width
         acc_g += tl.load(ws + rn[None, :], mask=mask, other=0.0)
-        acc_u += tl.load(ws + (N + rn)[None, :], mask=mask, other=0.0)
-    _gate_up_epilogue(acc_g, acc_u, Y, PRE, rows, rn, mask, stride_ym, stride_pm, N, ACTIVATION, SAVE_PRE)
+        if GLU:
+            acc_u += tl.load(ws + (N + rn)[None, :], mask=mask, other=0.0)
+    if GLU:
+        _gate_up_epilogue(acc_g, acc_u, Y, PRE, rows, rn, mask, stride_ym, stride_pm, N, ACTIVATION, SAVE_PRE)
+    else:
+        tl.store(Y + rows * stride_ym + rn[None, :], acc_g.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mlp_decode_kernel(
+    X, W, OUT, WS,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    GLU: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):  # fmt: skip
+    # Few tokens (decode): a weight-streaming GEMM, both MLP GEMMs with one kernel.
+    #   GLU:  W (2N, K) = [gate; up] -> OUT (M, N) = act(x Wg^T) * (x Wu^T)   (N = I, K = H)
+    #   else: W (N, K)               -> OUT (M, N) = x W^T                    (N = H, K = I)
+    # Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): each program streams BLOCK_N weight rows
+    # (2 BLOCK_N with GLU) over one K range through tensor descriptors (TMA, num_stages deep).
+    # SPLIT_K > 1 writes fp32 partials to WS (SPLIT_K, M, 2N or N), summed by the epilogue kernel.
+    # USE_DOT=False: CUDA-core multiply + tl.sum over K instead of a tl.dot padded to 16 rows.
+    off_n = tl.program_id(0) * BLOCK_N
+    off_m = tl.program_id(1) * BLOCK_M
+    split = tl.program_id(2)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt_begin = split * per_split
+    kt_end = tl.minimum(kt_begin + per_split, k_tiles)  # <= kt_begin for a split left without tiles
+    # Out-of-bounds boxes read as zero (rows >= M, K's tail); a gate box crossing row N reads up
+    # rows into columns >= N, which the stores mask off.
+    x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(W, shape=[2 * N if GLU else N, K], strides=[stride_wn, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])  # fmt: skip
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in tl.range(kt_begin, kt_end):
+        k = kt * BLOCK_K
+        x = x_desc.load([off_m, k])
+        acc = _decode_mac(x, w_desc.load([off_n, k]), acc, PRECISION, USE_DOT)
+        if GLU:
+            acc_u = _decode_mac(x, w_desc.load([N + off_n, k]), acc_u, PRECISION, USE_DOT)
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    rows = rm.to(tl.int64)[:, None]
+    if SPLIT_K > 1:
+        ws = WS + (split * M + rows) * (2 * N if GLU else N)
+        tl.store(ws + rn[None, :], acc, mask=mask)
+        if GLU:
+            tl.store(ws + (N + rn)[None, :], acc_u, mask=mask)
+    elif GLU:
+        _gate_up_epilogue(acc, acc_u, OUT, OUT, rows, rn, mask, stride_om, 0, N, ACTIVATION, False)
+    else:
+        tl.store(OUT + rows * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_mac(x, w, acc, PRECISION: tl.constexpr, USE_DOT: tl.constexpr):
+    """acc (BLOCK_M, BLOCK_N) += x (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K)^T, fp32."""
+    if USE_DOT:
+        return tl.dot(x, w.T, acc, input_precision=PRECISION)
+    return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 # --------------------------------------------------------------------------------------------
