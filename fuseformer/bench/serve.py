@@ -14,10 +14,11 @@ Records:
   and its ratio to offline (issue 6's bar: >= 0.9).
 - ``server, lone request``: p50 TTFT (client-side: connect and send -> first token chunk) of requests
   sent one at a time.
-- ``server, 1 req/s``: p50 TTFT of requests arriving once a second (Poisson arrivals would be vLLM's
-  choice; fixed 1 s gaps make runs comparable), and its ratio to the lone p50 (the bar: <= 1.1); then
-  the same with ``AsyncEngine.overlap_prefill`` on (``server, 1 req/s, overlap_prefill``), and on CUDA
-  with the overlapped prefill on a stream of its own (``... + prefill_stream``, ``LLM.prefill_stream``).
+- ``server, 1 req/s[, overlap_prefill[ + prefill_stream]]``: p50 TTFT of requests arriving once a second
+  (Poisson arrivals would be vLLM's choice; fixed 1 s gaps make runs comparable), and its ratio to the
+  lone p50 (the bar: <= 1.1): as served (``as_served``; on CUDA ``fuseformer serve`` launches a new
+  request's prefill behind the decode step in flight, ``AsyncEngine.overlap_prefill``, on a stream of
+  its own, ``LLM.prefill_stream``), and with the other settings beside it.
 Every phase is bounded in requests and in wall time (``_PHASE_TIMEOUT_S``)."""
 
 from __future__ import annotations
@@ -44,15 +45,20 @@ Record = dict[str, Any]
 _PHASE_TIMEOUT_S = 300.0
 
 
-def _start_server(llm_or_engine, model_name: str):
-    """Serve an LLM (on an AsyncEngine) or an engine on a loopback port: (url, stop, engine)."""
+def _start_server(llm_or_engine, model_name: str, overlap_prefill: bool = False):
+    """Serve an LLM (on an AsyncEngine with ``overlap_prefill``) or an engine on a loopback port:
+    (url, stop, engine)."""
     import uvicorn
 
     from fuseformer.engine.async_engine import AsyncEngine
     from fuseformer.engine.llm import LLM
     from fuseformer.serve.app import create_app
 
-    engine = AsyncEngine(llm_or_engine, start=False) if isinstance(llm_or_engine, LLM) else llm_or_engine
+    engine = (
+        AsyncEngine(llm_or_engine, start=False, overlap_prefill=overlap_prefill)
+        if isinstance(llm_or_engine, LLM)
+        else llm_or_engine
+    )
     app = create_app(engine, model_name)
     # IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (as
     # uvicorn's own, made by getaddrinfo, do). Without it Nagle held a response's first token chunk
@@ -215,6 +221,7 @@ def run_serve_case(
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
     engines: tuple[str, ...] = ("thread",),
+    overlap_prefill: bool = False,
     **llm_kwargs: Any,
 ) -> list[Record]:
     """Offline vs server throughput on ``num_requests`` x (input_len, output_len), the server's run
@@ -222,7 +229,8 @@ def run_serve_case(
     of ``num_rated`` requests at ``rate`` req/s vs ``num_lone`` lone ones (same lengths), interleaved in
     ``rounds`` rounds (``_light_load``). ``engines``:
     "thread" (``AsyncEngine`` in this process, as ``fuseformer serve`` runs by default) and/or "process"
-    (``ProcessEngine``, ``fuseformer serve --engine-process``), each through the same phases."""
+    (``ProcessEngine``, ``fuseformer serve --engine-process``), each through the same phases, serving
+    with ``overlap_prefill`` (and ``llm_kwargs``' ``prefill_stream``) as given."""
     from fuseformer.bench.engine import build_models
     from fuseformer.engine.llm import LLM
     from fuseformer.engine.sampling_params import SamplingParams
@@ -246,6 +254,8 @@ def run_serve_case(
     case = dict(model=shape_name, requests=num_requests, input_len=input_len, output_len=output_len, dtype=str(dtype))
     case["cuda_graphs"] = bool(llm_kwargs.get("cuda_graphs", False))
     case["async_scheduling"] = bool(llm_kwargs.get("async_scheduling", False))
+    case["overlap_prefill"] = overlap_prefill
+    case["prefill_stream"] = bool(llm_kwargs.get("prefill_stream", False))
     name = "bench"
     llm = LLM(ours, device=device, max_model_len=input_len + output_len, **llm_kwargs)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -292,7 +302,7 @@ def run_serve_case(
     stop = None
     try:
         if "thread" in engines:
-            url, stop, engine = _start_server(llm, name)
+            url, stop, engine = _start_server(llm, name, overlap_prefill)
             records += _server_phases(url, engine, "server", case, offline_tok_s, fresh, spec, progress)
     finally:
         if stop is not None:
@@ -313,7 +323,7 @@ def run_serve_case(
         factory = functools.partial(
             _bench_llm, shape, device, dtype, dict(max_model_len=input_len + output_len, **llm_kwargs)
         )
-        engine = ProcessEngine(factory)
+        engine = ProcessEngine(factory, overlap_prefill=overlap_prefill)
         stop = None
         try:
             url, stop, _ = _start_server(engine, name)
@@ -382,16 +392,20 @@ def _server_phases(
 
 
 def _light_load(client, engine, label, case, fresh, spec, progress) -> list[Record]:
-    """Lone requests and requests at ``spec["rate"]`` (as served; with ``overlap_prefill``; with it on a
-    CUDA stream of its own, ``LLM.prefill_stream``, where the engine has them), interleaved in
-    ``spec["rounds"]`` rounds of a share of each: the host's speed drifts between phases (a lone p50 of
-    20 ms in one run, 41 ms in another), so the ratio compares samples taken side by side."""
+    """Lone requests (as served) and requests at ``spec["rate"]``: as served, and, where the engine can
+    switch them (``AsyncEngine``), with the other settings of ``overlap_prefill`` and, on CUDA,
+    ``LLM.prefill_stream``; interleaved in ``spec["rounds"]`` rounds of a share of each: the host's speed
+    drifts between phases (a lone p50 of 20 ms in one run, 41 ms in another), so the ratio compares
+    samples taken side by side. A variant is (kind, overlap_prefill, prefill_stream)."""
     output_len, rate, rounds = spec["output_len"], spec["rate"], spec["rounds"]
-    variants = [("lone", False, False), ("rated", False, False)]
-    if hasattr(engine, "overlap_prefill"):
-        variants.append(("rated", True, False))
+    switchable = hasattr(engine, "overlap_prefill")
+    served = (engine.overlap_prefill, engine.llm.prefill_stream) if switchable else (None, None)
+    variants = [("lone", *served), ("rated", *served)]
+    if switchable:
+        settings = [(False, False), (True, False)]
         if engine.llm.runner.device.type == "cuda":
-            variants.append(("rated", True, True))
+            settings.append((True, True))
+        variants += [("rated", *s) for s in settings if s != served]
     # RequestStream.times of the engine's first outputs (AsyncEngine only: not across processes)
     times = getattr(engine, "first_output_times", None)
     got = {v: dict(ttft=[], times=[], steps=[], overlapped=0) for v in variants}
@@ -402,10 +416,8 @@ def _light_load(client, engine, label, case, fresh, spec, progress) -> list[Reco
             count = total // rounds + (1 if r < total % rounds else 0)
             if not count:
                 continue
-            if overlap:
-                engine.overlap_prefill = True
-            if stream:
-                engine.llm.prefill_stream = True
+            if switchable:
+                engine.overlap_prefill, engine.llm.prefill_stream = overlap, stream
             if times is not None:
                 times.clear()
             before, logged = engine.counters.get("overlapped", 0), engine.step_log.count
@@ -413,10 +425,8 @@ def _light_load(client, engine, label, case, fresh, spec, progress) -> list[Reco
                 args = (rate,) if kind == "rated" else ()
                 got[v]["ttft"] += client.run(kind, fresh(count), output_len, *args)
             finally:
-                if overlap:
-                    engine.overlap_prefill = False
-                if stream:
-                    engine.llm.prefill_stream = False
+                if switchable:
+                    engine.overlap_prefill, engine.llm.prefill_stream = served
             got[v]["steps"] += engine.step_log.since(logged)
             got[v]["times"] += [t for t in times or () if "added" in t]
             got[v]["overlapped"] += engine.counters.get("overlapped", 0) - before
@@ -427,20 +437,24 @@ def _light_load(client, engine, label, case, fresh, spec, progress) -> list[Reco
         ttft = got[v]["ttft"]
         p50 = statistics.median(ttft)
         impl = f"{label}, lone request" if kind == "lone" else f"{label}, {rate:g} req/s"
-        impl += (", overlap_prefill" if overlap else "") + (" + prefill_stream" if stream else "")
+        if kind == "rated":
+            impl += (", overlap_prefill" if overlap else "") + (" + prefill_stream" if stream else "")
         record = dict(
             bench="serve", impl=impl, **(case | dict(requests=len(ttft))), rounds=rounds, p50_ttft_ms=1e3 * p50,
-            ttft_ms=[round(1e3 * t, 2) for t in ttft],
+            ttft_ms=[round(1e3 * t, 2) for t in ttft], as_served=(overlap, stream) == served,
         )  # fmt: skip
+        if switchable:
+            record.update(overlap_prefill=overlap, prefill_stream=stream)
         if kind == "rated":
             record["ratio_to_lone"] = p50 / lone_p50
         if got[v]["times"]:
             record["engine_ms"] = _breakdown(got[v]["times"])
         record["prefill_steps"] = _prefill_steps(got[v]["steps"])
-        if hasattr(engine, "overlap_prefill") and kind == "rated":
+        if switchable and kind == "rated":
             record["overlapped"] = got[v]["overlapped"]
         records.append(record)
         ratio = f" = {p50 / lone_p50:.3f}x lone" if kind == "rated" else ""
+        ratio += " (as served)" if kind == "rated" and record["as_served"] else ""
         progress(f"{impl}: p50 TTFT {1e3 * p50:.1f} ms{ratio}")
     return records
 
@@ -491,7 +505,10 @@ def bench_serve(quick: bool = False, cuda_graphs: bool | None = None) -> list[Re
     request waits less for the step in flight (the TTFT bar).
     ``FUSEFORMER_BENCH_ASYNC_SCHEDULING`` ("1" unless set to "0"): ``LLM(async_scheduling=True)`` from
     ``fuseformer serve``'s ``ASYNC_MIN_SEQS`` requests on, as the server runs on CUDA, in the offline
-    run (after a synchronous one, recorded too) and the server's (``run_serve_case``)."""
+    run (after a synchronous one, recorded too) and the server's (``run_serve_case``).
+    ``FUSEFORMER_BENCH_OVERLAP_PREFILL`` ("1" unless set to "0"): the server with ``overlap_prefill`` and
+    ``LLM(prefill_stream=True)``, as ``fuseformer serve`` runs on CUDA (the other settings are timed at
+    1 req/s beside it)."""
     from fuseformer.bench.engine import SHAPES
 
     if cuda_graphs is None:
@@ -501,12 +518,13 @@ def bench_serve(quick: bool = False, cuda_graphs: bool | None = None) -> list[Re
     ahead = {}
     if os.environ.get("FUSEFORMER_BENCH_ASYNC_SCHEDULING", "1") != "0":
         ahead = dict(async_scheduling=True, async_scheduling_min_seqs=ASYNC_MIN_SEQS)
+    overlap = os.environ.get("FUSEFORMER_BENCH_OVERLAP_PREFILL", "1") != "0"
     name = "llama3.2-1b" if quick else "llama3-8b"
     n, lone, rated = (64, 4, 8) if quick else (256, 30, 30)
     engines = tuple(e for e in os.environ.get("FUSEFORMER_BENCH_SERVE_ENGINES", "thread,process").split(",") if e)
     records = run_serve_case(
         SHAPES[name], n, 256, 256, num_lone=lone, num_rated=rated, shape_name=name, cuda_graphs=cuda_graphs,
-        engines=engines, **ahead,
+        engines=engines, overlap_prefill=overlap, prefill_stream=overlap, **ahead,
     )  # fmt: skip
     print(format_table(records))
     return records

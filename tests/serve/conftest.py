@@ -60,7 +60,7 @@ def checkpoint(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running_server(checkpoint, api_key=None, timeout=120.0, backend="reference", **llm_kwargs):
+def running_server(checkpoint, api_key=None, timeout=120.0, backend="reference", overlap_prefill=False, **llm_kwargs):
     """Yield (base URL, AsyncEngine) of a server on 127.0.0.1 (a free port), stopped on exit.
     ``checkpoint``: a model directory, an LLM to serve as it is, or an engine (a ProcessEngine)."""
     import uvicorn
@@ -72,7 +72,7 @@ def running_server(checkpoint, api_key=None, timeout=120.0, backend="reference",
             engine = checkpoint
         else:
             llm = checkpoint if isinstance(checkpoint, LLM) else LLM(checkpoint, **(LLM_KWARGS | llm_kwargs))
-            engine = AsyncEngine(llm, start=False)
+            engine = AsyncEngine(llm, start=False, overlap_prefill=overlap_prefill)
         app = create_app(engine, MODEL, api_key=api_key)
         # IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (uvicorn's own do);
         # without it a reused connection's first chunk waits ~40 ms for the client's delayed ACK.

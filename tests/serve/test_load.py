@@ -287,25 +287,28 @@ def test_serve_cuda_graphs_default_on_with_a_cuda_device(argv, cuda_available, e
     parser = argparse.ArgumentParser()
     cli.add_serve_parser(parser.add_subparsers(dest="command"))
     assert cli._use_cuda_graphs(parser.parse_args(["serve", *argv])) is expected
-    # --async-scheduling follows the same rule.
-    flipped = [a.replace("cuda-graphs", "async-scheduling") for a in argv]
-    args = parser.parse_args(["serve", *flipped])
-    assert cli._on_cuda_unless_set(args, args.async_scheduling) is expected
+    # --async-scheduling, --overlap-prefill and --prefill-stream follow the same rule.
+    for flag in ("async-scheduling", "overlap-prefill", "prefill-stream"):
+        args = parser.parse_args(["serve", *(a.replace("cuda-graphs", flag) for a in argv)])
+        assert cli._on_cuda_unless_set(args, getattr(args, flag.replace("-", "_"))) is expected
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "cuda_graphs, async_scheduling", [(False, False), (True, False), (True, True)], ids=["eager", "graphs", "async"]
+    "cuda_graphs, async_scheduling, overlap",
+    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+    ids=["eager", "graphs", "async", "served"],
 )
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_gpu_256_concurrent_streams_at_real_layer_sizes(
-    dtype, cuda_graphs, async_scheduling, start_server, read_metric
+    dtype, cuda_graphs, async_scheduling, overlap, start_server, read_metric
 ):
     """On the GPU (Triton kernels): hidden 1024, head dim 128, GQA 8/2, vocab 4096, random weights;
     256 streaming clients with prompts of 20-700 tokens (half sharing a 300-token prefix) on a cache
     too small for all of them at once: every request completes exactly once with its max_tokens, the
     prefix cache hits, and the cache is empty afterwards. Also with async scheduling, as
-    ``fuseformer serve`` runs on CUDA (from 8 running requests on)."""
+    ``fuseformer serve`` runs on CUDA (from 8 running requests on), and ("served") with every default of
+    ``fuseformer serve`` on CUDA: that and ``overlap_prefill`` with ``prefill_stream``."""
     import torch
 
     from fuseformer.bench.engine import build_models
@@ -317,7 +320,7 @@ def test_gpu_256_concurrent_streams_at_real_layer_sizes(
     _, model = build_models(shape, "cuda", getattr(torch, dtype))
     llm = LLM(
         model, device="cuda", max_model_len=1024, num_kv_blocks=1 + 64 * 16, block_size=16, cuda_graphs=cuda_graphs,
-        async_scheduling=async_scheduling, async_scheduling_min_seqs=8,
+        async_scheduling=async_scheduling, async_scheduling_min_seqs=8, prefill_stream=overlap,
     )  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, 4096, (300,), generator=gen).tolist()
@@ -345,7 +348,7 @@ def test_gpu_256_concurrent_streams_at_real_layer_sizes(
         async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
             return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(256))), 300)
 
-    with start_server(llm, backend="auto") as (url, engine):
+    with start_server(llm, backend="auto", overlap_prefill=overlap) as (url, engine):
         results = asyncio.run(run(url))
         for i, (finishes, usage) in enumerate(results):
             assert finishes == ["length"], (i, finishes)
