@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -242,6 +243,110 @@ def sweep_attention64() -> list[dict]:
     return sweep_attention_configs(quick=True, head_dims=(64,))
 
 
+def sweep_mlp_decode(
+    h: int = 4096,
+    i: int = 14336,
+    tokens: tuple[int, ...] = (1, 8, 32, 64),
+    *,
+    timer: Callable[[Callable[[], object]], float] | None = None,
+    ceiling_tb_s: float | None = None,
+) -> list[dict]:
+    """fused_mlp decode, bf16, H 4096, I 14336, T 1/8/32/64 (~2-3 min of GPU, compiles included).
+
+    Per T: each candidate config of the decode kernel (ops/mlp.py ``decode_candidates``; the rule's
+    first, ``rule: True``) for the gate-up GEMM (with act*mul) and the down GEMM alone; then whole
+    MLPs: the decode path with the rule's configs (through ``fused_mlp`` and the launcher), the
+    decode path with the fastest gate-up and down candidates, the prefill-style path (our gate-up
+    kernel + cuBLAS, fused_mlp before the decode path), cuBLAS's two GEMMs alone, eager (HF
+    LlamaMLP) and torch.compile of it. Each record: ms (do_bench median, L2 flushed), the weight
+    bytes its part reads (gate-up 2HI x 2, down HI x 2, whole MLP 3HI x 2) as GB/s, and the percent
+    of a 1 GiB device copy (read + write) measured in the same run. Everything is compiled (warmed)
+    before a T's timings, then the GPU is kept busy ~1 s, so no timing starts from idle clocks.
+    A failing config or peer is a record with ``error``, never the end of the sweep.
+
+    ``h``, ``i``, ``tokens``, ``timer`` and ``ceiling_tb_s`` let a CPU test run it at tiny shapes under
+    the interpreter (fp16 there: the interpreter's bf16 tl.dot is wrong).
+    """
+    import torch.nn.functional as TF
+
+    import fuseformer.ops as F
+    from fuseformer.bench.mlp_ce import _heat
+
+    mlp = importlib.import_module("fuseformer.ops.mlp")  # the module, not fuseformer.ops.fused_mlp
+    on_gpu = torch.cuda.is_available()
+    dev, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float16)
+    timer = timer or (lambda fn: bench_ms(fn, warmup=10, rep=50))
+    ceiling = ceiling_tb_s or copy_ceiling_tb_s(nbytes=1 << 30)
+    out: list[dict] = [dict(kind="mlp_decode_ceiling", copy_tb_s=ceiling, copy_bytes=1 << 30,
+                            gpu=torch.cuda.get_device_name() if on_gpu else "cpu")]  # fmt: skip
+    w_gate_up = torch.randn(2 * i, h, device=dev).to(dtype) / h**0.5
+    w_down = torch.randn(h, i, device=dev).to(dtype) / i**0.5
+    w_gate, w_up = (w.contiguous() for w in w_gate_up.chunk(2))
+    part_bytes = dict(gate_up=2 * h * i * 2, down=h * i * 2, mlp=3 * h * i * 2)
+
+    def eager(x):  # HF LlamaMLP
+        return TF.linear(TF.silu(TF.linear(x, w_gate)) * TF.linear(x, w_up), w_down)
+
+    compiled = torch.compile(eager) if on_gpu else None
+    for t in tokens:
+        x = torch.randn(t, h, device=dev).to(dtype)
+        y = mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0]  # the down GEMM's input: act(g) * u, non-zero
+        cases: list[tuple[dict, Callable[[], object]]] = []
+
+        def case(part, impl, fn, **extra):
+            cases.append((dict(kind="mlp_decode", T=t, H=h, I=i, part=part, impl=impl, **extra), fn))
+
+        for glu, n, k, part, a, w in ((True, i, h, "gate_up", x, w_gate_up), (False, h, i, "down", y, w_down)):
+            for j, cfg in enumerate(mlp.decode_candidates(t, n, k, glu)):
+                case(part, "decode", lambda a=a, w=w, glu=glu, cfg=cfg: mlp._decode_gemm(a, w, glu, "silu", cfg),
+                     config=cfg, rule=j == 0, programs=-(-n // cfg["BLOCK_N"]) * -(-t // cfg["BLOCK_M"]) * cfg["SPLIT_K"],
+                     smem=mlp.decode_smem_bytes(cfg, glu))  # fmt: skip
+        case("gate_up", "prefill-style kernel", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu"))
+        case("gate_up", "cublas", lambda: x @ w_gate_up.T)
+        case("down", "cublas", lambda: y @ w_down.T)
+        case("mlp", "decode rule (fused_mlp)", lambda: F.fused_mlp(x, w_gate_up, w_down))
+        case("mlp", "decode rule (launcher)", lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"))
+        case("mlp", "prefill-style", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0] @ w_down.T)
+        case("mlp", "eager", lambda: eager(x))
+        if compiled is not None:
+            case("mlp", "torch.compile", lambda: compiled(x))
+        for rec, fn in cases:  # compile everything first
+            try:
+                fn()
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        _heat()
+        for rec, fn in cases:
+            if "error" not in rec:
+                _time_record(rec, fn, timer, part_bytes[rec["part"]], ceiling)
+        out += [rec for rec, _ in cases]
+        # The decode path with the fastest candidate of each GEMM, timed as one MLP.
+        best = {}
+        for part in ("gate_up", "down"):
+            timed = [r for r, _ in cases if r["part"] == part and r["impl"] == "decode" and "ms" in r]
+            best[part] = min(timed, key=lambda r: r["ms"])["config"] if timed else None
+        rec = dict(kind="mlp_decode", T=t, H=h, I=i, part="mlp", impl="decode best", gate_up_config=best["gate_up"],
+                   down_config=best["down"])  # fmt: skip
+        try:
+            fn = lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", best["gate_up"], best["down"])
+            fn()
+            _time_record(rec, fn, timer, part_bytes["mlp"], ceiling)
+        except Exception as exc:
+            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        out.append(rec)
+    return out
+
+
+def _time_record(rec: dict, fn: Callable[[], object], timer, nbytes: int, ceiling_tb_s: float) -> None:
+    """Time ``fn`` into ``rec``: ms, weight GB/s and percent of the copy ceiling (or the error)."""
+    try:
+        ms = timer(fn)
+        gb_s = nbytes / (ms * 1e-3) / 1e9
+        rec.update(ms=ms, weight_bytes=nbytes, gb_s=gb_s, pct_copy=100 * gb_s / (1e3 * ceiling_tb_s))
+    except Exception as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+
+
 SWEEPS = {
     "attention": sweep_attention,
     "attention64": sweep_attention64,
@@ -251,4 +356,5 @@ SWEEPS = {
     "small_rows": sweep_small_rows,
     "train_profile": sweep_train_profile,
     "flce": sweep_flce,
+    "mlp_decode": sweep_mlp_decode,
 }

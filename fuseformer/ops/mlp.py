@@ -26,10 +26,19 @@ fallback, not the fast path.
 The config (BLOCK_M/N/K, GROUP_M, warps, stages, descriptors, warp specialization) comes from the
 autotune cache (runtime/autotune.py), by GPU and T bucket, with shipped H200/H100 defaults.
 
-The down projection and every backward GEMM are cuBLAS (torch.matmul): a plain GEMM, where our
-Triton GEMM has no epilogue to fuse and cuBLAS is the faster one (715 vs 610 TFLOP/s on 8192^3).
+The down projection (decode aside, below) and every backward GEMM are cuBLAS (torch.matmul): a
+plain GEMM, where our Triton GEMM has no epilogue to fuse and cuBLAS is the faster one (715 vs 610
+TFLOP/s on 8192^3).
 Backward: dy = dout @ w_down; dw_down = dout.T @ y; (dg, du) = glu_bwd(dy, g, u) written into the
 halves of one (T, 2I) buffer dgu; dx = dgu @ w_gate_up; dw_gate_up = dgu.T @ x.
+
+Decode (inference, T <= 64 tokens, fp16/bf16 on CUDA): the MLP reads 3 H I x 2 bytes of weights
+(352 MB at H 4096, I 14336) for a few tokens, so it is judged by weight streaming against the copy
+bandwidth, and the prefill kernel's grid is the wrong shape for it (448 programs of one per SM at
+T 1: 3.4 waves). ``_mlp_decode_kernel`` runs both GEMMs: gate-up with the activation in its
+epilogue, then down, each with its own config (``decode_config``: every program resident at once,
+deep TMA pipelines, wide weight tiles; split-K for the down GEMM's 4096 outputs), so the whole MLP
+is two to three kernels, none of them cuBLAS.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from fuseformer.ops._utils import (
     empty,
     float_dtype_of,
     next_pow2,
+    num_sms,
     rows_2d,
     sm_count,
 )
@@ -242,24 +252,25 @@ def _mlp_decode_kernel(
     stride_xm, stride_wn, stride_om,
     GLU: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
 ):  # fmt: skip
-    # Few tokens (decode): a weight-streaming GEMM, both MLP GEMMs with one kernel.
+    # Decode (T <= 64): a weight-streaming GEMM, one kernel for both GEMMs of the MLP.
     #   GLU:  W (2N, K) = [gate; up] -> OUT (M, N) = act(x Wg^T) * (x Wu^T)   (N = I, K = H)
     #   else: W (N, K)               -> OUT (M, N) = x W^T                    (N = H, K = I)
     # Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): each program streams BLOCK_N weight rows
-    # (2 BLOCK_N with GLU) over one K range through tensor descriptors (TMA, num_stages deep).
-    # SPLIT_K > 1 writes fp32 partials to WS (SPLIT_K, M, 2N or N), summed by the epilogue kernel.
-    # USE_DOT=False: CUDA-core multiply + tl.sum over K instead of a tl.dot padded to 16 rows.
+    # (2 BLOCK_N with GLU) over one K range through tensor descriptors, num_stages deep. SPLIT_K > 1
+    # writes fp32 partials to WS (SPLIT_K, M, 2N or N), summed by _mlp_split_k_epilogue_kernel.
+    # A tl.dot padded to 16 rows rather than a multiply + tl.sum over K on CUDA cores: Triton 3.6
+    # pipelines descriptor loads only into a dot (offline sm_90 compile of the tl.sum variant: one
+    # shared buffer, each load waited for), and the padding costs tensor-core time, not bytes.
     off_n = tl.program_id(0) * BLOCK_N
     off_m = tl.program_id(1) * BLOCK_M
     split = tl.program_id(2)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     kt_begin = split * per_split
-    kt_end = tl.minimum(kt_begin + per_split, k_tiles)  # <= kt_begin for a split left without tiles
-    # Out-of-bounds boxes read as zero (rows >= M, K's tail); a gate box crossing row N reads up
-    # rows into columns >= N, which the stores mask off.
+    kt_end = tl.minimum(kt_begin + per_split, k_tiles)  # <= kt_begin: a split left without tiles writes 0
+    # Out-of-bounds boxes read as zero and cost no bytes (rows >= M, K's tail); a gate box crossing
+    # row N reads up rows into columns >= N, which the stores mask off.
     x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(W, shape=[2 * N if GLU else N, K], strides=[stride_wn, 1],
                                        block_shape=[BLOCK_N, BLOCK_K])  # fmt: skip
@@ -268,9 +279,9 @@ def _mlp_decode_kernel(
     for kt in tl.range(kt_begin, kt_end):
         k = kt * BLOCK_K
         x = x_desc.load([off_m, k])
-        acc = _decode_mac(x, w_desc.load([off_n, k]), acc, PRECISION, USE_DOT)
+        acc = tl.dot(x, w_desc.load([off_n, k]).T, acc, input_precision=PRECISION)
         if GLU:
-            acc_u = _decode_mac(x, w_desc.load([N + off_n, k]), acc_u, PRECISION, USE_DOT)
+            acc_u = tl.dot(x, w_desc.load([N + off_n, k]).T, acc_u, input_precision=PRECISION)
     rm = off_m + tl.arange(0, BLOCK_M)
     rn = off_n + tl.arange(0, BLOCK_N)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
@@ -284,14 +295,6 @@ def _mlp_decode_kernel(
         _gate_up_epilogue(acc, acc_u, OUT, OUT, rows, rn, mask, stride_om, 0, N, ACTIVATION, False)
     else:
         tl.store(OUT + rows * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _decode_mac(x, w, acc, PRECISION: tl.constexpr, USE_DOT: tl.constexpr):
-    """acc (BLOCK_M, BLOCK_N) += x (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K)^T, fp32."""
-    if USE_DOT:
-        return tl.dot(x, w.T, acc, input_precision=PRECISION)
-    return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,6 +348,97 @@ def default_config(t: int, h: int, i: int, dtype: torch.dtype, on_gpu: bool) -> 
     # 3 stages (144 KB) rather than 4 (192 KB + the epilogue's layout conversions, near the 227 KB limit).
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3, USE_DESC=True,
                 WARP_SPECIALIZE=False, PERSISTENT=False)  # fmt: skip
+
+
+# Decode: both GEMMs of the MLP through _mlp_decode_kernel, each with its own autotune entry.
+DECODE_MAX_T = 64
+GATE_UP_DECODE = "mlp_decode_gate_up"  # N = I, K = H, GLU
+DOWN_DECODE = "mlp_decode_down"  # N = H, K = I
+DECODE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+# Where fused_mlp takes the decode path (tests add "cpu" to run it under the interpreter).
+DECODE_DEVICE_TYPES = frozenset({"cuda"})
+
+
+def decode_key(t: int, n: int, k: int, dtype: torch.dtype) -> str:
+    """The decode kernels' autotune key: T's power-of-two bucket (1..64), the GEMM's N and K, dtype."""
+    return f"T{next_pow2(t)}-N{n}-K{k}-{str(dtype).removeprefix('torch.')}"
+
+
+def decode_generic_key(t: int, dtype: torch.dtype) -> str:
+    return f"T{next_pow2(t)}-{str(dtype).removeprefix('torch.')}"
+
+
+def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = True) -> dict:
+    """The decode kernel's config by rule: a guess for the H200 (132 SMs, 227 KB of shared memory
+    per block) at Llama-3 8B's shapes, chosen from offline sm_90 compiles (Triton 3.6: shared memory
+    and registers; no spills in any of these), to be confirmed by ``bench/sweep.py mlp_decode``.
+
+    A decode GEMM reads each weight byte once, so it is judged by bytes in flight and by balance:
+    - Every program resident at once, with equal work, so all finish together (no partial last
+      wave: the prefill-style grid, 448 programs of 160 KB at 1 per SM, ran 3.4 waves).
+    - >= ~48 KB of weights in flight per SM (Little's law: ~4.4 TB/s x ~1.5 us loaded latency over
+      132 SMs); loads run num_stages - 1 tiles ahead (num_stages - 2 with wgmma, BLOCK_M 64).
+    - Weight tiles wide enough that re-reading the x tile from L2 stays below half the weight bytes
+      (x is BLOCK_M x BLOCK_K per step against BLOCK_N, or 2 BLOCK_N, rows of weights).
+    - Gate-up: no split-K (the act then needs an epilogue kernel and a (S, T, 2I) fp32 round trip,
+      29 MB at T 64 with S 2), 64 gate + 64 up rows a program: I 14336 -> 224 programs at 2 per SM
+      (~110 KB of shared memory each at T <= 16).
+    - Down (N = H = 4096 outputs, K = I): split-K into the largest power of two of splits with
+      (N / BLOCK_N) x splits <= the SM count, one program per SM with deep pipelines: T <= 16:
+      32 rows x 256, 6 stages (123 KB), 128 programs; T 32: 64 rows, 2 splits; T 64: 128 rows, 4
+      splits (x re-read 0.5x the weights), summed by the epilogue kernel (1-8 MB of partials).
+    Off the GPU (the interpreter): small tiles that exercise every mask.
+    """
+    bm = max(16, next_pow2(t))
+    if not on_gpu:
+        return dict(BLOCK_M=bm, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1)
+    # (BLOCK_N, BLOCK_K, num_stages) by BLOCK_M; shared memory per program (bf16) in the comment.
+    if glu:
+        bn, bk, stages = {16: (64, 128, 4), 32: (64, 64, 5), 64: (64, 64, 4)}[min(bm, 64)]  # 110, 82, 98 KB
+    else:
+        bn, bk, stages = {16: (32, 256, 6), 32: (64, 128, 6), 64: (128, 64, 6)}[min(bm, 64)]  # 123, 123, 147 KB
+    split = 1
+    if not glu:
+        blocks, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
+        while blocks * split * 2 <= sms and k_tiles >= 8 * split:
+            split *= 2
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages)
+
+
+def decode_smem_bytes(cfg: dict, glu: bool, element_size: int = 2) -> int:
+    """Shared memory of the decode kernel's operand buffers: num_stages - 1 of them (mma.sync,
+    BLOCK_M < 64), num_stages with wgmma (BLOCK_M 64); offline sm_90 compiles match it within 100 B."""
+    bufs = cfg["num_stages"] if cfg["BLOCK_M"] >= 64 else max(1, cfg["num_stages"] - 1)
+    return bufs * (cfg["BLOCK_M"] + (2 if glu else 1) * cfg["BLOCK_N"]) * cfg["BLOCK_K"] * element_size
+
+
+# The decode sweep's tiles around the rule, as (BLOCK_N, BLOCK_K, num_stages, SPLIT_K) by (GLU, BLOCK_M):
+# programs per SM (shared memory, H200) and x re-read against the weights differ; all compile for
+# sm_90 without spills (offline, Triton 3.6). Gate-up: I 14336 / BLOCK_N programs x SPLIT_K;
+# down: 4096 / BLOCK_N x SPLIT_K.
+_DECODE_SWEEP = {
+    (True, 16): [(64, 128, 3, 1), (64, 64, 5, 1), (64, 64, 4, 1), (32, 64, 5, 1), (32, 128, 4, 1), (128, 64, 4, 1),
+                 (128, 64, 3, 1), (128, 64, 4, 2), (128, 64, 3, 2)],
+    (True, 32): [(64, 64, 4, 1), (64, 128, 3, 1), (32, 64, 5, 1), (128, 64, 3, 1), (128, 64, 4, 1)],
+    (True, 64): [(64, 64, 5, 1), (32, 64, 5, 1), (128, 64, 3, 1), (128, 64, 4, 1), (64, 128, 3, 1)],
+    (False, 16): [(32, 256, 4, 1), (16, 256, 5, 1), (32, 128, 6, 2), (32, 256, 4, 2), (64, 128, 6, 2),
+                  (64, 128, 5, 4), (128, 64, 6, 4), (128, 64, 4, 4), (128, 128, 4, 4)],
+    (False, 32): [(32, 256, 4, 1), (32, 128, 6, 1), (32, 128, 6, 2), (16, 256, 5, 1), (64, 128, 5, 4),
+                  (128, 64, 6, 4), (128, 128, 4, 4)],
+    (False, 64): [(128, 64, 4, 4), (128, 64, 4, 8), (64, 128, 5, 2), (32, 128, 6, 1), (128, 128, 4, 4)],
+}  # fmt: skip
+
+
+def decode_candidates(t: int, n: int, k: int, glu: bool, sms: int = 132) -> list[dict]:
+    """The decode sweep's configs for one GEMM at T tokens (bench/sweep.py mlp_decode): the rule's
+    first, then ``_DECODE_SWEEP``'s; any over the shared memory limit is left out."""
+    bm = max(16, next_pow2(t))
+    out = [decode_config(t, n, k, glu, sms)]
+    for bn, bk, stages, split in _DECODE_SWEEP[(glu, min(bm, 64))]:
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages)
+        if cfg not in out:
+            out.append(cfg)
+    return [c for c in out if decode_smem_bytes(c, glu) + 4096 <= _SMEM_LIMIT]
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -437,6 +531,82 @@ def mlp_gate_up_fwd(
     return y, pre
 
 
+def _decode_gemm(x: torch.Tensor, w: torch.Tensor, glu: bool, activation: str, config: dict) -> torch.Tensor:
+    """x (T, K), w (2N, K) = [gate; up] (``glu``) or (N, K) -> act(x Wg^T) * (x Wu^T) or x W^T (T, N),
+    x's dtype, through _mlp_decode_kernel (16-byte aligned rows: tensor descriptors)."""
+    t, k = x.shape
+    n = w.shape[0] // 2 if glu else w.shape[0]
+    out = empty((t, n), dtype=x.dtype, device=x.device)
+    split = config["SPLIT_K"]
+    # Split-K partials (SPLIT_K, T, 2N or N) fp32: 1 MB a split at T 64 for the down GEMM (N 4096).
+    ws = empty((split, t, 2 * n if glu else n), dtype=torch.float32, device=x.device) if split > 1 else out
+    if x.is_cuda:
+        _ensure_allocator()
+    grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(t, config["BLOCK_M"]), split)
+    _mlp_decode_kernel[grid](
+        x, w, out, ws,
+        t, n, k,
+        x.stride(0), w.stride(0), out.stride(0),
+        GLU=glu, ACTIVATION=activation, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **config,
+    )  # fmt: skip
+    if split > 1:
+        bm, bn = min(16, next_pow2(t)), 256
+        _mlp_split_k_epilogue_kernel[(triton.cdiv(t, bm) * triton.cdiv(n, bn),)](
+            ws, out, out,
+            t, n,
+            out.stride(0), 0,
+            ACTIVATION=activation, SAVE_PRE=False, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, GLU=glu, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+@autotune.plan_cache
+def _decode_plan(kernel: str, tb: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The launch config of one decode GEMM (cached per T bucket, shape, dtype and device)."""
+    return autotune.get_config(
+        kernel, decode_key(tb, n, k, dtype), device=device, generic_key=decode_generic_key(tb, dtype),
+        default=lambda: decode_config(tb, n, k, kernel == GATE_UP_DECODE, num_sms(device.index or 0),
+                                      device.type == "cuda"),
+        fields=DECODE_CONFIG_KEYS,
+    )  # fmt: skip
+
+
+def decode_supported(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether ``fused_mlp`` takes the decode kernels for x (T, H): 1 <= T <= DECODE_MAX_T, fp16 or
+    bf16 on CUDA, H and I > 0, and rows the tensor descriptors can read (16-byte aligned bases and
+    row strides, y (T, I) included); anything else takes the prefill-style path."""
+    t, h = x.shape
+    i = w_down.shape[1]
+    return (
+        0 < t <= DECODE_MAX_T and h > 0 and i > 0 and x.device.type in DECODE_DEVICE_TYPES
+        and x.dtype in (torch.float16, torch.bfloat16) and (i * x.element_size()) % 16 == 0
+        and _aligned(x) and _aligned(w_gate_up) and _aligned(w_down)
+    )  # fmt: skip
+
+
+def mlp_decode_fwd(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+    gate_up_config: dict | None = None,
+    down_config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, H), T <= 64 -> out (T, H) and y (T, I): the gate-up GEMM with the activation, then the
+    down GEMM, both through _mlp_decode_kernel (plus the split-K epilogue where a config splits).
+    No pre-activation (inference only). The configs override the cached ones (sweeps, tests)."""
+    t, h = x.shape
+    i = w_down.shape[1]
+    tb = next_pow2(t)
+    if gate_up_config is None:
+        gate_up_config = _decode_plan(GATE_UP_DECODE, tb, i, h, x.dtype, x.device)
+    if down_config is None:
+        down_config = _decode_plan(DOWN_DECODE, tb, h, i, x.dtype, x.device)
+    y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config)
+    return _decode_gemm(y, w_down, False, activation, down_config), y
+
+
 def fused_mlp_fwd(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -445,7 +615,11 @@ def fused_mlp_fwd(
     save_pre: bool = False,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """x (T, H) -> out (T, H), pre (T, 2I) or None, y (T, I): the fused gate-up GEMM, then cuBLAS."""
+    """x (T, H) -> out (T, H), pre (T, 2I) or None, y (T, I): the fused gate-up GEMM, then cuBLAS; or,
+    for inference at T <= 64 (``decode_supported``, no ``config``), the two decode GEMMs."""
+    if not save_pre and config is None and decode_supported(x, w_gate_up, w_down):
+        out, y = mlp_decode_fwd(x, w_gate_up, w_down, activation)
+        return out, None, y
     y, pre = mlp_gate_up_fwd(x, w_gate_up, activation, save_pre, config)
     return torch.matmul(y, w_down.T), pre, y
 

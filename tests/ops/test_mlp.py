@@ -268,6 +268,131 @@ def test_default_configs_cover_every_bucket():
 
 
 # --------------------------------------------------------------------------------------------
+# Decode (T <= 64): _mlp_decode_kernel for both GEMMs, split-K, the dispatch of the public op
+# --------------------------------------------------------------------------------------------
+def _check_decode(t, h, i, dtype, device, gate_up_config=None, down_config=None, activation="silu", gapped=False):
+    """mlp_decode_fwd's y and out against the fp64 reference (§3 criterion; outputs poisoned)."""
+    from fuseformer.ops.activations import glu_ref
+
+    x = _x((t,), h, dtype, device)
+    if gapped:  # rows with a NaN gap after them, row stride still 16-byte aligned (descriptors)
+        base = torch.full((t, h + 8), float("nan"), dtype=dtype, device=device)
+        base[:, :h] = x
+        x = base[:, :h]
+    wgu, wd = _weights(h, i, dtype, device)
+    out, y = M.mlp_decode_fwd(x, wgu, wd, activation, gate_up_config, down_config)
+    gu = x.double() @ wgu.double().T
+    gu_base = (x @ wgu.T).to(dtype)
+    assert_close("y", y, glu_ref(gu[:, :i], gu[:, i:], activation),
+                 glu_ref(gu_base[:, :i], gu_base[:, i:], activation, upcast=False))  # fmt: skip
+    ref = M.fused_mlp_ref(x.double(), wgu.double(), wd.double(), activation)
+    assert out.dtype == dtype and out.shape == (t, h)
+    assert_close("out", out, ref, M.fused_mlp_ref(x, wgu, wd, activation, upcast=False))
+
+
+def _dcfg(bm=16, bn=16, bk=32, split=1):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t, h, i", [(1, 96, 352), (2, 200, 1000), (7, 96, 1000), (16, 200, 352), (33, 96, 352),
+                                     (64, 200, 352)])  # fmt: skip
+def test_decode_matches_reference(t, h, i, dtype, device):
+    """Both decode GEMMs with the interpreter's rule configs (BLOCK_M 16: T 33 and 64 take several
+    row blocks); H and I not multiples of the blocks, so gate boxes cross into the up rows."""
+    _check_decode(t, h, i, dtype, device)
+
+
+@pytest.mark.parametrize("t", [5, 33])
+def test_decode_split_k_edges(t, device):
+    """Split-K in both GEMMs: H 40 is 2 K tiles of 32 in 3 splits (the last gets none and must write
+    its zero partial), I 72 is 3 tiles (the tail half a tile) in 4 splits of 1; several row blocks
+    at T 33; the GLU and plain epilogues of the split-K kernel."""
+    _check_decode(t, 40, 72, torch.float16, device, _dcfg(split=3), _dcfg(split=4))
+    _check_decode(t, 40, 72, torch.float32, device, _dcfg(bn=32, split=2), _dcfg(bn=32, split=3), "gelu_tanh")
+
+
+def test_decode_wide_tiles_and_gapped_rows(device):
+    """Tiles wider than the weights (BLOCK_N 64 over I 40, BLOCK_K 64 over H 24: every box partly out
+    of bounds) and x rows strided with NaN gaps between them, which the descriptors must not read."""
+    _check_decode(3, 24, 40, torch.float16, device, _dcfg(bn=64, bk=64), _dcfg(bn=64, bk=64, split=2), gapped=True)
+    _check_decode(9, 96, 352, torch.float32, device, gapped=True)
+
+
+def test_fused_mlp_takes_decode_path_for_inference(device, monkeypatch):
+    """The public op: without grad, T <= 64, aligned 16-bit inputs -> the decode kernel (no cuBLAS, no
+    prefill kernel); with grad, or rows the descriptors cannot read, or T 65 -> the prefill-style path.
+    On the CPU the decode path is enabled for this test (it is CUDA-only by default)."""
+    monkeypatch.setattr(M, "DECODE_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    launches = []
+    for name in ("_mlp_decode_kernel", "_mlp_gate_up_kernel", "_mlp_split_k_epilogue_kernel"):
+        monkeypatch.setattr(M, name, _LaunchSpy(getattr(M, name), name, launches))
+
+    def run(t, h, i, grad=False):
+        launches.clear()
+        x = torch.randn(t, h, device=device).half().requires_grad_(grad)
+        wgu, wd = _weights(h, i, torch.float16, device)
+        with fuseformer.use_backend("triton"), torch.set_grad_enabled(grad):
+            out = F.fused_mlp(x, wgu, wd)
+        ref = M.fused_mlp_ref(x.detach().double(), wgu.double(), wd.double())
+        assert_close("out", out, ref, M.fused_mlp_ref(x.detach(), wgu, wd, upcast=False))
+        return [(name, kw.get("GLU")) for name, _, kw in launches]
+
+    assert run(5, 96, 200) == [("_mlp_decode_kernel", True), ("_mlp_decode_kernel", False)]
+    assert run(5, 96, 200, grad=True) == [("_mlp_gate_up_kernel", None)]
+    assert run(5, 33, 200) == [("_mlp_gate_up_kernel", None)]  # 66-byte rows: no descriptors
+    assert run(5, 96, 204) == [("_mlp_gate_up_kernel", None)]  # y's 408-byte rows: no descriptors
+    assert run(65, 96, 200) == [("_mlp_gate_up_kernel", None)]
+
+
+def test_decode_rule_fills_an_h200():
+    """The rule at Llama-3 8B's shapes on 132 SMs: every program resident at once (programs per SM
+    from shared memory), no more than 8 splits, operands within shared memory; the sweep's
+    candidates are distinct, complete and fit too."""
+    sms, smem_sm = 132, 228 * 1024
+    for t in range(1, 65):
+        for glu, n, k in ((True, 14336, 4096), (False, 4096, 14336)):
+            cfg = M.decode_config(t, n, k, glu, sms)
+            assert set(cfg) == set(M.DECODE_CONFIG_KEYS) and cfg["BLOCK_M"] >= t
+            smem = M.decode_smem_bytes(cfg, glu)
+            assert smem + 4096 <= M._SMEM_LIMIT
+            programs = -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
+            assert sms // 2 < programs <= sms * (smem_sm // (smem + 1024)), (t, glu, cfg, programs)
+            assert cfg["SPLIT_K"] == 1 if glu else cfg["SPLIT_K"] <= 8
+            cands = M.decode_candidates(t, n, k, glu, sms)
+            assert cands[0] == cfg and 5 <= len(cands) <= 12
+            assert all(set(c) == set(M.DECODE_CONFIG_KEYS) and c["BLOCK_M"] == cfg["BLOCK_M"] for c in cands)
+            assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)
+            assert all(M.decode_smem_bytes(c, glu) + 4096 <= M._SMEM_LIMIT for c in cands)
+
+
+def test_mlp_decode_sweep_runs_at_tiny_shapes():
+    """bench/sweep.py's mlp_decode sweep, end to end on the CPU at H 64, I 96 (interpreter, a
+    wall-clock timer): one record per candidate of each GEMM, the peers, and the best pair timed
+    as one MLP; no record carries an error."""
+    import time
+
+    from fuseformer.bench.sweep import SWEEPS, sweep_mlp_decode
+
+    def timer(fn):
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
+
+    records = sweep_mlp_decode(h=64, i=96, tokens=(1, 33), timer=timer, ceiling_tb_s=1.0)
+    assert SWEEPS["mlp_decode"] is sweep_mlp_decode
+    assert [r for r in records if "error" in r] == []
+    for t in (1, 33):
+        rows = [r for r in records if r.get("T") == t]
+        for part, glu, n, k in (("gate_up", True, 96, 64), ("down", False, 64, 96)):
+            decode = [r for r in rows if r["part"] == part and r["impl"] == "decode"]
+            assert [r["config"] for r in decode] == M.decode_candidates(t, n, k, glu) and decode[0]["rule"]
+        impls = {r["impl"] for r in rows if r["part"] == "mlp"}
+        assert {"decode best", "decode rule (launcher)", "prefill-style", "eager"} <= impls
+        assert all(r["pct_copy"] > 0 and r["gb_s"] > 0 for r in rows)
+
+
+# --------------------------------------------------------------------------------------------
 # GPU: real sizes, bf16 and fp16, every tuning candidate compiles and is correct
 # --------------------------------------------------------------------------------------------
 GPU_CASES = [((1,), 4096, 14336), ((7,), 4096, 14336), ((64,), 4096, 14336), ((257,), 200, 1000),
@@ -283,16 +408,43 @@ def test_fused_mlp_gpu(lead, h, i, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 8, 32, 64])
-def test_fused_mlp_gpu_no_grad_decode_bench_shapes(t):
-    """The bench's decode calls: nothing requires grad (the SAVE_PRE=False kernels; test_fused_mlp_gpu
-    takes the backward at these T), H 4096, I 14336, bf16, the shipped configs on an H200/H100."""
-    from fuseformer.runtime import autotune
-
-    key = M.config_key(t, 4096, 14336, torch.bfloat16)
-    _, source = autotune.lookup(M.KERNEL, key, "cuda", M.generic_key(t, torch.bfloat16))
-    if autotune.gpu_family(autotune.gpu_name("cuda")) in ("H200", "H100"):
-        assert source in ("shipped", "cache"), source
+def test_fused_mlp_gpu_no_grad_decode_bench_shapes(t, monkeypatch):
+    """The bench's decode calls: nothing requires grad, H 4096, I 14336, bf16 -> the decode kernels
+    (test_fused_mlp_gpu takes the backward, the prefill-style path, at these T)."""
+    calls = []
+    real = M.mlp_decode_fwd
+    monkeypatch.setattr(M, "mlp_decode_fwd", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     _check((t,), 4096, 14336, torch.bfloat16, "cuda", backward=False)
+    assert calls == [(t, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 2, 8, 17, 32, 64])
+def test_decode_gpu(t, dtype):
+    """Both decode GEMMs with the rule's configs at Llama-3 8B's sizes, and at odd H and I."""
+    _check_decode(t, 4096, 14336, dtype, "cuda")
+    _check_decode(t, 200, 1000, dtype, "cuda", gapped=True)
+
+
+_DECODE_CANDIDATES = [
+    (t, glu, cfg)
+    for t in (1, 29, 61)
+    for glu in (True, False)
+    for cfg in M.decode_candidates(t, 14336 if glu else 4096, 4096 if glu else 14336, glu)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "t, glu, cfg",
+    _DECODE_CANDIDATES,
+    ids=[f"T{t}-{'gu' if g else 'dn'}-{k}" for k, (t, g, _) in enumerate(_DECODE_CANDIDATES)],
+)
+def test_decode_every_candidate_config_gpu(t, glu, cfg):
+    """Each config the mlp_decode sweep times compiles on this GPU and gives the right answer (its
+    GEMM with it, the other by rule), bf16 at Llama-3 8B's sizes."""
+    _check_decode(t, 4096, 14336, torch.bfloat16, "cuda", cfg if glu else None, None if glu else cfg)
 
 
 @pytest.mark.gpu
@@ -345,7 +497,7 @@ ints = {k: "i32" for k in ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym",
 
 def build(fn, sig, consts, cfg):
     sig = dict(sig, **{k: "constexpr" for k in consts})
-    aligned = set(ptr) | {"WS", "stride_xm", "stride_wn"}
+    aligned = set(ptr) | {"WS", "OUT", "stride_xm", "stride_wn", "stride_om"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if k in aligned}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=target,
                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
@@ -362,14 +514,28 @@ for t in (1, 64, 8192):
         if t == 8192:
             consts = {k: v for k, v in consts.items() if k not in ("SPLIT_K", "USE_DESC")}
             build(M._mlp_gate_up_persistent_kernel, dict(ptr, **ints), consts, cfg)
+# The decode rule's configs (both GEMMs) and the split-K epilogue of the down GEMM.
+dsig = dict(X="*bf16", W="*bf16", OUT="*bf16", WS="*fp32", **{k: "i32" for k in ("M", "N", "K", "stride_xm",
+            "stride_wn", "stride_om")})
+for t in (1, 32, 64):
+    for glu, n, k in ((True, 14336, 4096), (False, 4096, 14336)):
+        cfg = M.decode_config(t, n, k, glu, 132)
+        consts = dict(GLU=glu, ACTIVATION="silu", PRECISION="tf32",
+                      **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
+        build(M._mlp_decode_kernel, dsig, consts, cfg)
+        if cfg["SPLIT_K"] > 1:
+            esig = dict(WS="*fp32", Y="*bf16", PRE="*bf16", M="i32", N="i32", stride_ym="i32", stride_pm="i32")
+            consts = dict(ACTIVATION="silu", SAVE_PRE=False, SPLIT_K=cfg["SPLIT_K"], BLOCK_M=16, BLOCK_N=256, GLU=glu)
+            build(M._mlp_split_k_epilogue_kernel, esig, consts, dict(num_warps=4, num_stages=1))
 print("ok")
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile these for real")
 def test_default_configs_compile_for_sm90_offline():
-    """The shipped bf16 configs compile for sm_90 (Triton's bundled ptxas, no GPU needed) and fit in
-    shared memory: a compile error or an overflow shows here instead of on the H200."""
+    """The shipped bf16 configs and the decode rule's (both GEMMs, the split-K epilogue) compile for
+    sm_90 (Triton's bundled ptxas, no GPU needed) and fit in shared memory: a compile error or an
+    overflow shows here instead of on the H200."""
     import os
     import subprocess
     import sys
