@@ -293,8 +293,9 @@ class AsyncEngine:
     later step's: the same text, in fewer, larger chunks. A request's first output, a finished one
     and an abort are never held.
 
-    ``overlap_prefill`` (off by default: on an H200 it moved the 1 req/s p50 time to first token by -15%
-    to +4%): while a CUDA-graph decode step
+    ``overlap_prefill`` (off by default here; ``fuseformer serve`` turns it on with ``LLM.prefill_stream``
+    on CUDA: on an H200 the 1 req/s p50 time to first token was then 0.95-1.00x a lone request's, runs
+    31-33, against 0.84-1.08x without either): while a CUDA-graph decode step
     runs on the device, the engine thread watches for new requests instead of blocking on the step's
     result; one that arrives has its prefill launched at once, behind the decode step in the device's
     queue (``LLM.launch_step(admit_only=True)``), and both steps finish in order. A new request then

@@ -149,8 +149,9 @@ class LLM:
             request that arrives waits for the step scheduled ahead too (``fuseformer serve`` uses 8).
         prefill_stream: on CUDA, a prefill that ``step_with_arrivals`` launches while a decode step is
             in flight runs on a second stream, beside that step instead of queued behind it (the
-            prefill is host-bound, the decode step memory-bound: they share the GPU well).
-            Experimental, not yet measured on a GPU.
+            prefill is host-bound, the decode step memory-bound: they share the GPU well). On by
+            default in ``fuseformer serve`` on CUDA (H200, 8B shape: 1 req/s p50 time to first token
+            0.95-1.00x a lone request's with ``AsyncEngine.overlap_prefill``, runs 31-33).
     """
 
     def __init__(
