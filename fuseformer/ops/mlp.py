@@ -369,24 +369,20 @@ def decode_generic_key(t: int, dtype: torch.dtype) -> str:
 
 
 def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = True) -> dict:
-    """The decode kernel's config by rule: a guess for the H200 (132 SMs, 227 KB of shared memory
-    per block) at Llama-3 8B's shapes, chosen from offline sm_90 compiles (Triton 3.6: shared memory
-    and registers; no spills in any of these), to be confirmed by ``bench/sweep.py mlp_decode``.
+    """The decode kernel's config by rule for the H200 (132 SMs, 227 KB of shared memory per block):
+    the fastest configs of the ``bench/sweep.py mlp_decode`` sweep at Llama-3 8B's shapes (run 34,
+    2026-11-30; offline sm_90 compiles: no spills in any of these).
 
-    A decode GEMM reads each weight byte once, so it is judged by bytes in flight and by balance:
-    - Every program resident at once, with equal work, so all finish together (no partial last
-      wave: the prefill-style grid, 448 programs of 160 KB at 1 per SM, ran 3.4 waves).
-    - >= ~48 KB of weights in flight per SM (Little's law: ~4.4 TB/s x ~1.5 us loaded latency over
-      132 SMs); loads run num_stages - 1 tiles ahead (num_stages - 2 with wgmma, BLOCK_M 64).
-    - Weight tiles wide enough that re-reading the x tile from L2 stays below half the weight bytes
-      (x is BLOCK_M x BLOCK_K per step against BLOCK_N, or 2 BLOCK_N, rows of weights).
-    - Gate-up: no split-K (the act then needs an epilogue kernel and a (S, T, 2I) fp32 round trip,
-      29 MB at T 64 with S 2), 64 gate + 64 up rows a program: I 14336 -> 224 programs at 2 per SM
-      (~110 KB of shared memory each at T <= 16).
-    - Down (N = H = 4096 outputs, K = I): split-K into the largest power of two of splits with
-      (N / BLOCK_N) x splits <= the SM count, one program per SM with deep pipelines: T <= 16:
-      32 rows x 256, 6 stages (123 KB), 128 programs; T 32: 64 rows, 2 splits; T 64: 128 rows, 4
-      splits (x re-read 0.5x the weights), summed by the epilogue kernel (1-8 MB of partials).
+    A decode GEMM reads each weight byte once, so it is judged by the bytes each SM keeps in flight
+    (loads run num_stages - 1 tiles ahead; num_stages - 2 with wgmma, BLOCK_M 64) more than by filling
+    every SM: in run 34 gate-up tiles of 128 gate + 128 up rows (112 programs, one per SM, 20 SMs
+    idle) beat 64 + 64 (224 programs, two per SM) by 3-5%, and the down GEMM without split-K beat
+    the split-K configs by 3-8% (its fp32 partials and the extra kernel cost more than the balance
+    gains). Best of the sweep, whole MLP: 105.8-108.6 us at T 1-64 (77-79% of copy), torch.compile
+    107.1-116.8 us.
+    - Gate-up: never split (the act would need the epilogue kernel and a (S, T, 2I) fp32 round trip).
+    - Down (N = H outputs, K = I): split-K only while (N / BLOCK_N) x 2 splits still fit one program
+      per SM (not at H 4096; a model with H 2048 gets 2 splits), summed by the epilogue kernel.
     Off the GPU (the interpreter): small tiles that exercise every mask.
     """
     bm = max(16, next_pow2(t))
@@ -394,9 +390,11 @@ def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = Tr
         return dict(BLOCK_M=bm, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1)
     # (BLOCK_N, BLOCK_K, num_stages) by BLOCK_M; shared memory per program (bf16) in the comment.
     if glu:
-        bn, bk, stages = {16: (64, 128, 4), 32: (64, 64, 5), 64: (64, 64, 4)}[min(bm, 64)]  # 110, 82, 98 KB
+        # run 34 (us, gate-up alone): T 1 70.9, T 8 71.4, T 32 70.8, T 64 72.0
+        bn, bk, stages = {16: (128, 64, 4), 32: (64, 128, 3), 64: (128, 64, 3)}[min(bm, 64)]
     else:
-        bn, bk, stages = {16: (32, 256, 6), 32: (64, 128, 6), 64: (128, 64, 6)}[min(bm, 64)]  # 123, 123, 147 KB
+        # run 34 (us, down alone): T 1 44.6, T 8 43.2, T 32 44.5, T 64 44.4
+        bn, bk, stages = {16: (32, 256, 6), 32: (16, 256, 5), 64: (32, 128, 6)}[min(bm, 64)]
     split = 1
     if not glu:
         blocks, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
