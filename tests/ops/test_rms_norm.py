@@ -302,3 +302,26 @@ def test_rms_norm_fast_launch_matches_normal_launch(dtype, residual):
             for e, g in zip(expected, got):
                 assert torch.equal(e, g) or (torch.isnan(e).any() and torch.equal(e.isnan(), g.isnan()))
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("block_m, per_sm", [(1, 1), (2, 1), (4, 2)])
+def test_rms_norm_persistent_forward_matches_one_block_per_program(residual, block_m, per_sm, device):
+    """The forward's persistent grid (``programs_per_sm`` in a sweep config: a few programs per SM
+    looping over row blocks, the last one partial) writes what one block per program writes."""
+    import importlib
+
+    rn = importlib.import_module("fuseformer.ops.rms_norm")  # the module, not fuseformer.ops.rms_norm
+    m, n = 37, 769
+    x, r = (torch.randn(m, n, dtype=torch.float16, device=device) for _ in range(2))
+    w = torch.randn(n, dtype=torch.float16, device=device)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=1024, SINGLE_PASS=True, num_warps=4)
+    res = r if residual else None
+    with fuseformer.use_backend("triton"):
+        want = rn.rms_norm_fwd(x, w, res, 1e-6, config=cfg)
+        got = rn.rms_norm_fwd(x, w, res, 1e-6, config=dict(cfg, programs_per_sm=per_sm))
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
