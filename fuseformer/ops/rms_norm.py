@@ -99,7 +99,7 @@ def _rms_norm_fwd_kernel(
     stride_x, stride_r, stride_y, stride_h,
     M, N, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):  # fmt: skip
     # One block of BLOCK_M rows a program; PERSISTENT: a grid of a few programs per SM, each looping
     # over blocks (no block retires and launches per BLOCK_M rows).
@@ -107,12 +107,12 @@ def _rms_norm_fwd_kernel(
         for block in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
             _rms_norm_fwd_block(
                 block, X, R, W, Y, H, RSTD, stride_x, stride_r, stride_y, stride_h, M, N, eps,
-                HAS_RESIDUAL, HAS_WEIGHT, STORE_RSTD, SINGLE_PASS, BLOCK_M, BLOCK_N,
+                HAS_RESIDUAL, HAS_WEIGHT, STORE_RSTD, SINGLE_PASS, BLOCK_M, BLOCK_N, EVEN,
             )  # fmt: skip
     else:
         _rms_norm_fwd_block(
             tl.program_id(0), X, R, W, Y, H, RSTD, stride_x, stride_r, stride_y, stride_h, M, N, eps,
-            HAS_RESIDUAL, HAS_WEIGHT, STORE_RSTD, SINGLE_PASS, BLOCK_M, BLOCK_N,
+            HAS_RESIDUAL, HAS_WEIGHT, STORE_RSTD, SINGLE_PASS, BLOCK_M, BLOCK_N, EVEN,
         )  # fmt: skip
 
 
@@ -122,14 +122,19 @@ def _rms_norm_fwd_block(
     stride_x, stride_r, stride_y, stride_h,
     M, N, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
+    # EVEN (sweeps: M % BLOCK_M == 0 and N == BLOCK_N, one pass): constant-true masks, folded away.
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
+    if EVEN:
+        row_mask = tl.full([BLOCK_M], 1, tl.int1)
     rows = rows.to(tl.int64)  # row * stride can pass 2^31
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
+        if EVEN:
+            col_mask = tl.full([BLOCK_N], 1, tl.int1)
         mask = row_mask[:, None] & col_mask[None, :]
         h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:

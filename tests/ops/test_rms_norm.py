@@ -325,3 +325,25 @@ def test_rms_norm_persistent_forward_matches_one_block_per_program(residual, blo
             assert a is None
         else:
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_even_forward_matches_masked(residual, device):
+    """The forward's unmasked variant (EVEN in a sweep config, for M % BLOCK_M == 0 and N == BLOCK_N)
+    writes what the masked one writes."""
+    import importlib
+
+    rn = importlib.import_module("fuseformer.ops.rms_norm")
+    m, n = 8, 64
+    x, r = (torch.randn(m, n, dtype=torch.float16, device=device) for _ in range(2))
+    w = torch.randn(n, dtype=torch.float16, device=device)
+    cfg = dict(BLOCK_M=2, BLOCK_N=n, SINGLE_PASS=True, num_warps=4)
+    res = r if residual else None
+    with fuseformer.use_backend("triton"):
+        want = rn.rms_norm_fwd(x, w, res, 1e-6, config=cfg)
+        got = rn.rms_norm_fwd(x, w, res, 1e-6, config=dict(cfg, EVEN=True))
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
