@@ -146,6 +146,11 @@ def sweep_add_rms_norm_persistent() -> list[dict]:
         dict(BLOCK_M=bm, BLOCK_N=n, SINGLE_PASS=True, num_warps=wp, programs_per_sm=per_sm)
         for bm, wp, per_sm in ((4, 16, 1), (4, 32, 2), (2, 16, 2))  # run 35's best persistent grids (91%)
     ]
+    # Inductor's two loops (run 36's generated kernel): pass 1 loads x and r (evict_last) for the sum,
+    # pass 2 re-reads them (evict_first) and stores h and y.
+    configs += [dict(BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=False, num_warps=wp, RELOAD=True)
+                for bm, bn, wp in ((1, 1024, 4), (1, 2048, 8), (1, 2048, 4), (1, 4096, 8), (1, 4096, 16), (2, 1024, 8),
+                                   (2, 2048, 8), (4, 1024, 8))]  # fmt: skip
     runs = [(name, fn, None) for name, fn in peers.items()]
     runs += [("fuseformer", lambda cfg=cfg: rn.rms_norm_fwd(x, w, r, 1e-6, config=cfg), cfg) for cfg in configs]
     out = []

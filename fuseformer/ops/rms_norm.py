@@ -100,6 +100,7 @@ def _rms_norm_fwd_kernel(
     M, N, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr, SINGLE_PASS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr = False, EVEN: tl.constexpr = False,
+    RELOAD: tl.constexpr = False,
 ):  # fmt: skip
     # One block of BLOCK_M rows a program; PERSISTENT: a grid of a few programs per SM, each looping
     # over blocks (no block retires and launches per BLOCK_M rows).
@@ -107,12 +108,12 @@ def _rms_norm_fwd_kernel(
         for block in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
             _rms_norm_fwd_block(
                 block, X, R, W, Y, H, RSTD, stride_x, stride_r, stride_y, stride_h, M, N, eps,
-                HAS_RESIDUAL, HAS_WEIGHT, STORE_RSTD, SINGLE_PASS, BLOCK_M, BLOCK_N, EVEN,
+                HAS_RESIDUAL, HAS_WEIGHT, STORE_RSTD, SINGLE_PASS, BLOCK_M, BLOCK_N, EVEN, RELOAD,
             )  # fmt: skip
     else:
         _rms_norm_fwd_block(
             tl.program_id(0), X, R, W, Y, H, RSTD, stride_x, stride_r, stride_y, stride_h, M, N, eps,
-            HAS_RESIDUAL, HAS_WEIGHT, STORE_RSTD, SINGLE_PASS, BLOCK_M, BLOCK_N, EVEN,
+            HAS_RESIDUAL, HAS_WEIGHT, STORE_RSTD, SINGLE_PASS, BLOCK_M, BLOCK_N, EVEN, RELOAD,
         )  # fmt: skip
 
 
@@ -122,7 +123,7 @@ def _rms_norm_fwd_block(
     stride_x, stride_r, stride_y, stride_h,
     M, N, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, RELOAD: tl.constexpr,
 ):  # fmt: skip
     # EVEN (sweeps: M % BLOCK_M == 0 and N == BLOCK_N, one pass): constant-true masks, folded away.
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -150,16 +151,21 @@ def _rms_norm_fwd_block(
             y = y * w[None, :]
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
-        # Pass 1: h = x (+ r), stored when fused, and the sum of squares.
+        # Pass 1: h = x (+ r), stored when fused, and the sum of squares. RELOAD (sweeps; Inductor's
+        # structure for the fused pair): pass 1 only loads (kept in L2), pass 2 re-reads x and r and
+        # stores h with y.
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < N)[None, :]
-            h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_last" if RELOAD else "").to(tl.float32)  # fmt: skip
             if HAS_RESIDUAL:
-                r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+                r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_last" if RELOAD else "")  # fmt: skip
                 h += r.to(tl.float32)
-                tl.store(H + rows[:, None] * stride_h + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
+                if not RELOAD:
+                    tl.store(H + rows[:, None] * stride_h + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
             sum_sq += tl.sum(h * h, axis=1)
         rstd = tl.rsqrt(sum_sq / N + eps)
         if STORE_RSTD:
@@ -169,7 +175,14 @@ def _rms_norm_fwd_block(
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
-            if HAS_RESIDUAL:
+            if HAS_RESIDUAL and RELOAD:
+                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_first")  # fmt: skip
+                r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_first")  # fmt: skip
+                h = x.to(tl.float32) + r.to(tl.float32)
+                tl.store(H + rows[:, None] * stride_h + cols[None, :], h.to(H.dtype.element_ty), mask=mask)
+            elif HAS_RESIDUAL:
                 h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             else:
                 h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)

@@ -347,3 +347,21 @@ def test_rms_norm_even_forward_matches_masked(residual, device):
             assert a is None
         else:
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_rms_norm_reload_forward_matches_two_pass(device):
+    """The two-pass forward's RELOAD variant (a sweep config: x and r re-read in pass 2, h stored
+    there) gives the two-pass outputs; y may differ by h's rounding (RELOAD normalizes h unrounded)."""
+    import importlib
+
+    rn = importlib.import_module("fuseformer.ops.rms_norm")
+    m, n = 5, 200
+    x, r = (torch.randn(m, n, dtype=torch.float16, device=device) for _ in range(2))
+    w = torch.randn(n, dtype=torch.float16, device=device)
+    cfg = dict(BLOCK_M=2, BLOCK_N=64, SINGLE_PASS=False, num_warps=4)
+    with fuseformer.use_backend("triton"):
+        y0, h0, s0 = rn.rms_norm_fwd(x, w, r, 1e-6, config=cfg)
+        y1, h1, s1 = rn.rms_norm_fwd(x, w, r, 1e-6, config=dict(cfg, RELOAD=True))
+    torch.testing.assert_close(h1, h0, rtol=0, atol=0)
+    torch.testing.assert_close(s1, s0, rtol=0, atol=0)
+    torch.testing.assert_close(y1, y0, rtol=2e-3, atol=2e-3)
