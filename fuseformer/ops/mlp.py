@@ -439,6 +439,12 @@ def decode_candidates(t: int, n: int, k: int, glu: bool, sms: int = 132) -> list
     return [c for c in out if decode_smem_bytes(c, glu) + 4096 <= _SMEM_LIMIT]
 
 
+# Warp specialization needs 8 warps here: on an H200 (Triton 3.6, 2026-11-30, run 35) the 128x64x64
+# tile at 4 warps with descriptors and WARP_SPECIALIZE left the saved pre-activation unwritten (the
+# GPU test of the tuner's candidates, pre: max error inf); 128x128x64 at 8 warps passed.
+_WS_MIN_WARPS = 8
+
+
 def _aligned(t: torch.Tensor) -> bool:
     """What a tensor descriptor needs: a 16-byte aligned base and row stride."""
     es = t.element_size()
@@ -493,6 +499,8 @@ def mlp_gate_up_fwd(
             cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 64), BLOCK_K=min(cfg["BLOCK_K"], 32))
     if cfg.get("USE_DESC") and x.is_cuda:
         _ensure_allocator()
+    if cfg.get("WARP_SPECIALIZE") and cfg["num_warps"] < _WS_MIN_WARPS:
+        cfg["WARP_SPECIALIZE"] = False  # a cached config from before the guard: see _WS_MIN_WARPS
     split = cfg.setdefault("SPLIT_K", 1)
     persistent = cfg.setdefault("PERSISTENT", False)
     if persistent and cfg["USE_DESC"] and split == 1:
@@ -803,6 +811,8 @@ def _candidates(t: int) -> list[dict]:
         for stages in (3, 4, 5):
             for desc, ws, persistent in ((True, False, False), (False, False, False), (True, True, False),
                                          (True, False, True), (True, True, True)):  # fmt: skip
+                if ws and warps < _WS_MIN_WARPS:
+                    continue
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=warps,
                                 num_stages=stages, USE_DESC=desc, WARP_SPECIALIZE=ws, PERSISTENT=persistent))  # fmt: skip
     return out
