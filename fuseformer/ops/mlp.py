@@ -311,12 +311,12 @@ CONFIG_KEYS = (
 def config_key(t: int, h: int, i: int, dtype: torch.dtype) -> str:
     """The autotune key: T bucketed to a power of two (16 at least), H and I as they are (fixed
     per model), and the dtype."""
-    return f"T{max(16, next_pow2(t))}-H{h}-I{i}-{str(dtype).removeprefix('torch.')}"
+    return f"T{max(16, next_pow2(t))}-H{h}-I{i}-{autotune.dtype_name(dtype)}"
 
 
 def generic_key(t: int, dtype: torch.dtype) -> str:
     """The shipped tables' key for any model shape: the T bucket and the dtype."""
-    return f"T{max(16, next_pow2(t))}-{str(dtype).removeprefix('torch.')}"
+    return f"T{max(16, next_pow2(t))}-{autotune.dtype_name(dtype)}"
 
 
 def default_config(t: int, h: int, i: int, dtype: torch.dtype, on_gpu: bool) -> dict:
@@ -363,11 +363,11 @@ DECODE_DEVICE_TYPES = frozenset({"cuda"})
 
 def decode_key(t: int, n: int, k: int, dtype: torch.dtype) -> str:
     """The decode kernels' autotune key: T's power-of-two bucket (1..64), the GEMM's N and K, dtype."""
-    return f"T{next_pow2(t)}-N{n}-K{k}-{str(dtype).removeprefix('torch.')}"
+    return f"T{next_pow2(t)}-N{n}-K{k}-{autotune.dtype_name(dtype)}"
 
 
 def decode_generic_key(t: int, dtype: torch.dtype) -> str:
-    return f"T{next_pow2(t)}-{str(dtype).removeprefix('torch.')}"
+    return f"T{next_pow2(t)}-{autotune.dtype_name(dtype)}"
 
 
 def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = True) -> dict:
@@ -441,10 +441,12 @@ def decode_candidates(t: int, n: int, k: int, glu: bool, sms: int = 132) -> list
     return [c for c in out if decode_smem_bytes(c, glu) + 4096 <= _SMEM_LIMIT]
 
 
-# Warp specialization needs 8 warps here: on an H200 (Triton 3.6, 2026-11-30, run 35) the 128x64x64
-# tile at 4 warps with descriptors and WARP_SPECIALIZE left the saved pre-activation unwritten (the
-# GPU test of the tuner's candidates, pre: max error inf); 128x128x64 at 8 warps passed.
-_WS_MIN_WARPS = 8
+def compiles_correctly(cfg: dict) -> bool:
+    """Whether a gate-up config is one Triton 3.6 compiles correctly on sm_90: warp specialization
+    needs 8 warps (on an H200, 2026-11-30, run 35, the 128x64x64 tile at 4 warps with descriptors
+    and WARP_SPECIALIZE left the saved pre-activation unwritten; 128x128x64 at 8 warps passed). The
+    tuner offers no other; a stored config failing it is ignored (``autotune.get_config``'s check)."""
+    return not (cfg.get("WARP_SPECIALIZE") and cfg["num_warps"] < 8)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -490,7 +492,7 @@ def mlp_gate_up_fwd(
     assert x.stride(1) == 1 and w_gate_up.stride(1) == 1
     cfg = config or autotune.get_config(
         KERNEL, config_key(t, h, i, x.dtype), device=x.device, generic_key=generic_key(t, x.dtype),
-        default=lambda: default_config(t, h, i, x.dtype, x.is_cuda),
+        default=lambda: default_config(t, h, i, x.dtype, x.is_cuda), check=compiles_correctly,
     )  # fmt: skip
     cfg = dict(cfg)
     if cfg.get("USE_DESC") and not (_aligned(x) and _aligned(w_gate_up)):
@@ -501,8 +503,6 @@ def mlp_gate_up_fwd(
             cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 64), BLOCK_K=min(cfg["BLOCK_K"], 32))
     if cfg.get("USE_DESC") and x.is_cuda:
         _ensure_allocator()
-    if cfg.get("WARP_SPECIALIZE") and cfg["num_warps"] < _WS_MIN_WARPS:
-        cfg["WARP_SPECIALIZE"] = False  # a cached config from before the guard: see _WS_MIN_WARPS
     split = cfg.setdefault("SPLIT_K", 1)
     persistent = cfg.setdefault("PERSISTENT", False)
     if persistent and cfg["USE_DESC"] and split == 1:
@@ -529,14 +529,23 @@ def mlp_gate_up_fwd(
         **{k: v for k, v in cfg.items() if k != "PERSISTENT"},
     )  # fmt: skip
     if split > 1:
-        bm, bn = min(16, next_pow2(t)), 256
-        _mlp_split_k_epilogue_kernel[(triton.cdiv(t, bm) * triton.cdiv(i, bn),)](
-            ws, y, pre if pre is not None else y,
-            t, i,
-            y.stride(0), pre.stride(0) if pre is not None else 0,
-            ACTIVATION=activation, SAVE_PRE=save_pre, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
-        )  # fmt: skip
+        _split_k_reduce(ws, y, pre, activation, glu=True)
     return y, pre
+
+
+def _split_k_reduce(ws: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None, activation: str, glu: bool) -> None:
+    """Sum the fp32 split-K partials ws (S, T, 2N [g | u] with ``glu``, else N) in split order into
+    out (T, N): act(g) * u (and [g | u] into ``pre`` when given), or the plain sum."""
+    split, t, _ = ws.shape
+    n = out.shape[1]
+    bm, bn = min(16, next_pow2(t)), 256
+    _mlp_split_k_epilogue_kernel[(triton.cdiv(t, bm) * triton.cdiv(n, bn),)](
+        ws, out, pre if pre is not None else out,
+        t, n,
+        out.stride(0), pre.stride(0) if pre is not None else 0,
+        ACTIVATION=activation, SAVE_PRE=pre is not None, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, GLU=glu,
+        num_warps=4,
+    )  # fmt: skip
 
 
 def _decode_gemm(x: torch.Tensor, w: torch.Tensor, glu: bool, activation: str, config: dict) -> torch.Tensor:
@@ -559,13 +568,7 @@ def _decode_gemm(x: torch.Tensor, w: torch.Tensor, glu: bool, activation: str, c
         **config,
     )  # fmt: skip
     if split > 1:
-        bm, bn = min(16, next_pow2(t)), 256
-        _mlp_split_k_epilogue_kernel[(triton.cdiv(t, bm) * triton.cdiv(n, bn),)](
-            ws, out, out,
-            t, n,
-            out.stride(0), 0,
-            ACTIVATION=activation, SAVE_PRE=False, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, GLU=glu, num_warps=4,
-        )  # fmt: skip
+        _split_k_reduce(ws, out, None, activation, glu)
     return out
 
 
@@ -813,11 +816,9 @@ def _candidates(t: int) -> list[dict]:
         for stages in (3, 4, 5):
             for desc, ws, persistent in ((True, False, False), (False, False, False), (True, True, False),
                                          (True, False, True), (True, True, True)):  # fmt: skip
-                if ws and warps < _WS_MIN_WARPS:
-                    continue
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=warps,
                                 num_stages=stages, USE_DESC=desc, WARP_SPECIALIZE=ws, PERSISTENT=persistent))  # fmt: skip
-    return out
+    return [c for c in out if compiles_correctly(c)]
 
 
 def tune_mlp_gate_up(quick: bool = False) -> list[dict]:

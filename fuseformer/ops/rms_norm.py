@@ -50,7 +50,6 @@ from fuseformer.ops._utils import (
     num_sms,
     row_norm_config_key,
     rows_2d,
-    sm_count,
 )
 from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend
@@ -99,43 +98,14 @@ def _rms_norm_fwd_kernel(
     stride_x, stride_r, stride_y, stride_h,
     M, N, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr = False, EVEN: tl.constexpr = False,
-    RELOAD: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RELOAD: tl.constexpr = False,
 ):  # fmt: skip
-    # One block of BLOCK_M rows a program; PERSISTENT: a grid of a few programs per SM, each looping
-    # over blocks (no block retires and launches per BLOCK_M rows).
-    if PERSISTENT:
-        for block in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
-            _rms_norm_fwd_block(
-                block, X, R, W, Y, H, RSTD, stride_x, stride_r, stride_y, stride_h, M, N, eps,
-                HAS_RESIDUAL, HAS_WEIGHT, STORE_RSTD, SINGLE_PASS, BLOCK_M, BLOCK_N, EVEN, RELOAD,
-            )  # fmt: skip
-    else:
-        _rms_norm_fwd_block(
-            tl.program_id(0), X, R, W, Y, H, RSTD, stride_x, stride_r, stride_y, stride_h, M, N, eps,
-            HAS_RESIDUAL, HAS_WEIGHT, STORE_RSTD, SINGLE_PASS, BLOCK_M, BLOCK_N, EVEN, RELOAD,
-        )  # fmt: skip
-
-
-@triton.jit
-def _rms_norm_fwd_block(
-    block, X, R, W, Y, H, RSTD,
-    stride_x, stride_r, stride_y, stride_h,
-    M, N, eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, RELOAD: tl.constexpr,
-):  # fmt: skip
-    # EVEN (sweeps: M % BLOCK_M == 0 and N == BLOCK_N, one pass): constant-true masks, folded away.
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
-    if EVEN:
-        row_mask = tl.full([BLOCK_M], 1, tl.int1)
     rows = rows.to(tl.int64)  # row * stride can pass 2^31
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        if EVEN:
-            col_mask = tl.full([BLOCK_N], 1, tl.int1)
         mask = row_mask[:, None] & col_mask[None, :]
         h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
@@ -440,17 +410,12 @@ def rms_norm_fwd(
     sx = x.stride()  # one call for both strides (x.stride(i) costs as much as x.stride())
     sr = residual.stride() if residual is not None else (0, 1)
     assert sx[1] == 1 and sr[1] == 1
-    blocks = None
     if config is None:
         cfg, block_m = _fwd_plan(n, residual is not None, weight is not None, store_rstd, dtype, device)
     else:
         flags = dict(HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, STORE_RSTD=store_rstd)
-        config = dict(config)
-        per_sm = config.pop("programs_per_sm", 0)  # sweeps: > 0 runs the persistent grid
-        cfg = launch_config(**flags, **config, **(dict(PERSISTENT=True) if per_sm else {}))
+        cfg = launch_config(**flags, **config)
         block_m = config["BLOCK_M"]
-        if per_sm:
-            blocks = min((m + block_m - 1) // block_m, sm_count(x) * per_sm)
     # y and h are fresh (m, n) tensors: row stride n. Without rstd, RSTD points at y (never written).
     rstd_arg = rstd if rstd is not None else y
     if residual is None:
@@ -459,7 +424,7 @@ def rms_norm_fwd(
     else:
         tensors = (x, residual, weight if weight is not None else x, y, h, rstd_arg)
         ints = (sx[0], sr[0], n, n, m, n)
-    _fwd_launcher((blocks or (m + block_m - 1) // block_m,), cfg, tensors, ints, (float(eps),))
+    _fwd_launcher(((m + block_m - 1) // block_m,), cfg, tensors, ints, (float(eps),))
     return y, h, rstd
 
 

@@ -21,11 +21,12 @@ def _weights(h, i, dtype, device):
     return w_gate_up, w_down
 
 
-def _x(lead, h, dtype, device, gapped=False):
+def _x(lead, h, dtype, device, gapped=False, gap=5):
+    """x (*lead, h); ``gapped``: rows viewed out of wider ones whose ``gap`` extra columns hold NaN."""
     x = torch.randn(*lead, h, device=device).to(dtype)
     if not gapped:
         return x
-    base = torch.full((*lead, h + 5), float("nan"), dtype=dtype, device=device)
+    base = torch.full((*lead, h + gap), float("nan"), dtype=dtype, device=device)
     base[..., :h] = x
     return base[..., :h]
 
@@ -274,11 +275,7 @@ def _check_decode(t, h, i, dtype, device, gate_up_config=None, down_config=None,
     """mlp_decode_fwd's y and out against the fp64 reference (§3 criterion; outputs poisoned)."""
     from fuseformer.ops.activations import glu_ref
 
-    x = _x((t,), h, dtype, device)
-    if gapped:  # rows with a NaN gap after them, row stride still 16-byte aligned (descriptors)
-        base = torch.full((t, h + 8), float("nan"), dtype=dtype, device=device)
-        base[:, :h] = x
-        x = base[:, :h]
+    x = _x((t,), h, dtype, device, gapped, gap=8)  # a gap of 8: row strides stay 16-byte aligned (descriptors)
     wgu, wd = _weights(h, i, dtype, device)
     out, y = M.mlp_decode_fwd(x, wgu, wd, activation, gate_up_config, down_config)
     gu = x.double() @ wgu.double().T
@@ -548,14 +545,28 @@ def test_default_configs_compile_for_sm90_offline():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
-def test_no_warp_specialized_config_below_eight_warps():
+def test_no_warp_specialized_config_below_eight_warps(tmp_path, monkeypatch):
     """Warp specialization at 4 warps miscompiled on an H200 (run 35: the pre-activation left
-    unwritten): the tuner never offers it, and a cached config asking for it launches without it."""
+    unwritten): the tuner never offers it, and a stored config asking for it is ignored with a
+    warning (the launch takes the default config) instead of being run."""
+    from fuseformer.runtime import autotune
+
     for t in (16, 64, 4096):
         assert not [c for c in M.candidate_configs(t, torch.bfloat16) if c["WARP_SPECIALIZE"] and c["num_warps"] < 8]
-    x, (wgu, _) = torch.randn(5, 32), _weights(32, 40, torch.float32, "cpu")
-    cfg = dict(M.default_config(5, 32, 40, torch.float32, False), WARP_SPECIALIZE=True, num_warps=4)
-    with fuseformer.use_backend("triton"):
-        y, pre = M.mlp_gate_up_fwd(x, wgu, "silu", True, cfg)
-    gu = x.double() @ wgu.double().T
-    assert_close("pre", pre, gu, (x @ wgu.T))
+    monkeypatch.setenv("FUSEFORMER_CACHE_DIR", str(tmp_path))
+    autotune.clear_memory()
+    try:
+        x, (wgu, _) = torch.randn(5, 32), _weights(32, 40, torch.float32, "cpu")
+        default = M.default_config(5, 32, 40, torch.float32, False)
+        bad = dict(default, WARP_SPECIALIZE=True, num_warps=4)
+        autotune.store(M.KERNEL, M.config_key(5, 32, 40, torch.float32), bad, "cpu")
+        launched = []
+        monkeypatch.setattr(M, "_mlp_gate_up_kernel", _LaunchSpy(M._mlp_gate_up_kernel, "gate_up", launched))
+        with fuseformer.use_backend("triton"), pytest.warns(UserWarning, match="ignoring the .* config"):
+            y, pre = M.mlp_gate_up_fwd(x, wgu, "silu", True)
+        assert [kw["WARP_SPECIALIZE"] for _, _, kw in launched] == [False]
+        assert [kw["num_warps"] for _, _, kw in launched] == [default["num_warps"]]
+        gu = x.double() @ wgu.double().T
+        assert_close("pre", pre, gu, (x @ wgu.T))
+    finally:
+        autotune.clear_memory()

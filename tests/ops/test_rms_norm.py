@@ -304,38 +304,6 @@ def test_rms_norm_fast_launch_matches_normal_launch(dtype, residual):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize(
-    "m, n, block_m, block_n, extra",
-    [
-        (37, 769, 1, 1024, dict(programs_per_sm=1)),
-        (37, 769, 2, 1024, dict(programs_per_sm=1)),
-        (37, 769, 4, 1024, dict(programs_per_sm=2)),
-        (8, 64, 2, 64, dict(EVEN=True)),
-    ],
-    ids=["persistent-1", "persistent-2", "persistent-4", "even"],
-)
-def test_rms_norm_forward_variants_match_the_default_grid(residual, m, n, block_m, block_n, extra, device):
-    """The forward's sweep variants write what one masked block per program writes: the persistent
-    grid (``programs_per_sm``: a few programs per SM looping over row blocks, the last one partial)
-    and the unmasked one (``EVEN``: M % BLOCK_M == 0 and N == BLOCK_N)."""
-    import importlib
-
-    rn = importlib.import_module("fuseformer.ops.rms_norm")  # the module, not fuseformer.ops.rms_norm
-    x, r = (torch.randn(m, n, dtype=torch.float16, device=device) for _ in range(2))
-    w = torch.randn(n, dtype=torch.float16, device=device)
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=True, num_warps=4)
-    res = r if residual else None
-    with fuseformer.use_backend("triton"):
-        want = rn.rms_norm_fwd(x, w, res, 1e-6, config=cfg)
-        got = rn.rms_norm_fwd(x, w, res, 1e-6, config=dict(cfg, **extra))
-    for a, b in zip(got, want):
-        if b is None:
-            assert a is None
-        else:
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
 def test_rms_norm_reload_forward_matches_two_pass(device):
     """The two-pass forward's RELOAD variant (a sweep config: x and r re-read in pass 2, h stored
     there) gives the two-pass outputs; y may differ by h's rounding (RELOAD normalizes h unrounded)."""
