@@ -222,21 +222,33 @@ def sweep_small_rows() -> list[dict]:
 
 def sweep_train_profile() -> list[dict]:
     """Where one forward + backward of the training case (Llama 1B shape, B 4 x S 4096, every layer
-    checkpointed) spends its GPU time: the 40 costliest kernels (torch.profiler) and the total."""
-    from fuseformer.train.bench import LLAMA_1B, our_fwd_bwd_step
+    checkpointed) spends its GPU time, ours and HF + Liger's (when installed) in the same run: the
+    40 costliest kernels of each (torch.profiler) and the totals."""
+    from fuseformer.train.bench import LLAMA_1B, hf_fwd_bwd_step, our_fwd_bwd_step
 
-    step = our_fwd_bwd_step(dict(LLAMA_1B), 4, 4096, "cuda")
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) * 1e3
-    kernels = gpu_kernels(step)
-    gpu_ms = sum(k["ms_per_call"] for k in kernels)
-    out = [dict(kind="train_profile", wall_ms=wall_ms, gpu_ms=gpu_ms, tokens=4 * 4096)]
-    out += [dict(kind="train_kernel", **k, pct=100 * k["ms_per_call"] / gpu_ms) for k in kernels[:40]]
+    out = []
+    impls = {"fuseformer": lambda: our_fwd_bwd_step(dict(LLAMA_1B), 4, 4096, "cuda")}
+    impls["hf+liger"] = lambda: hf_fwd_bwd_step(dict(LLAMA_1B), 4, 4096, "cuda", liger=True)
+    for impl, make in impls.items():
+        try:
+            step = make()
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - t0) * 1e3
+            kernels = gpu_kernels(step)
+        except Exception as exc:  # Liger missing, or out of memory: the other profile still counts
+            out.append(dict(kind="train_profile", impl=impl, error=f"{type(exc).__name__}: {exc}"[:300]))
+            continue
+        finally:
+            step = None
+            torch.cuda.empty_cache()
+        gpu_ms = sum(k["ms_per_call"] for k in kernels)
+        out.append(dict(kind="train_profile", impl=impl, wall_ms=wall_ms, gpu_ms=gpu_ms, tokens=4 * 4096))
+        out += [dict(kind="train_kernel", impl=impl, **k, pct=100 * k["ms_per_call"] / gpu_ms) for k in kernels[:40]]
     return out
 
 

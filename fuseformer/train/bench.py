@@ -175,18 +175,15 @@ def _our_full_step(cfg: dict, batch: int, seq: int, device: str, reps: int) -> d
 # --------------------------------------------------------------------------------------------
 # Hugging Face transformers, with and without Liger
 # --------------------------------------------------------------------------------------------
-def _hf_fwd_bwd(cfg: dict, batch: int, seq: int, device: str, reps: int, liger: bool) -> dict:
-    impl = "hf+liger" if liger else "hf eager"
-    try:
-        import transformers
+def hf_fwd_bwd_step(cfg: dict, batch: int, seq: int, device: str, liger: bool) -> Callable[[], None]:
+    """One forward + backward of transformers' Llama (SDPA attention, bf16, gradient checkpointing),
+    with Liger's kernels patched in when ``liger`` (process-wide: run after any plain HF case)."""
+    import transformers
 
-        if liger:
-            from liger_kernel.transformers import apply_liger_kernel_to_llama
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
 
-            # Patches transformers' Llama modules process-wide: run after the plain HF case.
-            apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
-    except Exception as exc:
-        return dict(case="fwd+bwd", impl=impl, error=f"{type(exc).__name__}: {exc}"[:300])
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
     hf_cfg = transformers.LlamaConfig(**cfg, attn_implementation="sdpa")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -203,6 +200,15 @@ def _hf_fwd_bwd(cfg: dict, batch: int, seq: int, device: str, reps: int, liger: 
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
 
+    return step
+
+
+def _hf_fwd_bwd(cfg: dict, batch: int, seq: int, device: str, reps: int, liger: bool) -> dict:
+    impl = "hf+liger" if liger else "hf eager"
+    try:
+        step = hf_fwd_bwd_step(cfg, batch, seq, device, liger)
+    except Exception as exc:
+        return dict(case="fwd+bwd", impl=impl, error=f"{type(exc).__name__}: {exc}"[:300])
     rec = _measure(impl, "fwd+bwd", step, cfg, batch, seq, device, reps)
     rec["attention"] = "sdpa"
     return rec
