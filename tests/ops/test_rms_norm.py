@@ -7,7 +7,8 @@ import fuseformer
 import fuseformer.ops as F
 from fuseformer.testing import assert_close
 
-CPU_SHAPES = [(1, 1), (3, 123), (37, 769), (5, 5125), (2, 3, 64), (4, 20000)]
+# (3, 3001): the fused add + norm's default at rows of 2049..4096 is the two-loop RELOAD form.
+CPU_SHAPES = [(1, 1), (3, 123), (37, 769), (3, 3001), (5, 5125), (2, 3, 64), (4, 20000)]
 GPU_SHAPES = [(1, 1), (37, 769), (4096, 1024), (8192, 4096), (1000, 5125), (64, 65536), (3, 70001)]
 
 
@@ -305,8 +306,8 @@ def test_rms_norm_fast_launch_matches_normal_launch(dtype, residual):
 
 
 def test_rms_norm_reload_forward_matches_two_pass(device):
-    """The two-pass forward's RELOAD variant (a sweep config: x and r re-read in pass 2, h stored
-    there) gives the two-pass outputs; y may differ by h's rounding (RELOAD normalizes h unrounded)."""
+    """The two-pass forward's RELOAD variant (x and r re-read in pass 2, h stored there; the fused
+    default at rows of 2049..4096) gives the two-pass outputs; y may differ by h's rounding (RELOAD normalizes h unrounded)."""
     import importlib
 
     rn = importlib.import_module("fuseformer.ops.rms_norm")
