@@ -115,8 +115,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.swiglu(gate, up))
+        # Packed [gate | up] into swiglu: its gradient comes back as one tensor (no concatenation).
+        return self.down_proj(F.swiglu(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

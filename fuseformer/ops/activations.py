@@ -14,6 +14,9 @@ column stride, so the two halves of a packed (T, 2I) gate_up tensor (``gu.chunk(
 in without a copy. Each program handles one [BLOCK_M, BLOCK_N] tile; the tile ids run along the
 columns first, so consecutive programs touch consecutive memory.
 
+With ``up=None`` the input is that packed (..., 2I) tensor itself, and the backward writes its gradient
+as one tensor (no concatenation of dgate and dup).
+
 Backward: dgate = dy * up * act'(gate), dup = dy * act(gate). The activation is recomputed from
 gate (nothing but the inputs is saved), and both gradients are written in the same pass.
 
@@ -338,10 +341,62 @@ _glu_fwd_op.register_autograd(_backward_with(_glu_bwd_op), setup_context=_setup_
 _GLUFunction = autograd_function("_GLUFunction", _fwd_impl, _setup_context, _backward_with(_bwd_impl))
 
 
+# The packed form: one (M, 2I) input [gate | up] (the gate_up projection's output) and its gradient
+# as one (M, 2I) tensor written by the backward kernel in place of two halves. Splitting the packed
+# tensor first and passing the halves instead makes autograd concatenate dgate and dup in the
+# backward (Llama 1B training, B 4 x S 4096: 16 copies of 1 GB a step, 4 ms of 325).
+def _packed_fwd_impl(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    n = gate_up.shape[1] // 2
+    return glu_fwd(gate_up[:, :n], gate_up[:, n:], activation)
+
+
+def _packed_bwd_impl(dy: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    n = gate_up.shape[1] // 2
+    d_gate_up = empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+    glu_bwd(dy, gate_up[:, :n], gate_up[:, n:], activation, dgate=d_gate_up[:, :n], dup=d_gate_up[:, n:])
+    return d_gate_up
+
+
+_glu_packed_fwd_op = torch.library.custom_op("fuseformer::glu_packed_fwd", mutates_args=())(_packed_fwd_impl)
+_glu_packed_bwd_op = torch.library.custom_op("fuseformer::glu_packed_bwd", mutates_args=())(_packed_bwd_impl)
+
+
+@_glu_packed_fwd_op.register_fake
+def _(gate_up, activation):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@_glu_packed_bwd_op.register_fake
+def _(dy, gate_up, activation):
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _packed_setup_context(ctx, inputs, output):
+    gate_up, activation = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(gate_up)
+
+
+def _packed_backward_with(bwd):
+    def _backward(ctx, dy):
+        (gate_up,) = ctx.saved_tensors
+        return bwd(rows_2d(dy), gate_up, ctx.activation), None
+
+    return _backward
+
+
+_glu_packed_fwd_op.register_autograd(_packed_backward_with(_glu_packed_bwd_op), setup_context=_packed_setup_context)
+_GLUPackedFunction = autograd_function(
+    "_GLUPackedFunction", _packed_fwd_impl, _packed_setup_context, _packed_backward_with(_packed_bwd_impl)
+)
+
+
 # --------------------------------------------------------------------------------------------
 # Public functions
 # --------------------------------------------------------------------------------------------
-def _glu(op: str, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+def _glu(op: str, gate: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:
+    if up is None:
+        return _glu_packed(op, gate, activation)
     check_tensor(op, "gate", gate, dtypes=FLOAT_DTYPES)
     if gate.dim() == 0:
         raise ValueError(f"{op}: gate must have at least 1 dim, got a scalar")
@@ -354,13 +409,30 @@ def _glu(op: str, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torc
     return y.view(gate.shape)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _glu_packed(op: str, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The packed call: ``gate`` holds [gate | up] along its last dim (2I)."""
+    check_tensor(op, "gate", gate_up, dtypes=FLOAT_DTYPES)
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(
+            f"{op}: with up=None, gate must be the packed [gate | up] tensor, its last dim even; "
+            f"got shape {tuple(gate_up.shape)}"
+        )
+    backend = choose_backend(op, gate_up.device, gate_up.dtype in KERNEL_DTYPES, "float64 runs on the reference")
+    if backend == "reference":
+        return glu_ref(*gate_up.chunk(2, dim=-1), activation)
+    y = dispatch(_glu_packed_fwd_op, _GLUPackedFunction, _packed_fwd_impl, rows_2d(gate_up), activation)
+    return y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up, as ``F.silu(gate) * up`` computes it (gradients included), in one pass.
 
     Args:
         gate: (..., I) fp16, bf16 or fp32 (fp64 runs on the reference). A row-strided view, such as
             a half of ``gate_up.chunk(2, dim=-1)``, is read in place without a copy.
-        up: like gate (same shape, dtype and device).
+        up: like gate (same shape, dtype and device). None: ``gate`` is the packed (..., 2I) tensor
+            [gate | up] (as ``torch.nn.functional.glu`` takes its input), and its gradient comes
+            back as one tensor, with no concatenation of two halves in the backward.
 
     Returns:
         y (..., I), contiguous, in gate's dtype.
@@ -368,13 +440,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _glu("swiglu", gate, up, "silu")
 
 
-def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+def geglu(gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str = "tanh") -> torch.Tensor:
     """gelu(gate, approximate) * up, as ``F.gelu(gate, approximate=...) * up`` computes it, in one pass.
 
     Args:
         gate: (..., I) fp16, bf16 or fp32 (fp64 runs on the reference); row-strided views go in
             without a copy.
-        up: like gate (same shape, dtype and device).
+        up: like gate (same shape, dtype and device); None: ``gate`` is the packed (..., 2I)
+            [gate | up], with its gradient as one tensor (as in ``swiglu``).
         approximate: "tanh" (the tanh approximation, GPT-2/Gemma's gelu_pytorch_tanh) or "none"
             (the exact erf form), as in ``torch.nn.functional.gelu``.
 

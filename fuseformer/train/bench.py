@@ -2,7 +2,8 @@
 
 ``bench_train(quick)`` measures, in one process (random weights, random tokens):
 
-- forward + backward, bf16 weights (no optimizer), every layer checkpointed:
+- forward + backward, bf16 weights (no optimizer), every layer checkpointed (ours also with the
+  last 1-3 layers left out, ``all-but:k``):
     fuseformer (our model: fused RMSNorm/rotary/SwiGLU, varlen flash attention, fused linear CE),
     HF eager (transformers' LlamaForCausalLM, SDPA attention, full logits),
     HF + Liger (``apply_liger_kernel_to_llama``: fused RMSNorm/rope/SwiGLU and linear CE), if installed;
@@ -116,16 +117,21 @@ def _our_model(cfg: dict, device: str, dtype: torch.dtype):
     return lm.train()
 
 
-def _our_fwd_bwd(cfg: dict, batch: int, seq: int, device: str, reps: int) -> dict:
-    return _measure("fuseformer", "fwd+bwd", our_fwd_bwd_step(cfg, batch, seq, device), cfg, batch, seq, device, reps)
+def _our_fwd_bwd(cfg: dict, batch: int, seq: int, device: str, reps: int, skip_last: int = 0) -> dict:
+    impl = "fuseformer" if not skip_last else f"fuseformer all-but:{skip_last}"
+    step = our_fwd_bwd_step(cfg, batch, seq, device, skip_last)
+    rec = _measure(impl, "fwd+bwd", step, cfg, batch, seq, device, reps)
+    rec["checkpointing"] = "all" if not skip_last else f"all but the last {skip_last} layers"
+    return rec
 
 
-def our_fwd_bwd_step(cfg: dict, batch: int, seq: int, device: str) -> Callable[[], None]:
-    """One forward + backward of our model (bf16 weights, every layer checkpointed), as a function."""
+def our_fwd_bwd_step(cfg: dict, batch: int, seq: int, device: str, skip_last: int = 0) -> Callable[[], None]:
+    """One forward + backward of our model (bf16 weights, every layer checkpointed but the last
+    ``skip_last``), as a function."""
     from fuseformer.train.trainer import CausalLMLoss, apply_activation_checkpointing
 
     lm = _our_model(cfg, device, torch.bfloat16)
-    apply_activation_checkpointing(lm, 1)
+    apply_activation_checkpointing(lm, 1, skip_last)
     module = CausalLMLoss(lm)
     t = batch * seq
     ids = torch.randint(0, cfg["vocab_size"], (t,), device=device)
@@ -230,6 +236,9 @@ def bench_train(quick: bool, device: str = "cuda", shape: dict | None = None) ->
         lambda: _hf_fwd_bwd(cfg, batch, seq, device, reps, liger=False),
         lambda: _hf_fwd_bwd(cfg, batch, seq, device, reps, liger=True),
         lambda: _our_fwd_bwd(cfg, batch, seq, device, reps),
+        # The last layers left un-checkpointed (trainer: activation_checkpointing="all-but:k"): their
+        # activations are the backward's first, freed before the gradients have grown.
+        *(lambda k=k: _our_fwd_bwd(cfg, batch, seq, device, reps, k) for k in ((1, 2, 3) if not quick else ())),
         lambda: _our_full_step(cfg, batch, seq, device, reps),
     ):
         _free()
@@ -238,7 +247,7 @@ def bench_train(quick: bool, device: str = "cuda", shape: dict | None = None) ->
     for rec in records:
         if rec["impl"] in PEERS and not quick:
             rec["peer_figure_2026_11_30"] = dict(zip(("tokens_per_s", "peak_gib"), PEERS[rec["impl"]]))
-        if rec["impl"] == "fuseformer" and not quick:
+        if rec["impl"].startswith("fuseformer") and rec["case"] == "fwd+bwd" and not quick:
             rec["goal"] = GOAL
     return records
 

@@ -29,7 +29,10 @@ class TrainConfig:
     data: text files and folders (searched recursively for ``data_suffixes``).
     tokenizer: directory with tokenizer.json (+ tokenizer_config.json naming the EOS token).
     seq_len: tokens per packed row; a step sees micro_batch_size * grad_accum_steps * world_size rows.
-    activation_checkpointing: "off", "all", or "every:k" (layers 0, k, 2k, ... recompute in backward).
+    activation_checkpointing: "off", "all", "every:k" (layers 0, k, 2k, ... recompute in backward),
+        or "all-but:k" (every layer but the last k: those keep their activations, which the backward
+        needs first and frees before the gradients have grown; k full layers of memory at the end
+        of the forward for k layers' recompute saved).
     eval_split: fraction of the documents held out for the eval loss (0: no eval).
     save_every / eval_every / log_every: in optimizer steps; 0 = never (a final checkpoint is always
         written when save_every > 0).
@@ -121,17 +124,23 @@ class TrainConfig:
 
     def checkpoint_every(self) -> int:
         """Activation checkpointing as a stride: 0 = off, 1 = every layer, k = layers 0, k, 2k, ..."""
+        return self.checkpoint_plan()[0]
+
+    def checkpoint_plan(self) -> tuple[int, int]:
+        """(stride, last layers left out): "all-but:k" is (1, k), "every:k" (k, 0), "all" (1, 0)."""
         mode = self.activation_checkpointing
         if mode == "off":
-            return 0
+            return 0, 0
         if mode == "all":
-            return 1
-        if isinstance(mode, str) and mode.startswith("every:"):
-            k = mode.split(":", 1)[1]
-            if k.isdigit() and int(k) >= 1:
-                return int(k)
+            return 1, 0
+        for prefix in ("every:", "all-but:"):
+            if isinstance(mode, str) and mode.startswith(prefix):
+                k = mode[len(prefix) :]
+                if k.isdigit() and int(k) >= (1 if prefix == "every:" else 0):
+                    return (int(k), 0) if prefix == "every:" else (1, int(k))
         raise ValueError(
-            f"TrainConfig: activation_checkpointing must be 'off', 'all' or 'every:k' (k >= 1), got {mode!r}"
+            "TrainConfig: activation_checkpointing must be 'off', 'all', 'every:k' (k >= 1) or 'all-but:k' "
+            f"(k >= 0), got {mode!r}"
         )
 
     @property

@@ -93,8 +93,9 @@ def _autocast_embedding(module: nn.Module, args: Any, out: torch.Tensor) -> torc
     return None
 
 
-def apply_activation_checkpointing(lm: LlamaForCausalLM, every: int) -> None:
-    """Recompute layers 0, every, 2*every, ... in backward (torch.utils.checkpoint, non-reentrant).
+def apply_activation_checkpointing(lm: LlamaForCausalLM, every: int, skip_last: int = 0) -> None:
+    """Recompute layers 0, every, 2*every, ... in backward (torch.utils.checkpoint, non-reentrant),
+    but none of the last ``skip_last`` layers.
 
     The layer instance's forward is replaced, so parameter names (and checkpoints) do not change.
     A layer takes (hidden, residual) and adds them in its fused add+norm; here the add is done
@@ -103,8 +104,9 @@ def apply_activation_checkpointing(lm: LlamaForCausalLM, every: int) -> None:
     """
     if every <= 0:
         return
-    for i, layer in enumerate(lm.model.layers):
-        if i % every:
+    layers = lm.model.layers
+    for i, layer in enumerate(layers):
+        if i % every or i >= len(layers) - skip_last:
             continue
         inner = layer.forward
 
@@ -211,7 +213,7 @@ class Trainer:
             self.tokenizer_dir = Path(config.tokenizer)
         self.lm = model.float().to(device).train()
         self.lm.model.embed_tokens.register_forward_hook(_autocast_embedding)
-        apply_activation_checkpointing(self.lm, config.checkpoint_every())
+        apply_activation_checkpointing(self.lm, *config.checkpoint_plan())
         self.module = D.parallelize(CausalLMLoss(self.lm), self.lm.model.layers, self.dist)
 
         # Data.

@@ -75,6 +75,43 @@ def test_glu_matches_reference(activation, shape, dtype, device):
     _check(activation, shape, dtype, device)
 
 
+def _check_packed(activation, shape, dtype, device):
+    """The packed call op(gate_up) (up=None) against the reference on its halves; its gradient is
+    one tensor, produced by the op itself (no split and concatenation in the backward)."""
+    op, kwargs, ref_fn = VARIANTS[activation]
+    gu = _randn((*shape[:-1], 2 * shape[-1]), dtype, device, scale=2.0)
+
+    def run(fn, cast, packed, **kw):
+        x = gu.detach().to(cast).requires_grad_()
+        y = fn(x, **kwargs) if packed else fn(*x.chunk(2, dim=-1), **kwargs, **kw)
+        return y, x
+
+    with fuseformer.use_backend("triton"):
+        out, x = run(op, dtype, True)
+    ref, ref_x = run(ref_fn, torch.float64, False, upcast=True)
+    base, base_x = run(ref_fn, dtype, False, upcast=False)
+    assert out.dtype == dtype and out.shape == (*shape[:-1], shape[-1]) and out.is_contiguous()
+    assert_close("y", out, ref, base)
+    nodes, stack = [], [out.grad_fn]
+    while stack:  # the backward graph from y to the leaf: the op's node feeds the leaf directly
+        node = stack.pop()
+        nodes.append(type(node).__name__)
+        stack += [f for f, _ in node.next_functions if f is not None]
+    assert "_GLUPackedFunctionBackward" in nodes and not any(n.startswith(("Split", "Chunk", "Cat")) for n in nodes)
+    dy = torch.randn(out.shape, dtype=dtype, device=device)
+    for res in (out, ref, base):
+        res.backward(dy.to(res.dtype))
+    assert x.grad.dtype == dtype and x.grad.shape == gu.shape
+    assert_close("dgate_up", x.grad, ref_x.grad, base_x.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", CPU_SHAPES + [(0, 8), (3, 0)])
+@pytest.mark.parametrize("activation", list(VARIANTS))
+def test_glu_packed_matches_reference(activation, shape, dtype, device):
+    _check_packed(activation, shape, dtype, device)
+
+
 @pytest.mark.parametrize("layout", ["nan_gapped", "packed"])
 @pytest.mark.parametrize("activation", list(VARIANTS))
 def test_glu_strided_inputs(activation, layout, device):
@@ -200,6 +237,9 @@ _BAD = [
     (F.swiglu, dict(gate=torch.randn(3, 8), up=[1.0]), "up must be a torch.Tensor"),
     (F.geglu, dict(gate=torch.randn(3, 8), up=torch.randn(3, 8), approximate="erf"), "approximate must be"),
     (F.geglu, dict(gate=torch.randn(3, 8).half(), up=torch.randn(3, 8)), "up has dtype float32"),
+    (F.swiglu, dict(gate=torch.randn(3, 7)), r"packed \[gate \| up\] tensor, its last dim even; got shape \(3, 7\)"),
+    (F.geglu, dict(gate=torch.randn(())), "packed"),
+    (F.swiglu, dict(gate=torch.randint(0, 5, (3, 8))), "gate has dtype int64"),
 ]
 
 
@@ -225,7 +265,7 @@ def test_glu_compiles_fullgraph(device, compile_backend):
 
     def fn(gu):
         gate, up = gu.chunk(2, dim=-1)
-        return F.swiglu(gate, up) + F.geglu(gate * 2, up, "none") + F.geglu(up, gate)
+        return F.swiglu(gate, up) + F.geglu(gate * 2, up, "none") + F.geglu(up, gate) + F.swiglu(gu * 0.5)
 
     with fuseformer.use_backend("triton"):
         eager = fn(gu)
@@ -252,6 +292,14 @@ def test_glu_gpu(activation, shape, dtype):
 @pytest.mark.parametrize("activation", list(VARIANTS))
 def test_glu_gpu_strided(activation, shape, layout, dtype):
     _check(activation, shape, dtype, "cuda", layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(16384, 8192), (777, 5125)])
+@pytest.mark.parametrize("activation", list(VARIANTS))
+def test_glu_gpu_packed(activation, shape, dtype):
+    _check_packed(activation, shape, dtype, "cuda")
 
 
 @pytest.mark.gpu
@@ -284,3 +332,12 @@ def test_glu_custom_op_passes_opcheck(activation, device):
     u = torch.randn(5, 40, device=device, requires_grad=True)
     with fuseformer.use_backend("triton"):
         torch.library.opcheck(_glu_fwd_op, (g, u, activation))
+
+
+def test_glu_packed_custom_op_passes_opcheck(device):
+    """The same for fuseformer::glu_packed_fwd (the packed [gate | up] form)."""
+    from fuseformer.ops.activations import _glu_packed_fwd_op
+
+    gu = torch.randn(5, 80, device=device, requires_grad=True)
+    with fuseformer.use_backend("triton"):
+        torch.library.opcheck(_glu_packed_fwd_op, (gu, "silu"))

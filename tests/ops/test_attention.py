@@ -275,6 +275,38 @@ def test_flash_attention_bad_input(args, kwargs, match):
         F.flash_attention(*args, **kwargs)
 
 
+def test_flash_attention_reads_each_offsets_tensor_once(monkeypatch):
+    """One cu_seqlens tensor passed to many calls (every layer of a model) is read on the host
+    (a sync) once; an in-place change is seen (and checked) again, and so is another tensor."""
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(t):
+        reads.append(t.numel())
+        return tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    q = _t(8, 2, 32)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    first = F.flash_attention(q, q, q, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    for _ in range(3):
+        torch.testing.assert_close(F.flash_attention(q, q, q, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu), first)
+    assert len(reads) == 1
+    with pytest.raises(ValueError, match="max_seqlen_q=4 is below the longest sequence in cu_seqlens_q \\(5\\)"):
+        F.flash_attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4)
+    cu[1] = 9  # in place: the version counter moves, the tensor is read again and rejected
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0 and be non-decreasing"):
+        F.flash_attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert len(reads) == 2
+    other, zeros = torch.tensor([0, 3, 8], dtype=torch.int32), cu.clone().fill_(0)
+    F.flash_attention(q, q, q, cu_seqlens_q=other, cu_seqlens_k=zeros)
+    assert len(reads) == 4
+    bad_end = torch.tensor([0, 3, 9], dtype=torch.int32)
+    for _ in range(2):  # a cached summary still meets the per-call length check
+        with pytest.raises(ValueError, match="cu_seqlens_q ends at 9"):
+            F.flash_attention(q, q, q, cu_seqlens_q=bad_end, cu_seqlens_k=bad_end)
+
+
 def test_flash_attention_compiles_fullgraph(device, compile_backend):
     q, k, v = _inputs(1, 20, 20, 2, 1, 32, torch.float16, device)
     lens = [7, 13]

@@ -26,6 +26,8 @@ from fuseformer.train.presets import BUILTIN_MODEL, PRESETS
         ("distributed", "tp", "distributed must be one of"),
         ("activation_checkpointing", "every:0", "activation_checkpointing"),
         ("activation_checkpointing", "some", "activation_checkpointing"),
+        ("activation_checkpointing", "all-but:-1", "all-but:k"),
+        ("activation_checkpointing", "all-but:", "activation_checkpointing"),
         ("data_suffixes", ("py",), "data_suffixes"),
         ("model", 3, "model must be a ModelConfig or a path"),
     ],
@@ -39,6 +41,9 @@ def test_checkpoint_modes(model_config):
     assert TrainConfig(model=model_config(), activation_checkpointing="off").checkpoint_every() == 0
     assert TrainConfig(model=model_config(), activation_checkpointing="all").checkpoint_every() == 1
     assert TrainConfig(model=model_config(), activation_checkpointing="every:3").checkpoint_every() == 3
+    plans = {"off": (0, 0), "all": (1, 0), "every:3": (3, 0), "all-but:2": (1, 2), "all-but:0": (1, 0)}
+    for mode, plan in plans.items():
+        assert TrainConfig(model=model_config(), activation_checkpointing=mode).checkpoint_plan() == plan
 
 
 def test_round_trips(tmp_path, model_config):

@@ -78,7 +78,7 @@ def test_accumulation_matches_one_batch(tmp_path, model_config, corpus, split):
         torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("mode", ["all", "every:2"])
+@pytest.mark.parametrize("mode", ["all", "every:2", "all-but:1", "all-but:0"])
 def test_activation_checkpointing(tmp_path, model_config, corpus, mode):
     """Same gradients with checkpointing; the checkpointed layers' MLPs run again in backward."""
     model = model_config(num_hidden_layers=3)
@@ -92,7 +92,8 @@ def test_activation_checkpointing(tmp_path, model_config, corpus, mode):
             t.forward_backward(t.sampler.next_step())
             out[m] = (_grads(t), calls)
     assert out["off"][1] == [1, 1, 1]
-    assert out[mode][1] == ([2, 2, 2] if mode == "all" else [2, 1, 2])
+    expected = {"all": [2, 2, 2], "every:2": [2, 1, 2], "all-but:1": [2, 2, 1], "all-but:0": [2, 2, 2]}
+    assert out[mode][1] == expected[mode]
     for name, g in out["off"][0].items():
         torch.testing.assert_close(out[mode][0][name], g, rtol=1e-6, atol=1e-8, msg=name)
 
