@@ -288,6 +288,35 @@ def sweep_attention() -> list[dict]:
     return sweep_attention_configs(quick=True)
 
 
+def sweep_attention_fold() -> list[dict]:
+    """The forward's FOLD_SCALE (the softmax scale inside the exponent's FMA) on and off, at the
+    default configs, on the goal shapes (hd 128: causal S4096, full S16384) and the training case's
+    hd 64, with SDPA's cuDNN kernel in the same run; each timed twice, alternating."""
+    from fuseformer.bench import attention as ba
+
+    attn = importlib.import_module("fuseformer.ops.attention")
+    out = []
+    for d, seqlen, causal in ((128, 4096, True), (128, 16384, False), (64, 4096, True), (64, 16384, False)):
+        batch = ba.TOKENS // seqlen
+        case = dict(kind="attention_fold", batch=batch, seqlen=seqlen, heads=ba.HEADS, head_dim=d, causal=causal)
+        flops = ba.attention_flops(batch, seqlen, ba.HEADS, d, causal)
+        q, k, v = (t.detach() for t in ba._inputs(batch, seqlen, d))
+        args = (q, k, v, None, None, seqlen, seqlen, d**-0.5, -1, 0 if causal else -1)
+        previous = attn.FOLD_SCALE
+        try:
+            for rep in range(2):
+                for fold in (True, False):
+                    attn.FOLD_SCALE = fold
+                    rec = dict(case, fold=fold, rep=rep)
+                    out.append(ba._record(rec, "fuseformer", "fwd", flops, lambda a=args: attn.flash_attention_fwd(*a)))
+        finally:
+            attn.FOLD_SCALE = previous
+        cudnn = ba._impls(seqlen, causal)["sdpa_cudnn"]
+        out.append(ba._record(case, "sdpa_cudnn", "fwd", flops, lambda q=q, k=k, v=v: cudnn(q, k, v)))
+        torch.cuda.empty_cache()
+    return out
+
+
 def sweep_attention64() -> list[dict]:
     """The quick attention sweep at head dim 64 (the Llama-1B training case's)."""
     from fuseformer.bench.attention import sweep_attention_configs
@@ -397,6 +426,7 @@ def _time_record(rec: dict, fn: Callable[[], object], timer, nbytes: int, ceilin
 SWEEPS = {
     "attention": sweep_attention,
     "attention64": sweep_attention64,
+    "attention_fold": sweep_attention_fold,
     "rms_norm": sweep_rms_norm,
     "rms_norm_long": sweep_rms_norm_long,
     "rms_norm_residual": sweep_rms_norm_residual,

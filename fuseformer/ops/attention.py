@@ -200,11 +200,14 @@ def _fwd_loop(
     qk_scale, window_left, window_right, start, end,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_DESC: tl.constexpr,
-    WS: tl.constexpr,
+    WS: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks [start, end). acc (BLOCK_M, BLOCK_D) fp32; l_i, m_i (BLOCK_M,)
     running sum and max of the scores in log2 units. MASK: apply the causal/window/length mask.
-    WS: warp-specialize the loop (Triton's producer/consumer warp groups; TMA loads only)."""
+    WS: warp-specialize the loop (Triton's producer/consumer warp groups; TMA loads only).
+    FOLD_SCALE (qk_scale > 0): the scale goes into one FMA with the max subtraction, qk * s - m,
+    instead of a multiply of the whole tile and then a subtraction (the row max of the raw scores
+    times s is the max of the scaled ones when s > 0)."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = tl.arange(0, BLOCK_D) < HEAD_DIM
     diag = sk - sq
@@ -219,7 +222,9 @@ def _fwd_loop(
             k = tl.load(k_ptrs + n64 * stride_ks, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs + n64 * stride_ks)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N)
+        if not FOLD_SCALE:
+            qk = qk * qk_scale  # log2 units
         if MASK:
             valid = col_ok[None, :]
             if HAS_RIGHT:
@@ -227,13 +232,19 @@ def _fwd_loop(
             if HAS_LEFT:
                 valid = valid & (cols[None, :] >= rows[:, None] + (diag - window_left))
             qk = tl.where(valid, qk, float("-inf"))
+        if FOLD_SCALE:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        else:
             m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASK:
             # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_sub = m_new
-        p = tl.math.exp2(qk - m_sub[:, None])
+        if FOLD_SCALE:
+            p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+        else:
+            p = tl.math.exp2(qk - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_DESC:
@@ -258,7 +269,7 @@ def _flash_attention_fwd_kernel(
     seqlen_q, seqlen_k, group_size, qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KV_DESC: tl.constexpr,
-    WS: tl.constexpr,
+    WS: tl.constexpr, FOLD_SCALE: tl.constexpr = True,
 ):  # fmt: skip
     # K, V: pointers, or with KV_DESC TMA descriptors over (rows, Hkv * D) views (rows B * Sk, or Tk).
     # Grid (cdiv(max Sq, BLOCK_M), Hq, B). With a right bound (causal) the heaviest query blocks
@@ -319,17 +330,17 @@ def _flash_attention_fwd_kernel(
         acc, l_i, m_i = _fwd_loop(
             acc, l_i, m_i, q, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
             qk_scale, window_left, window_right, lo, full_lo,
-            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, False,
+            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, False, FOLD_SCALE,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
         qk_scale, window_left, window_right, full_lo, full_hi,
-        False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, WS,
+        False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, WS, FOLD_SCALE,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
         qk_scale, window_left, window_right, full_hi, hi,
-        True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, False,
+        True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, False, FOLD_SCALE,
     )  # fmt: skip
 
     # Rows that saw no key: l = 0, acc = 0 -> out 0, lse -inf.
@@ -403,6 +414,10 @@ _INTERPRET_CONFIGS = {
     "bwd_dq": KernelConfig(32, 16, 4, 1),
 }
 _TABLES = {"fwd": _FWD_TABLE, "bwd_dkdv": _BWD_DKDV_TABLE, "bwd_dq": _BWD_DQ_TABLE}
+
+# The forward folds the softmax scale into the exponent's FMA (qk * s - m) when the scale is
+# positive; False restores a multiply of the whole score tile first (a sweep compares the two).
+FOLD_SCALE = True
 
 # Sweeps and experiments: fields set here (e.g. CONFIG_OVERRIDES["fwd"] = {"BLOCK_N": 64}) replace
 # the table's for every head dim. Environment variables FUSEFORMER_ATTN_FWD / _BWD_DKDV / _BWD_DQ
@@ -633,6 +648,7 @@ def flash_attention_fwd(
         HAS_RIGHT=window_right >= 0,
         KV_DESC=kv_desc,
         WS=bool(cfg.warp_specialize) and kv_desc,  # warp specialization needs TMA loads (fallbacks keep it)
+        FOLD_SCALE=FOLD_SCALE and softmax_scale > 0,
     )
     launch(
         _flash_attention_fwd_kernel,

@@ -106,6 +106,16 @@ def test_flash_attention_matches_reference(b, sq, sk, hq, hkv, d, causal, window
     _check(b, sq, sk, hq, hkv, d, device, causal=causal, window=window)
 
 
+@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("scale", [0.3, -0.3])
+def test_flash_attention_scale_folding(fold, scale, device, monkeypatch):
+    """The forward with the scale folded into the exponent (FOLD_SCALE, used for positive scales)
+    and without it (negative scales always, or FOLD_SCALE off) both match the reference."""
+    monkeypatch.setattr(attn_mod, "FOLD_SCALE", fold)
+    _check(1, 65, 65, 4, 2, 32, device, causal=True, scale=scale)
+    _check(1, 33, 65, 2, 1, 40, device, window=(5, 3), scale=scale)
+
+
 # (lens_q, lens_k, hq, hkv, d, causal, window)
 VARLEN_CASES = [
     ([1, 17, 33], [1, 17, 33], 4, 2, 32, True, (-1, -1)),
