@@ -317,6 +317,58 @@ def sweep_attention_fold() -> list[dict]:
     return out
 
 
+def sweep_attention_layouts() -> list[dict]:
+    """Why the training step's attention backward (Llama 1B: hd 64, Hq 32 / Hkv 8, 4 packed
+    sequences of 4096) is slower than the MHA sweep's at the same B*S, H, D: the forward and the
+    backward (do_bench) and their kernels (torch.profiler) for (a) batched MHA, (b) batched GQA
+    32/8, (c) packed varlen GQA, contiguous q/k/v, (d) packed varlen GQA laid out as the model
+    makes it (q, k fresh from rotary, v a strided view of the qkv projection's output)."""
+    from fuseformer.bench import attention as ba
+
+    attn = importlib.import_module("fuseformer.ops.attention")
+    attn_bwd = importlib.import_module("fuseformer.ops.attention_bwd")
+    b, s, hq, d = 4, 4096, 32, 64
+    t = b * s
+    cu = torch.arange(0, t + 1, s, dtype=torch.int32, device="cuda")
+    flops = ba.attention_flops(b, s, hq, d, True)
+
+    def make(case):
+        hkv = 32 if case == "a_batched_mha" else 8
+        if case.startswith(("a_", "b_")):
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+            return q, k, v, None
+        if case.startswith("c_"):
+            q, k, v = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+            return q, k, v, cu
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        return q.contiguous().view(t, hq, d), k.contiguous().view(t, hkv, d), v.view(t, hkv, d), cu
+
+    out = []
+    for case in ("a_batched_mha", "b_batched_gqa", "c_varlen_gqa", "d_varlen_gqa_model_layout"):
+        q, k, v, cus = make(case)
+        args = (q, k, v, cus, cus, s, s, d**-0.5, -1, 0)
+        o, lse = attn.flash_attention_fwd(*args)
+        do = torch.randn_like(o)
+
+        def fwd(args=args):
+            attn.flash_attention_fwd(*args)
+
+        def bwd(q=q, k=k, v=v, o=o, lse=lse, do=do, cus=cus):
+            attn_bwd.flash_attention_bwd(do, q, k, v, o, lse, None, cus, cus, s, s, d**-0.5, -1, 0)
+
+        for pass_, fn, fl in (("fwd", fwd, flops), ("bwd", bwd, 2.5 * flops)):
+            rec = ba._record(dict(kind="attention_layouts", case=case), "fuseformer", pass_, fl, fn)
+            try:
+                rec["kernels"] = [dict(name=x["name"][:60], us=x["us"]) for x in gpu_kernels(fn, reps=5)]
+            except Exception as exc:
+                rec["kernels_error"] = f"{type(exc).__name__}: {exc}"[:200]
+            out.append(rec)
+        del q, k, v, o, lse, do
+        torch.cuda.empty_cache()
+    return out
+
+
 def sweep_attention64() -> list[dict]:
     """The quick attention sweep at head dim 64 (the Llama-1B training case's)."""
     from fuseformer.bench.attention import sweep_attention_configs
@@ -427,6 +479,7 @@ SWEEPS = {
     "attention": sweep_attention,
     "attention64": sweep_attention64,
     "attention_fold": sweep_attention_fold,
+    "attention_layouts": sweep_attention_layouts,
     "rms_norm": sweep_rms_norm,
     "rms_norm_long": sweep_rms_norm_long,
     "rms_norm_residual": sweep_rms_norm_residual,
