@@ -321,8 +321,9 @@ def sweep_attention_layouts() -> list[dict]:
     """Why the training step's attention backward (Llama 1B: hd 64, Hq 32 / Hkv 8, 4 packed
     sequences of 4096) is slower than the MHA sweep's at the same B*S, H, D: the forward and the
     backward (do_bench) and their kernels (torch.profiler) for (a) batched MHA, (b) batched GQA
-    32/8, (c) packed varlen GQA, contiguous q/k/v, (d) packed varlen GQA laid out as the model
-    makes it (q, k fresh from rotary, v a strided view of the qkv projection's output)."""
+    32/8, (c) packed varlen GQA, contiguous q/k/v, with and without the dk/dv kernel's alignment
+    hints (every offset a multiple of 16), (d) packed varlen GQA laid out as the model makes it
+    (q, k fresh from rotary, v a strided view of the qkv projection's output)."""
     from fuseformer.bench import attention as ba
 
     attn = importlib.import_module("fuseformer.ops.attention")
@@ -344,8 +345,11 @@ def sweep_attention_layouts() -> list[dict]:
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         return q.contiguous().view(t, hq, d), k.contiguous().view(t, hkv, d), v.view(t, hkv, d), cu
 
+    attn._offsets_summary("cu_seqlens", cu)  # as the public op's checks do: offsets known aligned
     out = []
-    for case in ("a_batched_mha", "b_batched_gqa", "c_varlen_gqa", "d_varlen_gqa_model_layout"):
+    cases = ("a_batched_mha", "b_batched_gqa", "c_varlen_gqa", "c_varlen_gqa_no_hints", "d_varlen_gqa_model_layout")
+    for case in cases:
+        attn_bwd.ALIGNED_HINTS = not case.endswith("no_hints")
         q, k, v, cus = make(case)
         args = (q, k, v, cus, cus, s, s, d**-0.5, -1, 0)
         o, lse = attn.flash_attention_fwd(*args)
@@ -366,6 +370,7 @@ def sweep_attention_layouts() -> list[dict]:
             out.append(rec)
         del q, k, v, o, lse, do
         torch.cuda.empty_cache()
+    attn_bwd.ALIGNED_HINTS = True
     return out
 
 

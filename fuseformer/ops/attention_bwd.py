@@ -42,6 +42,7 @@ from fuseformer.ops.attention import (
     flash_attention_fwd,
     kernel_config,
     launch,
+    offsets_aligned,
     tune_inputs,
     tuning_config,
 )
@@ -51,6 +52,8 @@ from fuseformer.runtime import autotune
 DQ_MODE = "separate"
 # Force the deterministic path (same as FUSEFORMER_DETERMINISTIC=1).
 DETERMINISTIC = False
+# Varlen dk/dv with every cu_seqlens offset a multiple of 16: tell the kernel (False: a sweep's baseline).
+ALIGNED_HINTS = True
 
 
 def deterministic() -> bool:
@@ -171,19 +174,27 @@ def _flash_attention_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, group_size, sm_scale, qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    QD_DESC: tl.constexpr,
+    QD_DESC: tl.constexpr, ALIGNED: tl.constexpr = False,
 ):  # fmt: skip
     # Grid (cdiv(max Sk, BLOCK_N), Hkv, B). Q, DO: pointers, or with QD_DESC TMA descriptors over
-    # (rows, Hq * D) views (rows B * Sq, or Tq).
+    # (rows, Hq * D) views (rows B * Sq, or Tq). ALIGNED (varlen): every offset is a multiple of 16
+    # (checked on the host), so the lse/delta row loads are aligned and their masks uniform per 16.
     pid_n = tl.program_id(0)
     kv_h = tl.program_id(1)
     b = tl.program_id(2)
     if IS_VARLEN:
         q_start = tl.load(CU_Q + b)
-        sq = tl.load(CU_Q + b + 1) - q_start
-        q_row0 = q_start
+        q_end = tl.load(CU_Q + b + 1)
         k_start = tl.load(CU_K + b)
-        sk = tl.load(CU_K + b + 1) - k_start
+        k_end = tl.load(CU_K + b + 1)
+        if ALIGNED:
+            q_start = tl.multiple_of(q_start, 16)
+            q_end = tl.multiple_of(q_end, 16)
+            k_start = tl.multiple_of(k_start, 16)
+            k_end = tl.multiple_of(k_end, 16)
+        sq = q_end - q_start
+        q_row0 = q_start
+        sk = k_end - k_start
         q_off = q_start.to(tl.int64) * stride_qs
         l_off = q_start.to(tl.int64)
         k_off = k_start.to(tl.int64) * stride_ks
@@ -443,6 +454,8 @@ def flash_attention_bwd(
     q_view, do_view = (_rows_view(q, varlen), _rows_view(dout, varlen)) if tma else (None, None)
     k_view, v_view = (_rows_view(k, varlen), _rows_view(v, varlen)) if tma else (None, None)
     qd_desc = q_view is not None and do_view is not None
+    # Offsets known to be multiples of 16 (read by the forward's checks): alignment hints for dk/dv.
+    aligned = varlen and ALIGNED_HINTS and offsets_aligned(cu_seqlens_q) and offsets_aligned(cu_seqlens_k)
     kv_desc = k_view is not None and v_view is not None
     dkdv_rest = (
         lse, delta, dk, dv, dq_acc, cu_q, cu_k, *_seq_strides(q, varlen), *_seq_strides(k, varlen), *lse_strides, *common,
@@ -458,8 +471,8 @@ def flash_attention_bwd(
         lambda c: (triton.cdiv(seqlen_k, c.BLOCK_N), hkv, batch),
         kernel_config("bwd_dkdv", block_d, bounded, q.dtype, q.device),
         dkdv_args,
-        dict(**flags, **window, DQ_ATOMIC=atomic, QD_DESC=qd_desc),
-        key=(q.dtype, d, varlen, atomic, qd_desc, tuple(window.items())),
+        dict(**flags, **window, DQ_ATOMIC=atomic, QD_DESC=qd_desc, ALIGNED=aligned),
+        key=(q.dtype, d, varlen, atomic, qd_desc, aligned, tuple(window.items())),
     )
     if atomic:
         dq.copy_(dq_acc)

@@ -285,6 +285,17 @@ def test_flash_attention_bad_input(args, kwargs, match):
         F.flash_attention(*args, **kwargs)
 
 
+@pytest.mark.parametrize("lens", [[16, 48, 32], [16, 47, 33]])
+def test_flash_attention_varlen_aligned_offsets(lens, device):
+    """Offsets all multiples of 16 (read by the forward's checks) give the dk/dv kernel alignment
+    hints; the results match the reference either way."""
+    cu = _cu(lens, device)
+    attn_mod._offsets_summary("cu_seqlens_q", cu)
+    assert attn_mod.offsets_aligned(cu) == all(n % 16 == 0 for n in lens)
+    assert not attn_mod.offsets_aligned(cu.clone())  # never read: unknown
+    _check(None, None, None, 4, 2, 32, device, causal=True, lens_q=lens, lens_k=lens)
+
+
 def test_flash_attention_reads_each_offsets_tensor_once(monkeypatch):
     """One cu_seqlens tensor passed to many calls (every layer of a model) is read on the host
     (a sync) once; an in-place change is seen (and checked) again, and so is another tensor."""
