@@ -321,8 +321,8 @@ def sweep_attention_layouts() -> list[dict]:
     """Why the training step's attention backward (Llama 1B: hd 64, Hq 32 / Hkv 8, 4 packed
     sequences of 4096) is slower than the MHA sweep's at the same B*S, H, D: the forward and the
     backward (do_bench) and their kernels (torch.profiler) for (a) batched MHA, (b) batched GQA
-    32/8, (c) packed varlen GQA, contiguous q/k/v, with and without the dk/dv kernel's alignment
-    hints (every offset a multiple of 16), (d) packed varlen GQA laid out as the model makes it
+    32/8, (c) packed varlen GQA, contiguous q/k/v, with and without the dk/dv kernel's padded
+    lse/delta copies (16-aligned sequence starts), (d) packed varlen GQA laid out as the model makes it
     (q, k fresh from rotary, v a strided view of the qkv projection's output)."""
     from fuseformer.bench import attention as ba
 
@@ -331,6 +331,10 @@ def sweep_attention_layouts() -> list[dict]:
     b, s, hq, d = 4, 4096, 32, 64
     t = b * s
     cu = torch.arange(0, t + 1, s, dtype=torch.int32, device="cuda")
+    # Documents of unaligned lengths packed into the same 4 x 4096 rows (as real training data is),
+    # for the "e" case: 16 sequences of 1021-1027 tokens.
+    lens = [1024 + (i % 7) - 3 for i in range(15)]
+    cu_docs = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist(), t], dtype=torch.int32, device="cuda")
     flops = ba.attention_flops(b, s, hq, d, True)
 
     def make(case):
@@ -343,15 +347,21 @@ def sweep_attention_layouts() -> list[dict]:
             return q, k, v, cu
         qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        return q.contiguous().view(t, hq, d), k.contiguous().view(t, hkv, d), v.view(t, hkv, d), cu
+        return (
+            q.contiguous().view(t, hq, d),
+            k.contiguous().view(t, hkv, d),
+            v.view(t, hkv, d),
+            (cu_docs if case.startswith("e_") else cu),
+        )
 
-    attn._offsets_summary("cu_seqlens", cu)  # as the public op's checks do: offsets known aligned
     out = []
-    cases = ("a_batched_mha", "b_batched_gqa", "c_varlen_gqa", "c_varlen_gqa_no_hints", "d_varlen_gqa_model_layout")
+    cases = ("a_batched_mha", "b_batched_gqa", "c_varlen_gqa", "c_varlen_gqa_unpadded", "d_varlen_gqa_model_layout",
+             "e_docs_padded", "e_docs_unpadded")  # fmt: skip
     for case in cases:
-        attn_bwd.ALIGNED_HINTS = not case.endswith("no_hints")
+        attn_bwd.PAD_VARLEN_STATS = not case.endswith("unpadded")
         q, k, v, cus = make(case)
-        args = (q, k, v, cus, cus, s, s, d**-0.5, -1, 0)
+        sm = s if not case.startswith("e_") else max(lens)
+        args = (q, k, v, cus, cus, sm, sm, d**-0.5, -1, 0)
         o, lse = attn.flash_attention_fwd(*args)
         do = torch.randn_like(o)
 
@@ -359,7 +369,7 @@ def sweep_attention_layouts() -> list[dict]:
             attn.flash_attention_fwd(*args)
 
         def bwd(q=q, k=k, v=v, o=o, lse=lse, do=do, cus=cus):
-            attn_bwd.flash_attention_bwd(do, q, k, v, o, lse, None, cus, cus, s, s, d**-0.5, -1, 0)
+            attn_bwd.flash_attention_bwd(do, q, k, v, o, lse, None, cus, cus, sm, sm, d**-0.5, -1, 0)
 
         for pass_, fn, fl in (("fwd", fwd, flops), ("bwd", bwd, 2.5 * flops)):
             rec = ba._record(dict(kind="attention_layouts", case=case), "fuseformer", pass_, fl, fn)
@@ -370,7 +380,7 @@ def sweep_attention_layouts() -> list[dict]:
             out.append(rec)
         del q, k, v, o, lse, do
         torch.cuda.empty_cache()
-    attn_bwd.ALIGNED_HINTS = True
+    attn_bwd.PAD_VARLEN_STATS = True
     return out
 
 

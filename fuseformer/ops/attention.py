@@ -733,10 +733,10 @@ def _check_cu_seqlens(name: str, cu: object, device: torch.device) -> torch.Tens
 
 
 # Offsets tensors already read and checked: id -> (weak reference, version counter, last offset,
-# longest sequence, every offset a multiple of 16). A model passes one cu_seqlens tensor to every layer (and again in each
+# longest sequence). A model passes one cu_seqlens tensor to every layer (and again in each
 # checkpointed recompute): reading it once saves a host sync a call (Llama 1B training, 16 layers:
 # 64 syncs a step, each draining the GPU's queue). An in-place change bumps the version: read again.
-_CHECKED_OFFSETS: dict[int, tuple[weakref.ref, int, int, int, bool]] = {}
+_CHECKED_OFFSETS: dict[int, tuple[weakref.ref, int, int, int]] = {}
 
 
 def _forget_offsets(ref: weakref.ref, key: int) -> None:
@@ -763,17 +763,8 @@ def _offsets_summary(name: str, cu: torch.Tensor) -> tuple[int, int]:
     last, longest = offsets[-1], max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
     if version is not None:
         ref = weakref.ref(cu, lambda r, key=key: _forget_offsets(r, key))
-        _CHECKED_OFFSETS[key] = (ref, version, last, longest, all(o % 16 == 0 for o in offsets))
+        _CHECKED_OFFSETS[key] = (ref, version, last, longest)
     return last, longest
-
-
-def offsets_aligned(cu: torch.Tensor | None) -> bool:
-    """Whether every offset of ``cu`` is known (read before, unchanged since) to be a multiple of 16,
-    without reading it: kernels may then take the sequence starts and lengths as multiples of 16."""
-    if cu is None or cu.is_inference():
-        return False
-    entry = _CHECKED_OFFSETS.get(id(cu))
-    return entry is not None and entry[0]() is cu and entry[1] == cu._version and entry[4]
 
 
 def _check_lengths(name: str, cu: torch.Tensor, total: int, max_seqlen: int | None, max_name: str) -> int:

@@ -42,7 +42,6 @@ from fuseformer.ops.attention import (
     flash_attention_fwd,
     kernel_config,
     launch,
-    offsets_aligned,
     tune_inputs,
     tuning_config,
 )
@@ -52,8 +51,8 @@ from fuseformer.runtime import autotune
 DQ_MODE = "separate"
 # Force the deterministic path (same as FUSEFORMER_DETERMINISTIC=1).
 DETERMINISTIC = False
-# Varlen dk/dv with every cu_seqlens offset a multiple of 16: tell the kernel (False: a sweep's baseline).
-ALIGNED_HINTS = True
+# Varlen dk/dv reads lse and delta from padded, 16-aligned copies (False: a sweep's baseline).
+PAD_VARLEN_STATS = True
 
 
 def deterministic() -> bool:
@@ -113,13 +112,48 @@ def _load_row_stats(lse_ptrs, delta_ptrs, row_ok, MASK: tl.constexpr):
 
 
 @triton.jit
+def _padded_start(q_start, b):
+    """Where sequence b's rows start in the padded per-row statistics of varlen: a multiple of 16
+    at or after q_start, and at least one sequence's length past the previous start (the starts of
+    b and b + 1 differ by at least len(b) since roundup16(cu[b]) + len(b) <= cu[b + 1] + 15)."""
+    return ((q_start + 15) // 16) * 16 + 16 * b
+
+
+@triton.jit
+def _pad_stats_kernel(
+    LSE, DELTA, LSE2_PAD, DELTA_PAD, CU_Q, stride_lh, stride_ph,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Varlen: lse (Hq, T) in log2 units (+inf for rows that saw no key) and delta into the padded
+    (Hq, W) buffers (prefilled with +inf and 0) at _padded_start; grid (cdiv(max Sq, BLOCK_M), Hq, B)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(CU_Q + b)
+    sq = tl.load(CU_Q + b + 1) - q_start
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = rows < sq
+    src = h.to(tl.int64) * stride_lh + q_start.to(tl.int64) + rows
+    dst = h.to(tl.int64) * stride_ph + _padded_start(q_start, b).to(tl.int64) + rows
+    lse = tl.load(LSE + src, mask=ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(LSE2_PAD + dst, lse2, mask=ok)
+    tl.store(DELTA_PAD + dst, tl.load(DELTA + src, mask=ok, other=0.0), mask=ok)
+
+
+@triton.jit
 def _dkdv_loop(
     dk, dv, k, v, Q, DO, q_base, do_base, dq_base, lse_base, delta_base, q_offs, stride_qs, q_row0, q_col,
     cols, sq, sk, sm_scale, qk_scale, window_left, window_right, start, end,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, QD_DESC: tl.constexpr,
+    PAD_STATS: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dk, dv (BLOCK_N, BLOCK_D) fp32 over the q tiles [start, end) of one q head.
+
+    PAD_STATS: lse_base/delta_base point into the padded varlen copies (16-aligned sequence starts,
+    lse already in log2 units with +inf for rows that saw no key, every row of a tile in bounds and
+    written): unmasked, aligned loads.
 
     q, do and dq share one layout (the launcher makes them contiguous), so one int32 offset tile
     q_offs (BLOCK_M, BLOCK_D) serves all three: fewer live registers in a kernel that spills easily."""
@@ -141,13 +175,17 @@ def _dkdv_loop(
         else:
             q = tl.load(q_base + row_step + q_offs)
             do = tl.load(do_base + row_step + q_offs)
-        if MASK:  # rows past the end: lse +inf, so p = 0
-            lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
-            delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
-        else:
-            lse = tl.load(lse_base + rows)
+        if PAD_STATS:
+            lse2 = tl.load(lse_base + rows)
             delta = tl.load(delta_base + rows)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # rows that saw no key: p = 0
+        else:
+            if MASK:  # rows past the end: lse +inf, so p = 0
+                lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
+                delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+            else:
+                lse = tl.load(lse_base + rows)
+                delta = tl.load(delta_base + rows)
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # saw no key: p = 0
         qk_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
         if MASK:
             valid = (cols[:, None] < sk) & row_ok[None, :]
@@ -174,29 +212,25 @@ def _flash_attention_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, group_size, sm_scale, qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    QD_DESC: tl.constexpr, ALIGNED: tl.constexpr = False,
+    QD_DESC: tl.constexpr, PAD_STATS: tl.constexpr = False,
 ):  # fmt: skip
     # Grid (cdiv(max Sk, BLOCK_N), Hkv, B). Q, DO: pointers, or with QD_DESC TMA descriptors over
-    # (rows, Hq * D) views (rows B * Sq, or Tq). ALIGNED (varlen): every offset is a multiple of 16
-    # (checked on the host), so the lse/delta row loads are aligned and their masks uniform per 16.
+    # (rows, Hq * D) views (rows B * Sq, or Tq). PAD_STATS (varlen): LSE and DELTA are the padded
+    # copies (_pad_stats_kernel), sequence b's rows starting at the multiple of 16 _padded_start(b).
     pid_n = tl.program_id(0)
     kv_h = tl.program_id(1)
     b = tl.program_id(2)
     if IS_VARLEN:
         q_start = tl.load(CU_Q + b)
-        q_end = tl.load(CU_Q + b + 1)
-        k_start = tl.load(CU_K + b)
-        k_end = tl.load(CU_K + b + 1)
-        if ALIGNED:
-            q_start = tl.multiple_of(q_start, 16)
-            q_end = tl.multiple_of(q_end, 16)
-            k_start = tl.multiple_of(k_start, 16)
-            k_end = tl.multiple_of(k_end, 16)
-        sq = q_end - q_start
+        sq = tl.load(CU_Q + b + 1) - q_start
         q_row0 = q_start
-        sk = k_end - k_start
+        k_start = tl.load(CU_K + b)
+        sk = tl.load(CU_K + b + 1) - k_start
         q_off = q_start.to(tl.int64) * stride_qs
-        l_off = q_start.to(tl.int64)
+        if PAD_STATS:
+            l_off = tl.multiple_of(_padded_start(q_start, b).to(tl.int64), 16)
+        else:
+            l_off = q_start.to(tl.int64)
         k_off = k_start.to(tl.int64) * stride_ks
     else:
         sq = seqlen_q
@@ -248,7 +282,7 @@ def _flash_attention_bwd_dkdv_kernel(
             dk, dv, k, v, Q, DO, q_base, do_base, DQ_ACC + head_off, lse_base, delta_base, q_offs, stride_qs,
             q_row0, h * HEAD_DIM,
             cols, sq, sk, sm_scale, qk_scale, window_left, window_right, lo, hi,
-            True, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, QD_DESC,
+            True, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, QD_DESC, PAD_STATS,
         )  # fmt: skip
 
     mask = col_ok[:, None] & d_ok[None, :]
@@ -454,11 +488,24 @@ def flash_attention_bwd(
     q_view, do_view = (_rows_view(q, varlen), _rows_view(dout, varlen)) if tma else (None, None)
     k_view, v_view = (_rows_view(k, varlen), _rows_view(v, varlen)) if tma else (None, None)
     qd_desc = q_view is not None and do_view is not None
-    # Offsets known to be multiples of 16 (read by the forward's checks): alignment hints for dk/dv.
-    aligned = varlen and ALIGNED_HINTS and offsets_aligned(cu_seqlens_q) and offsets_aligned(cu_seqlens_k)
+    # Varlen: the dk/dv kernel reads lse and delta from padded copies whose sequences start at
+    # multiples of 16 (aligned, unmasked loads; run 40: dk/dv 30% slower without at the training
+    # shape). W covers every row a BLOCK_M tile can touch past a sequence's padded start.
+    pad_stats = varlen and PAD_VARLEN_STATS
+    if pad_stats:
+        width = ((q.shape[0] + 16 * batch + 16 + 2 * 128) + 15) // 16 * 16
+        lse_pad = torch.full((hq, width), float("inf"), dtype=torch.float32, device=q.device)
+        delta_pad = torch.zeros((hq, width), dtype=torch.float32, device=q.device)
+        _pad_stats_kernel[(triton.cdiv(seqlen_q, 128), hq, batch)](
+            lse, delta, lse_pad, delta_pad, cu_q, lse.stride(0), width, BLOCK_M=128, num_warps=4
+        )
+        dkdv_stats = (lse_pad, delta_pad, 0, width)
+    else:
+        dkdv_stats = (lse, delta, *lse_strides)
     kv_desc = k_view is not None and v_view is not None
     dkdv_rest = (
-        lse, delta, dk, dv, dq_acc, cu_q, cu_k, *_seq_strides(q, varlen), *_seq_strides(k, varlen), *lse_strides, *common,
+        dkdv_stats[0], dkdv_stats[1], dk, dv, dq_acc, cu_q, cu_k,
+        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *dkdv_stats[2:], *common,
     )  # fmt: skip
 
     def dkdv_args(c: KernelConfig) -> tuple:
@@ -471,8 +518,8 @@ def flash_attention_bwd(
         lambda c: (triton.cdiv(seqlen_k, c.BLOCK_N), hkv, batch),
         kernel_config("bwd_dkdv", block_d, bounded, q.dtype, q.device),
         dkdv_args,
-        dict(**flags, **window, DQ_ATOMIC=atomic, QD_DESC=qd_desc, ALIGNED=aligned),
-        key=(q.dtype, d, varlen, atomic, qd_desc, aligned, tuple(window.items())),
+        dict(**flags, **window, DQ_ATOMIC=atomic, QD_DESC=qd_desc, PAD_STATS=pad_stats),
+        key=(q.dtype, d, varlen, atomic, qd_desc, pad_stats, tuple(window.items())),
     )
     if atomic:
         dq.copy_(dq_acc)

@@ -285,15 +285,13 @@ def test_flash_attention_bad_input(args, kwargs, match):
         F.flash_attention(*args, **kwargs)
 
 
-@pytest.mark.parametrize("lens", [[16, 48, 32], [16, 47, 33]])
-def test_flash_attention_varlen_aligned_offsets(lens, device):
-    """Offsets all multiples of 16 (read by the forward's checks) give the dk/dv kernel alignment
-    hints; the results match the reference either way."""
-    cu = _cu(lens, device)
-    attn_mod._offsets_summary("cu_seqlens_q", cu)
-    assert attn_mod.offsets_aligned(cu) == all(n % 16 == 0 for n in lens)
-    assert not attn_mod.offsets_aligned(cu.clone())  # never read: unknown
-    _check(None, None, None, 4, 2, 32, device, causal=True, lens_q=lens, lens_k=lens)
+@pytest.mark.parametrize("pad", [True, False])
+@pytest.mark.parametrize("lens", [[16, 48, 32], [1, 47, 0, 33]])
+def test_flash_attention_varlen_padded_stats(lens, pad, device, monkeypatch):
+    """The varlen dk/dv kernel with lse/delta from the padded copies (16-aligned sequence starts) and
+    without them: both match the reference, with lse's gradient too."""
+    monkeypatch.setattr(bwd_mod, "PAD_VARLEN_STATS", pad)
+    _check(None, None, None, 4, 2, 32, device, causal=True, lens_q=lens, lens_k=lens, lse_grad=True)
 
 
 def test_flash_attention_reads_each_offsets_tensor_once(monkeypatch):
