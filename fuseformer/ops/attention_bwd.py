@@ -186,15 +186,16 @@ def _dkdv_loop(
                 lse = tl.load(lse_base + rows)
                 delta = tl.load(delta_base + rows)
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # saw no key: p = 0
-        qk_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
+        # The scale inside the exponent's FMA (qk * s - lse), the mask applied to p (for any sign of s).
+        qk_t = tl.dot(k, tl.trans(q))  # (BLOCK_N, BLOCK_M)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
         if MASK:
             valid = (cols[:, None] < sk) & row_ok[None, :]
             if HAS_RIGHT:
                 valid = valid & (cols[:, None] <= rows[None, :] + (diag + window_right))
             if HAS_LEFT:
                 valid = valid & (cols[:, None] >= rows[None, :] + (diag - window_left))
-            qk_t = tl.where(valid, qk_t, float("-inf"))
-        p_t = tl.math.exp2(qk_t - lse2[None, :])
+            p_t = tl.where(valid, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))  # (BLOCK_N, BLOCK_M)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
@@ -314,15 +315,15 @@ def _dq_loop(
         else:
             k = tl.load(k_ptrs + n64 * stride_ks)
             v = tl.load(v_ptrs + n64 * stride_vs)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N)
+        qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N); the scale goes into exp2's FMA
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASK:
             valid = col_ok[None, :]
             if HAS_RIGHT:
                 valid = valid & (cols[None, :] <= rows[:, None] + (diag + window_right))
             if HAS_LEFT:
                 valid = valid & (cols[None, :] >= rows[:, None] + (diag - window_left))
-            qk = tl.where(valid, qk, float("-inf"))
-        p = tl.math.exp2(qk - lse2[:, None])
+            p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq = tl.dot(ds, k, dq)
