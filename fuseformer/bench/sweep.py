@@ -289,9 +289,11 @@ def sweep_attention() -> list[dict]:
 
 
 def sweep_attention_fold() -> list[dict]:
-    """The forward's FOLD_SCALE (the softmax scale inside the exponent's FMA) on and off, at the
-    default configs, on the goal shapes (hd 128: causal S4096, full S16384) and the training case's
-    hd 64, with SDPA's cuDNN kernel in the same run; each timed twice, alternating."""
+    """The forward's FOLD_SCALE (the softmax scale inside the exponent's FMA) on and off, and the
+    PREFETCH_QK loop (the next q k^T issued before the softmax), at the default configs (then the
+    prefetch loop at three more tile configs), on the goal shapes (hd 128: causal S4096, full
+    S16384) and the training case's hd 64, with SDPA's cuDNN kernel in the same run; the default
+    configs timed twice, alternating."""
     from fuseformer.bench import attention as ba
 
     attn = importlib.import_module("fuseformer.ops.attention")
@@ -302,15 +304,22 @@ def sweep_attention_fold() -> list[dict]:
         flops = ba.attention_flops(batch, seqlen, ba.HEADS, d, causal)
         q, k, v = (t.detach() for t in ba._inputs(batch, seqlen, d))
         args = (q, k, v, None, None, seqlen, seqlen, d**-0.5, -1, 0 if causal else -1)
-        previous = attn.FOLD_SCALE
+        previous = attn.FOLD_SCALE, attn.PREFETCH_QK
         try:
             for rep in range(2):
-                for fold in (True, False):
-                    attn.FOLD_SCALE = fold
-                    rec = dict(case, fold=fold, rep=rep)
+                for fold, prefetch in ((True, False), (False, False), (True, True)):
+                    attn.FOLD_SCALE, attn.PREFETCH_QK = fold, prefetch
+                    rec = dict(case, fold=fold, prefetch=prefetch, rep=rep)
+                    out.append(ba._record(rec, "fuseformer", "fwd", flops, lambda a=args: attn.flash_attention_fwd(*a)))
+            # The prefetch loop holds two score tiles: other tile shapes may suit it better.
+            attn.FOLD_SCALE, attn.PREFETCH_QK = True, True
+            for bm, bn, warps, stages in ((128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3)):
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, warp_specialize=0)
+                with attn.tuning_config("fwd", cfg):
+                    rec = dict(case, fold=True, prefetch=True, **cfg)
                     out.append(ba._record(rec, "fuseformer", "fwd", flops, lambda a=args: attn.flash_attention_fwd(*a)))
         finally:
-            attn.FOLD_SCALE = previous
+            attn.FOLD_SCALE, attn.PREFETCH_QK = previous
         cudnn = ba._impls(seqlen, causal)["sdpa_cudnn"]
         out.append(ba._record(case, "sdpa_cudnn", "fwd", flops, lambda q=q, k=k, v=v: cudnn(q, k, v)))
         torch.cuda.empty_cache()
