@@ -326,6 +326,52 @@ def sweep_attention_fold() -> list[dict]:
     return out
 
 
+def sweep_attention_bwd_split() -> list[dict]:
+    """The dk/dv kernel with and without SPLIT_DKDV (its unmasked middle loop), twice each,
+    alternating, on the backward goal shape (hd 128 causal S4096, batched MHA) and the training
+    case (hd 64 causal, 4 packed sequences of 4096, GQA 32/8), with SDPA's cuDNN backward on the
+    goal shape in the same run. Each record: the whole backward's ms and TFLOP/s (2.5x the
+    forward's count) and its kernels."""
+    from fuseformer.bench import attention as ba
+
+    attn = importlib.import_module("fuseformer.ops.attention")
+    attn_bwd = importlib.import_module("fuseformer.ops.attention_bwd")
+    out = []
+    for d, hkv, varlen in ((128, 32, False), (64, 8, True)):
+        b, s, hq = 4, 4096, 32
+        flops = ba.attention_flops(b, s, hq, d, True)
+        shape = (b * s,) if varlen else (b, s)
+        q, k, v = (torch.randn(*shape, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+        cu = torch.arange(0, b * s + 1, s, dtype=torch.int32, device="cuda") if varlen else None
+        args = (q, k, v, cu, cu, s, s, d**-0.5, -1, 0)
+        o, lse = attn.flash_attention_fwd(*args)
+        do = torch.randn_like(o)
+        case = dict(kind="attention_bwd_split", head_dim=d, hkv=hkv, varlen=varlen)
+        try:
+            for rep in range(2):
+                for split in (False, True):
+                    attn_bwd.SPLIT_DKDV = split
+
+                    def bwd(q=q, k=k, v=v, o=o, lse=lse, do=do, cu=cu):
+                        attn_bwd.flash_attention_bwd(do, q, k, v, o, lse, None, cu, cu, s, s, d**-0.5, -1, 0)
+
+                    rec = ba._record(dict(case, split=split, rep=rep), "fuseformer", "bwd", 2.5 * flops, bwd)
+                    if rep == 0:
+                        rec["kernels"] = [dict(name=x["name"][:40], us=x["us"]) for x in gpu_kernels(bwd, reps=3)]
+                    out.append(rec)
+        finally:
+            attn_bwd.SPLIT_DKDV = False
+        if not varlen:
+            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            cudnn = ba._impls(s, True)["sdpa_cudnn"]
+            oc = cudnn(qg, kg, vg)
+            doc = torch.randn_like(oc)  # (B, H, S, D), as SDPA returns it
+            grad = lambda oc=oc, doc=doc: torch.autograd.grad(oc, (qg, kg, vg), doc, retain_graph=True)  # noqa: E731
+            out.append(ba._record(case, "sdpa_cudnn", "bwd", 2.5 * flops, grad))
+        torch.cuda.empty_cache()
+    return out
+
+
 def sweep_attention_layouts() -> list[dict]:
     """Why the training step's attention backward (Llama 1B: hd 64, Hq 32 / Hkv 8, 4 packed
     sequences of 4096) is slower than the MHA sweep's at the same B*S, H, D: the forward and the
@@ -504,6 +550,7 @@ SWEEPS = {
     "attention64": sweep_attention64,
     "attention_fold": sweep_attention_fold,
     "attention_layouts": sweep_attention_layouts,
+    "attention_bwd_split": sweep_attention_bwd_split,
     "rms_norm": sweep_rms_norm,
     "rms_norm_long": sweep_rms_norm_long,
     "rms_norm_residual": sweep_rms_norm_residual,
