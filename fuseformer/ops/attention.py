@@ -259,29 +259,6 @@ def _fwd_loop(
 
 
 @triton.jit
-def _fwd_loop_prefetch(acc, l_i, m_i, q, K, V, kv_row0, kv_col, qk_scale, start, end, BLOCK_N: tl.constexpr):
-    """The unmasked key loop (TMA loads, folded scale) with the next block's q k^T issued before
-    this block's softmax, so that the tensor cores can work on block j + 1 while the softmax of
-    block j runs (FlashAttention-3's intra-warpgroup overlap, if the compiler keeps that dot in
-    flight). The last iteration's prefetch recomputes the last block (its result unused)."""
-    if end > start:
-        qk = tl.dot(q, tl.trans(K.load([kv_row0 + start, kv_col])))
-        last = end - BLOCK_N
-        for start_n in range(start, end, BLOCK_N):
-            k_next = K.load([kv_row0 + tl.minimum(start_n + BLOCK_N, last), kv_col])
-            qk_next = tl.dot(q, tl.trans(k_next))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = V.load([kv_row0 + start_n, kv_col])
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
-            qk = qk_next
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _flash_attention_fwd_kernel(
     Q, K, V, OUT, LSE, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
@@ -292,7 +269,7 @@ def _flash_attention_fwd_kernel(
     seqlen_q, seqlen_k, group_size, qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KV_DESC: tl.constexpr,
-    WS: tl.constexpr, FOLD_SCALE: tl.constexpr = True, PREFETCH: tl.constexpr = False,
+    WS: tl.constexpr, FOLD_SCALE: tl.constexpr = True,
 ):  # fmt: skip
     # K, V: pointers, or with KV_DESC TMA descriptors over (rows, Hkv * D) views (rows B * Sk, or Tk).
     # Grid (cdiv(max Sq, BLOCK_M), Hq, B). With a right bound (causal) the heaviest query blocks
@@ -355,14 +332,11 @@ def _flash_attention_fwd_kernel(
             qk_scale, window_left, window_right, lo, full_lo,
             True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, False, FOLD_SCALE,
         )  # fmt: skip
-    if PREFETCH:  # KV_DESC and FOLD_SCALE (the launcher's rule)
-        acc, l_i, m_i = _fwd_loop_prefetch(acc, l_i, m_i, q, K, V, kv_row0, kv_col, qk_scale, full_lo, full_hi, BLOCK_N)
-    else:
-        acc, l_i, m_i = _fwd_loop(
-            acc, l_i, m_i, q, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
-            qk_scale, window_left, window_right, full_lo, full_hi,
-            False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, WS, FOLD_SCALE,
-        )  # fmt: skip
+    acc, l_i, m_i = _fwd_loop(
+        acc, l_i, m_i, q, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
+        qk_scale, window_left, window_right, full_lo, full_hi,
+        False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, WS, FOLD_SCALE,
+    )  # fmt: skip
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
         qk_scale, window_left, window_right, full_hi, hi,
@@ -444,9 +418,6 @@ _TABLES = {"fwd": _FWD_TABLE, "bwd_dkdv": _BWD_DKDV_TABLE, "bwd_dq": _BWD_DQ_TAB
 # The forward folds the softmax scale into the exponent's FMA (qk * s - m) when the scale is
 # positive; False restores a multiply of the whole score tile first (a sweep compares the two).
 FOLD_SCALE = True
-# The unmasked key loop issues the next block's q k^T before this block's softmax (an experiment:
-# sweep attention_fold compares; off by default until measured).
-PREFETCH_QK = False
 
 # Sweeps and experiments: fields set here (e.g. CONFIG_OVERRIDES["fwd"] = {"BLOCK_N": 64}) replace
 # the table's for every head dim. Environment variables FUSEFORMER_ATTN_FWD / _BWD_DKDV / _BWD_DQ
@@ -678,7 +649,6 @@ def flash_attention_fwd(
         KV_DESC=kv_desc,
         WS=bool(cfg.warp_specialize) and kv_desc,  # warp specialization needs TMA loads (fallbacks keep it)
         FOLD_SCALE=FOLD_SCALE and softmax_scale > 0,
-        PREFETCH=PREFETCH_QK and FOLD_SCALE and kv_desc and softmax_scale > 0 and not cfg.warp_specialize,
     )
     launch(
         _flash_attention_fwd_kernel,

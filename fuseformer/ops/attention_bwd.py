@@ -53,9 +53,6 @@ DQ_MODE = "separate"
 DETERMINISTIC = False
 # Varlen dk/dv reads lse and delta from padded, 16-aligned copies (False: a sweep's baseline).
 PAD_VARLEN_STATS = True
-# dk/dv: the q tiles that see the whole key block go through an unmasked loop (an experiment, off
-# until a sweep shows it helps).
-SPLIT_DKDV = False
 
 
 def deterministic() -> bool:
@@ -216,7 +213,7 @@ def _flash_attention_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, group_size, sm_scale, qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    QD_DESC: tl.constexpr, PAD_STATS: tl.constexpr = False, SPLIT: tl.constexpr = False,
+    QD_DESC: tl.constexpr, PAD_STATS: tl.constexpr = False,
 ):  # fmt: skip
     # Grid (cdiv(max Sk, BLOCK_N), Hkv, B). Q, DO: pointers, or with QD_DESC TMA descriptors over
     # (rows, Hq * D) views (rows B * Sq, or Tq). PAD_STATS (varlen): LSE and DELTA are the padded
@@ -267,20 +264,6 @@ def _flash_attention_bwd_dkdv_kernel(
         lo = (tl.maximum(n0 - diag - window_right, 0) // BLOCK_M) * BLOCK_M
     if HAS_LEFT:
         hi = tl.minimum(hi, tl.maximum(n0 + BLOCK_N - 1 - diag + window_left + 1, 0))
-    # SPLIT: q tiles [full_lo, full_hi) see every key of this block (no mask needed), the rest
-    # [lo, full_lo) and [full_hi, hi) go through the masked loop. Empty unless the key block is whole.
-    full_lo = lo
-    full_hi = lo
-    if SPLIT:
-        full_hi = (sq // BLOCK_M) * BLOCK_M
-        if HAS_RIGHT:
-            full_lo = tl.maximum(lo, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - diag - window_right, 0), BLOCK_M) * BLOCK_M)
-        if HAS_LEFT:
-            full_hi = tl.minimum(full_hi, (tl.maximum(n0 - diag + window_left + 1, 0) // BLOCK_M) * BLOCK_M)
-        no_full = (full_hi <= full_lo) | (n0 + BLOCK_N > sk)
-        full_lo = tl.where(no_full, lo, full_lo)
-        full_hi = tl.where(no_full, lo, full_hi)
-
     for g in range(0, group_size):
         h = kv_h * group_size + g
         head_off = q_off + h * stride_qh
@@ -292,24 +275,13 @@ def _flash_attention_bwd_dkdv_kernel(
             do_base = DO + head_off
         lse_base = LSE + l_off + h * stride_lh
         delta_base = DELTA + l_off + h * stride_lh
-        # Without SPLIT, one masked loop over every visible q tile: splitting off the unmasked middle
-        # spilled registers on sm_90 at BLOCK 64x128, hd 128 (ptxas: 500+ bytes); the mask costs ~16
-        # ALU ops per thread per tile next to 4 wgmmas. SPLIT is for the smaller tiles swept since.
-        dq_base = DQ_ACC + head_off
-        if SPLIT:
-            dk, dv = _dkdv_loop(
-                dk, dv, k, v, Q, DO, q_base, do_base, dq_base, lse_base, delta_base, q_offs, stride_qs,
-                q_row0, h * HEAD_DIM, cols, sq, sk, sm_scale, qk_scale, window_left, window_right, lo, full_lo,
-                True, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, QD_DESC, PAD_STATS,
-            )  # fmt: skip
-            dk, dv = _dkdv_loop(
-                dk, dv, k, v, Q, DO, q_base, do_base, dq_base, lse_base, delta_base, q_offs, stride_qs,
-                q_row0, h * HEAD_DIM, cols, sq, sk, sm_scale, qk_scale, window_left, window_right, full_lo, full_hi,
-                False, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, QD_DESC, PAD_STATS,
-            )  # fmt: skip
+        # One masked loop over every visible q tile. An unmasked middle loop for the tiles that see
+        # the whole key block (as the forward has) measured slower (run 43: 331-336 against 348-355
+        # TFLOP/s at hd 128, 280 against 289 at hd 64; and it spilled at 64x128, hd 128).
         dk, dv = _dkdv_loop(
-            dk, dv, k, v, Q, DO, q_base, do_base, dq_base, lse_base, delta_base, q_offs, stride_qs,
-            q_row0, h * HEAD_DIM, cols, sq, sk, sm_scale, qk_scale, window_left, window_right, full_hi, hi,
+            dk, dv, k, v, Q, DO, q_base, do_base, DQ_ACC + head_off, lse_base, delta_base, q_offs, stride_qs,
+            q_row0, h * HEAD_DIM,
+            cols, sq, sk, sm_scale, qk_scale, window_left, window_right, lo, hi,
             True, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, QD_DESC, PAD_STATS,
         )  # fmt: skip
 
@@ -546,8 +518,8 @@ def flash_attention_bwd(
         lambda c: (triton.cdiv(seqlen_k, c.BLOCK_N), hkv, batch),
         kernel_config("bwd_dkdv", block_d, bounded, q.dtype, q.device),
         dkdv_args,
-        dict(**flags, **window, DQ_ATOMIC=atomic, QD_DESC=qd_desc, PAD_STATS=pad_stats, SPLIT=SPLIT_DKDV),
-        key=(q.dtype, d, varlen, atomic, qd_desc, pad_stats, SPLIT_DKDV, tuple(window.items())),
+        dict(**flags, **window, DQ_ATOMIC=atomic, QD_DESC=qd_desc, PAD_STATS=pad_stats),
+        key=(q.dtype, d, varlen, atomic, qd_desc, pad_stats, tuple(window.items())),
     )
     if atomic:
         dq.copy_(dq_acc)

@@ -116,30 +116,6 @@ def test_flash_attention_scale_folding(fold, scale, device, monkeypatch):
     _check(1, 33, 65, 2, 1, 40, device, window=(5, 3), scale=scale)
 
 
-def test_flash_attention_prefetch_loop(device, monkeypatch):
-    """The forward's unmasked loop with the next q k^T issued early (PREFETCH_QK) matches the
-    reference: causal, full with several unmasked blocks, a window, varlen."""
-    monkeypatch.setattr(attn_mod, "PREFETCH_QK", True)
-    _check(1, 65, 65, 4, 2, 32, device, causal=True)
-    _check(2, 33, 97, 2, 2, 32, device)
-    _check(1, 65, 65, 2, 2, 32, device, causal=True, window=(8, -1))
-    _check(None, None, None, 2, 1, 32, device, causal=True, lens_q=[1, 70, 33], lens_k=[1, 70, 33])
-
-
-@pytest.mark.parametrize("b, sq, sk, hq, hkv, d, causal, window", DENSE_CASES[:8])
-def test_flash_attention_split_dkdv_loop(b, sq, sk, hq, hkv, d, causal, window, device, monkeypatch):
-    """The dk/dv kernel with its unmasked middle loop (SPLIT_DKDV) matches the reference, dense and
-    varlen, causal, windows and uneven lengths."""
-    monkeypatch.setattr(bwd_mod, "SPLIT_DKDV", True)
-    _check(b, sq, sk, hq, hkv, d, device, causal=causal, window=window)
-
-
-def test_flash_attention_split_dkdv_loop_varlen(device, monkeypatch):
-    monkeypatch.setattr(bwd_mod, "SPLIT_DKDV", True)
-    _check(None, None, None, 4, 2, 32, device, causal=True, lens_q=[1, 70, 0, 33], lens_k=[1, 70, 0, 33])
-    _check(None, None, None, 2, 2, 32, device, window=(4, 2), lens_q=[17, 1, 33], lens_k=[17, 4, 33])
-
-
 # (lens_q, lens_k, hq, hkv, d, causal, window)
 VARLEN_CASES = [
     ([1, 17, 33], [1, 17, 33], 4, 2, 32, True, (-1, -1)),
