@@ -475,10 +475,11 @@ def _flce_fwd_impl(
     grad_hidden: bool,
     grad_weight: bool,
     grad_bias: bool,
+    chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     loss, dh, dw, db = fused_linear_cross_entropy_fwd(
         hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss,
-        grad_hidden, grad_weight, grad_bias,
+        grad_hidden, grad_weight, grad_bias, chunk_size or None,
     )  # fmt: skip
     # A custom op cannot return None: an empty tensor stands for "not computed".
     return loss, *(t if t is not None else hidden.new_empty(0) for t in (dh, dw, db))
@@ -500,11 +501,12 @@ def _flce_bwd_impl(
     grad_hidden: bool,
     grad_weight: bool,
     grad_bias: bool,
+    chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     flags = (grad_hidden, grad_weight, grad_bias)
     if reduction == "none":
         grads = fused_linear_cross_entropy_bwd(
-            dloss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, *flags
+            dloss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, *flags, chunk_size or None
         )
     else:
         g = dloss.to(torch.float32)
@@ -529,7 +531,7 @@ _flce_bwd_op = torch.library.custom_op("fuseformer::fused_linear_cross_entropy_b
 
 
 @_flce_fwd_op.register_fake
-def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb):
+def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb, chunk_size):
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     grads = reduction != "none"
@@ -540,7 +542,8 @@ def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_
 
 
 @_flce_bwd_op.register_fake
-def _(dloss, hidden, weight, target, bias, dh, dw, db, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb):
+def _(dloss, hidden, weight, target, bias, dh, dw, db, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb,
+      chunk_size):  # fmt: skip
     # mean/sum: the saved gradients, scaled; none: recomputed, shaped like the inputs.
     likes = (hidden, weight, bias) if reduction == "none" else (dh, dw, db)
     return tuple(torch.empty_like(t) if flag else dh.new_empty(0) for t, flag in zip(likes, (gh, gw, gb)))
@@ -552,8 +555,8 @@ def _flce_setup_context(ctx, inputs, output):
 
 
 def _flce_save(ctx, inputs, dh, dw, db):
-    hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb = inputs
-    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb)
+    hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb, chunk_size = inputs
+    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb, chunk_size)
     ctx.has_bias = bias is not None
     if reduction == "none":  # recomputed in the backward
         ctx.save_for_backward(hidden, weight, target, bias, dh, dw, db)
@@ -569,8 +572,8 @@ def _flce_backward_with(bwd):
         if hidden is None:  # mean/sum: the inputs were not kept; the bwd does not read them
             hidden = weight = target = dh.new_empty(0)
         gh, gw, gb = bwd(dloss, hidden, weight, target, bias, dh, dw, db, *ctx.args)
-        _, _, _, _, flag_h, flag_w, flag_b = ctx.args
-        return (gh if flag_h else None), (gw if flag_w else None), None, (gb if flag_b else None), *([None] * 7)
+        _, _, _, _, flag_h, flag_w, flag_b, _ = ctx.args
+        return (gh if flag_h else None), (gw if flag_w else None), None, (gb if flag_b else None), *([None] * 8)
 
     return _backward
 
@@ -669,6 +672,7 @@ def fused_linear_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, target, ...)`` without the full (N, V) logits.
 
@@ -682,6 +686,9 @@ def fused_linear_cross_entropy(
         target: (...) int64 or int32, hidden's leading shape, class indices or ``ignore_index``.
         bias: (V,) hidden's dtype, or None.
         ignore_index, reduction, label_smoothing, z_loss: as in :func:`cross_entropy`.
+        chunk_size: tokens per chunk; None picks logits of about the hidden states' size (the
+            memory-lean default). Larger chunks cost C x V logits of memory and save passes over
+            grad_weight (one read and write of it per chunk).
 
     Under ``torch.autocast`` hidden, weight and bias are cast to the autocast dtype first (an fp32
     LM head weight included, as F.linear would).
@@ -711,6 +718,8 @@ def fused_linear_cross_entropy(
     x = hidden.reshape(n, h)
     t = target.reshape(n)
     _check_common(op, t, n, hidden.device, ignore_index, reduction, label_smoothing, z_loss)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"{op}: chunk_size must be a positive int or None, got {chunk_size!r}")
     backend = choose_backend(op, hidden.device, hidden.dtype in KERNEL_DTYPES, "float64 runs on the reference")
     if backend == "reference":
         return fused_linear_cross_entropy_ref(
@@ -725,7 +734,7 @@ def fused_linear_cross_entropy(
     out = dispatch(
         _flce_fwd_op, _FLCEFunction, _flce_fwd_impl, x.contiguous(), weight.contiguous(), t.contiguous(),
         bias.contiguous() if bias is not None else None, ignore_index, reduction, float(label_smoothing),
-        float(z_loss), *flags,
+        float(z_loss), *flags, int(chunk_size or 0),
     )  # fmt: skip
     loss = out[0] if isinstance(out, tuple) else out  # the eager Function returns the loss alone
     loss = loss.to(hidden.dtype)

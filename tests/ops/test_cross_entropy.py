@@ -159,7 +159,7 @@ def _check_flce(n, h, v, dtype, device, reduction, bias=True, label_smoothing=0.
         return fn(args[0], args[1], t, args[2] if bias else None, **kw, **extra), args
 
     with fuseformer.use_backend("triton"):
-        out, args = run(F.fused_linear_cross_entropy, dtype)
+        out, args = run(F.fused_linear_cross_entropy, dtype, **({"chunk_size": chunk_tokens} if chunk_tokens else {}))
     ref, ref_args = run(CE.fused_linear_cross_entropy_ref, torch.float64, upcast=True)
     base, base_args = run(CE.fused_linear_cross_entropy_ref, dtype, upcast=False)
     assert out.dtype == dtype and out.shape == ref.shape
@@ -199,6 +199,21 @@ def test_flce_smoothing_z_loss_no_bias_3d(reduction, device, small_chunks):
 
 def test_flce_default_chunking(device):
     _check_flce(33, 40, 1000, torch.float32, device, "mean")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_flce_chunk_size_argument(reduction, device, monkeypatch):
+    """chunk_size sets the tokens per chunk (forward, and the recomputing backward of "none")."""
+    seen = []
+    chunks = CE._chunks
+
+    def spy(*args):
+        seen.append(args[-1])
+        return chunks(*args)
+
+    monkeypatch.setattr(CE, "_chunks", spy)
+    _check_flce(23, 40, 1000, torch.float16, device, reduction, chunk_tokens=5)
+    assert seen and all(c == 5 for c in seen)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -298,6 +313,16 @@ def test_flce_nan_propagates(device):
                 hidden=torch.randn(3, 8),
                 weight=torch.randn(5, 8),
                 target=torch.zeros(3, dtype=torch.long),
+                chunk_size=0,
+            ),
+            "chunk_size must be a positive int or None, got 0",
+        ),  # fmt: skip
+        (
+            F.fused_linear_cross_entropy,
+            dict(
+                hidden=torch.randn(3, 8),
+                weight=torch.randn(5, 8),
+                target=torch.zeros(3, dtype=torch.long),
                 bias=torch.randn(4),
             ),
             r"bias has shape \(4,\)",
@@ -341,7 +366,7 @@ def test_custom_ops_pass_opcheck(device):
         torch.library.opcheck(CE._ce_fwd_op, (x, t, -100, 0.1, 0.0))
         torch.library.opcheck(CE._ce_bwd_op, (torch.randn(6, device=device), x.detach(), t, lse, -100, 0.1, 0.0))
         for reduction in ("mean", "none"):
-            args = (hidden, weight, t, None, -100, reduction, 0.0, 0.0, True, True, False)
+            args = (hidden, weight, t, None, -100, reduction, 0.0, 0.0, True, True, False, 4)
             torch.library.opcheck(CE._flce_fwd_op, args)
 
 
