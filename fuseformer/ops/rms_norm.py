@@ -13,8 +13,10 @@ registers in one pass; longer rows are streamed in chunks (sum of squares, then 
 
 Backward: dx = rstd * (dy*w - xhat * mean(dy*w*xhat)) (+ dh, the gradient reaching the h output),
 dw = sum over rows of dy * xhat. A persistent grid (a few programs per SM) walks the rows and keeps
-its partial dw in registers; the partials ((programs, N) fp32) are summed by a second small kernel
-that writes dw in weight's dtype.
+its partial dw in registers; the partials ((programs, N) fp32) are summed, in a fixed order, either by
+the same launch (small problems, host-bound: the last program of each group of ~sqrt(P) sums its
+group, the last group's sums dw; see ``_fused_dw_rows``) or by a second small kernel (the rest), into
+dw in weight's dtype.
 
 Launch configurations come from the autotune cache (runtime/autotune.py: ``rms_norm_fwd``,
 ``rms_norm_bwd``, ``rms_norm_dw``, keyed by the row length's bucket, the fused residual/dh and the
@@ -27,6 +29,7 @@ after the first launch), and the eager paths allocate nothing they do not return
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -164,15 +167,36 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _sum_rows(
+    SRC, first, step, count, DST, N,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """DST[:N] = the sum of the fp32 rows SRC[first + i * step, :N] for i < count, in a fixed order
+    (deterministic), stored in DST's dtype. Loads bypass L1 (.cg): the rows were written by other
+    programs during this launch."""
+    for cstart in range(0, N, BLOCK_N):
+        cols = cstart + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        for start in range(0, count, BLOCK_P):
+            i = start + tl.arange(0, BLOCK_P)
+            rows = (first + i * step).to(tl.int64)
+            mask = (i < count)[:, None] & col_mask[None, :]
+            acc += tl.load(SRC + rows[:, None] * N + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(DST + cols, tl.sum(acc, axis=0).to(DST.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
-    X, W, DY, DH, RSTD, DX, DW_PARTIAL,
+    X, W, DY, DH, RSTD, DX, DW_PARTIAL, DW, COUNTERS,
     stride_x, stride_dy, stride_dh, stride_dx,
-    M, N,
+    M, N, DW_GROUP,
     HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DW: tl.constexpr = False, DW_ROWS: tl.constexpr = 1,
 ):  # fmt: skip
     # Persistent: program p handles row blocks p, p + P, p + 2P, ...; its dw partial goes to
-    # DW_PARTIAL[p, :] (fp32), summed over p by the launcher.
+    # DW_PARTIAL[p, :] (fp32). Without FUSED_DW the launcher sums the partials with
+    # _rms_norm_dw_kernel; with it this launch does (the tail after the row loops below).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     if SINGLE_PASS:
@@ -243,6 +267,36 @@ def _rms_norm_bwd_kernel(
                 if HAS_DH:
                     dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if FUSED_DW:
+        # dw in this launch, deterministically, without waiting on other programs (the interpreter
+        # runs programs one after another; a spin-wait would hang there): a two-level "last one
+        # reduces". Programs form groups of DW_GROUP (~sqrt(P)); each takes a ticket from its group's
+        # counter once its partial row is stored, and the program drawing the group's last ticket
+        # sums the group's rows (in row order) into the group's first row. Those group reducers take
+        # tickets from COUNTERS[0], and the last one sums the group rows (in group order) into dw. The
+        # serial tail is then ~2 sqrt(P) rows instead of P (33 of 264 at 4096x1024). Whoever draws the
+        # last ticket resets that counter: the kernel leaves COUNTERS at zero for the next launch.
+        # Ordering: the barrier puts every thread's partial stores before the one thread's acq_rel
+        # ticket (release: the stores are visible at GPU scope before the ticket is; acquire: the
+        # last program's loads see every release before its ticket), as in CUDA's
+        # threadFenceReduction sample and cooperative groups' grid sync.
+        tl.debug_barrier()
+        num_groups = (num_programs + DW_GROUP - 1) // DW_GROUP
+        group = pid // DW_GROUP
+        first = group * DW_GROUP
+        size = tl.minimum(DW_GROUP, num_programs - first)
+        ticket = tl.atomic_add(COUNTERS + 1 + group, 1, sem="acq_rel")
+        if ticket == size - 1:
+            tl.store(COUNTERS + 1 + group, 0)
+            if num_groups == 1:
+                _sum_rows(DW_PARTIAL, first, 1, size, DW, N, DW_ROWS, BLOCK_N)
+            else:
+                _sum_rows(DW_PARTIAL, first, 1, size, DW_PARTIAL + first.to(tl.int64) * N, N, DW_ROWS, BLOCK_N)
+                tl.debug_barrier()
+                ticket = tl.atomic_add(COUNTERS, 1, sem="acq_rel")
+                if ticket == num_groups - 1:
+                    tl.store(COUNTERS, 0)
+                    _sum_rows(DW_PARTIAL, 0, DW_GROUP, num_groups, DW, N, DW_ROWS, BLOCK_N)
 
 
 @triton.jit
@@ -369,11 +423,91 @@ def _fwd_plan(
 @autotune.plan_cache
 def _bwd_plan(
     n: int, has_dh: bool, has_weight: bool, dtype: torch.dtype, device_index: int
-) -> tuple[LaunchConfig, int, int]:
-    """(launch config, BLOCK_M, most persistent programs) of the backward kernel."""
+) -> tuple[LaunchConfig, LaunchConfig | None, int, int, int]:
+    """(launch config, its single-launch form (None without weight), BLOCK_M, most persistent
+    programs, most programs of the single-launch form: 0 where its rule never applies (no weight,
+    or chunked rows)) of the backward kernel."""
     cfg = dict(bwd_config(n, has_dh, dtype, device_index))
-    programs = num_sms(device_index) * cfg.pop("programs_per_sm")
-    return launch_config(HAS_DH=has_dh, HAS_WEIGHT=has_weight, **cfg), cfg["BLOCK_M"], programs
+    per_sm = cfg.pop("programs_per_sm")
+    sms = num_sms(device_index)
+    fused_programs = sms * min(per_sm, _FUSED_DW_PER_SM) if has_weight and cfg["SINGLE_PASS"] else 0
+    return _bwd_launch_configs(has_dh, has_weight, cfg) + (cfg["BLOCK_M"], sms * per_sm, fused_programs)
+
+
+def _bwd_launch_configs(has_dh: bool, has_weight: bool, cfg: dict) -> tuple[LaunchConfig, LaunchConfig | None]:
+    """The two-launch and the single-launch (FUSED_DW) forms of a backward config. The single-launch
+    tail sums DW_ROWS partial rows a step: 16384 elements (H200, 2026-11-30, 4096 rows: 16 rows at
+    N 1024 14.8 us against 17.9 at 8 rows; 8 at N 2048 20.9 against 21.7 at 4 and 25.8 at 16; 4 at
+    N 4096 37.3 against 38.6 at 2 and 49.9 at 8)."""
+    flags = dict(HAS_DH=has_dh, HAS_WEIGHT=has_weight)
+    cfg = dict(cfg)
+    dw_rows = cfg.pop("DW_ROWS", max(1, 16384 // cfg["BLOCK_N"]))
+    fused = launch_config(**flags, **cfg, FUSED_DW=True, DW_ROWS=dw_rows) if has_weight else None
+    return launch_config(**flags, **cfg), fused
+
+
+# The single-launch backward (dw summed in the backward kernel's tail, _rms_norm_bwd_kernel FUSED_DW)
+# saves the dw kernel's launch, its plan and the partials' allocation (they live in a per-stream
+# workspace): host time, which is what a small eager call is made of. H200, 2026-11-30, 4096x1024 bf16
+# (min of 7 rounds): rms_norm_bwd alone 31.7 -> 21.7 us of host time, the eager backward through
+# autograd.grad 101.6 -> 88.4 (F.rms_norm 77.0), with the residual 117.0 -> 105.4; do_bench 113.5 ->
+# 103.0 (F.rms_norm 83.3). Its cost is a serial tail on the GPU: after the last program's rows, two
+# ticketed steps each sum ~sqrt(P) fp32 rows of N in one program. GPU time per call: 4096x1024 12.5 ->
+# 14.9 us (two kernels -> one), 16384x1024 41.3 -> 44.2, 4096x2048 17.0 -> 20.6; 4096x4096 31.5 ->
+# 37.3 (not taken: the host saving, ~10 us, would be half gone). Taken when (see _fused_dw_rows):
+# - the one-pass kernel runs (N <= _BWD_SINGLE_PASS_MAX; longer rows make the tail long),
+# - M*N <= _FUSED_DW_MAX_ELEMENTS (the kernel moves <= 100 MB in bf16, <= ~45 us of GPU time, under
+#   the ~90-170 us of host time of an eager backward),
+# - the tail reads at most _FUSED_DW_MAX_TAIL fp32 (512 KB; 4096x2048: 33 rows of 2048),
+# - no CUDA graph is being captured on the current stream (its scratch is per stream, see _workspace).
+# It runs at most _FUSED_DW_PER_SM programs per SM (fewer rows in the tail).
+_FUSED_DW_MAX_ELEMENTS = 1 << 24
+_FUSED_DW_MAX_TAIL = 1 << 17
+_FUSED_DW_PER_SM = 2  # at most 2 programs per SM: 4096x1024 14.8 us in one launch against 16.8 at 4
+_MAX_COUNTERS = 1024  # ticket counters per workspace: 1 + groups (<= sqrt(P) + 1)
+
+
+def _fused_dw_group(programs: int) -> int:
+    """Programs per group of the single-launch dw reduction: ceil(sqrt(P)), which balances the two
+    serial steps (a group's DW_GROUP rows, then the ceil(P / DW_GROUP) group rows)."""
+    return math.isqrt(programs - 1) + 1
+
+
+def _fused_dw_rows(m: int, n: int, programs: int) -> int:
+    """The group size of the single-launch backward at this size, or 0 for the two-launch form."""
+    if m * n > _FUSED_DW_MAX_ELEMENTS:
+        return 0
+    group = _fused_dw_group(programs)
+    groups = (programs + group - 1) // group
+    return group if (group + groups) * n <= _FUSED_DW_MAX_TAIL and groups < _MAX_COUNTERS else 0
+
+
+# Scratch of the single-launch backward, per (device index, stream): the ticket counters (int32, zero
+# between launches: every launch leaves them so) and the dw partial rows (fp32, grown to the largest
+# P x N seen: 1 MB at 4096x1024, ~3.2 MB at most under the rule). Launches on one stream run one after
+# another, so they share one; launches on two streams get two, and may overlap. A buffer replaced by
+# a larger one goes back to the caching allocator, whose reuse on this stream is ordered after the
+# launches still reading it. None while the current stream captures a CUDA graph (the two-launch
+# form runs then): a captured launch would bake this buffer into a graph that may be replayed
+# alongside eager launches or other graphs using it.
+_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_cuda_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
+def _workspace(device: torch.device, device_index: int, floats: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(counters, partials) of at least ``floats`` fp32 for the current stream, or None (capturing)."""
+    if device_index >= 0:
+        if _cuda_capturing():
+            return None
+        key = (device_index, _cuda_stream(device_index))
+    else:  # the interpreter (CPU tensors): programs run one after another
+        key = (-1, 0)
+    ws = _workspaces.get(key)
+    if ws is None or ws[1].numel() < floats:
+        counters = ws[0] if ws is not None else torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
+        ws = _workspaces[key] = (counters, empty((floats,), dtype=torch.float32, device=device))
+    return ws
 
 
 @autotune.plan_cache
@@ -438,12 +572,15 @@ def rms_norm_bwd(
     dh: torch.Tensor | None = None,
     config: dict | None = None,
     programs_per_sm: int | None = None,
+    fused_dw: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dy, x (the normalized input: h when the residual was fused), dh (M, N) -> dx (M, N), dw (N,).
 
     ``dh`` is the gradient reaching the h output of the fused residual form; it is added into dx.
     dw comes in weight's dtype, None without weight. ``config``/``programs_per_sm`` override the
-    launch configuration (for tuning sweeps).
+    launch configuration (for tuning sweeps). ``fused_dw`` forces dw into the backward's own launch
+    (True; not while a CUDA graph is captured) or into a second reduction launch (False); None
+    takes the rule at ``_fused_dw_rows``. Either way dw is deterministic (a fixed summation order).
     """
     m, n = x.shape
     device = x.device
@@ -457,27 +594,49 @@ def rms_norm_bwd(
     sdh = dh.stride() if dh is not None else (0, 1)
     assert sx[1] == 1 and sdy[1] == 1 and sdh[1] == 1
     device_index = x.get_device()
-    cfg, block_m, max_programs = _bwd_plan(n, dh is not None, weight is not None, x.dtype, device_index)
+    plan = _bwd_plan(n, dh is not None, weight is not None, x.dtype, device_index)
+    cfg, fused_cfg, block_m, max_programs, fused_max = plan
     if config is not None or programs_per_sm is not None:
-        # Sweeps: what is given replaces the config the op would use (the cached or default one).
+        # Sweeps: what is given replaces the config the op would use (the cached or default one),
+        # programs per SM included for both forms.
         resolved = dict(bwd_config(n, dh is not None, x.dtype, device_index))
         per_sm = resolved.pop("programs_per_sm")
         config = config or resolved
-        cfg = launch_config(HAS_DH=dh is not None, HAS_WEIGHT=weight is not None, **config)
+        cfg, fused_cfg = _bwd_launch_configs(dh is not None, weight is not None, config)
         block_m = config["BLOCK_M"]
         max_programs = num_sms(device_index) * (programs_per_sm or per_sm)
-    programs = min((m + block_m - 1) // block_m, max_programs)
-    dw_partial = empty((programs, n), dtype=torch.float32, device=device) if weight is not None else rstd
-    _bwd_launcher(
-        (programs,), cfg,
-        (x, weight if weight is not None else x, dy, dh if dh is not None else dy, rstd, dx, dw_partial),
-        (sx[0], sdy[0], sdh[0], n, m, n),
-    )  # fmt: skip
-    if weight is None:
+        fused_max = max_programs if weight is not None and config["SINGLE_PASS"] else 0
+    row_blocks = (m + block_m - 1) // block_m
+    if weight is None:  # no dw: one launch; the partials' pointer is never used
+        _bwd_launcher(
+            (min(row_blocks, max_programs),), cfg, (x, x, dy, dh if dh is not None else dy, rstd, dx, rstd, rstd, rstd),
+            (sx[0], sdy[0], sdh[0], n, m, n, 0),
+        )  # fmt: skip
         return dx, None
     dw = empty((n,), dtype=weight.dtype, device=device)
+    group = 0
+    if fused_dw is None and fused_max:
+        programs = min(row_blocks, fused_max)
+        group = _fused_dw_rows(m, n, programs)
+    elif fused_dw:
+        programs = min(row_blocks, fused_max or max_programs)
+        group = _fused_dw_group(programs)
+    workspace = _workspace(device, device_index, programs * n) if group else None
+    if workspace is not None:
+        counters, partials = workspace
+        _bwd_launcher(
+            (programs,), fused_cfg, (x, weight, dy, dh if dh is not None else dy, rstd, dx, partials, dw, counters),
+            (sx[0], sdy[0], sdh[0], n, m, n, group),
+        )  # fmt: skip
+        return dx, dw
+    programs = min(row_blocks, max_programs)
+    partials = empty((programs, n), dtype=torch.float32, device=device)
+    _bwd_launcher(
+        (programs,), cfg, (x, weight, dy, dh if dh is not None else dy, rstd, dx, partials, partials, partials),
+        (sx[0], sdy[0], sdh[0], n, m, n, 0),
+    )  # fmt: skip
     dw_cfg, dw_block_n = _dw_plan(n, device_index)
-    _dw_launcher(((n + dw_block_n - 1) // dw_block_n,), dw_cfg, (dw_partial, dw), (programs, n))
+    _dw_launcher(((n + dw_block_n - 1) // dw_block_n,), dw_cfg, (partials, dw), (programs, n))
     return dx, dw
 
 

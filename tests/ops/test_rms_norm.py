@@ -221,12 +221,156 @@ def test_rms_norm_dw_reduction_over_many_partials(device):
     x, dy = torch.randn(m, n, device=device), torch.randn(m, n, device=device)
     w = torch.randn(n, device=device)
     _, _, rstd = rms_norm_fwd(x, w, None, 1e-6)
-    # Enough programs per SM for one program a row (CPU stand-in: 4 "SMs").
-    dx, dw = rms_norm_bwd(dy, x, w, rstd, None, programs_per_sm=512)
+    # Enough programs per SM for one program a row (CPU stand-in: 4 "SMs"); the two-launch form.
+    dx, dw = rms_norm_bwd(dy, x, w, rstd, None, programs_per_sm=512, fused_dw=False)
     xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
     F.rms_norm_ref(xd, wd).backward(dy.double())
     torch.testing.assert_close(dx, xd.grad.float(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(dw, wd.grad.float(), rtol=1e-4, atol=1e-3)
+
+
+# --------------------------------------------------------------------------------------------
+# The single-launch backward (dw summed in the backward kernel's tail, FUSED_DW)
+# --------------------------------------------------------------------------------------------
+def _spy_launches(monkeypatch):
+    """Record each backward launch: True for the single-launch form, False for the two-launch
+    backward kernel, "dw" for the dw reduction kernel."""
+    import importlib
+
+    rn = importlib.import_module("fuseformer.ops.rms_norm")
+    launches = []
+
+    def spy(real, tag=None):
+        def launch(grid, cfg, *args):
+            launches.append(tag or cfg.kwargs.get("FUSED_DW", False))
+            return real(grid, cfg, *args)
+
+        return launch
+
+    monkeypatch.setattr(rn, "_bwd_launcher", spy(rn._bwd_launcher))
+    monkeypatch.setattr(rn, "_dw_launcher", spy(rn._dw_launcher, "dw"))
+    return rn, launches
+
+
+def _bwd_inputs(m, n, dtype, device, residual):
+    """Inputs of rms_norm_bwd (x being the normalized input h) and the fp64 and in-dtype references."""
+    from fuseformer.ops.rms_norm import rms_norm_fwd
+
+    x, dy = torch.randn(m, n, dtype=dtype, device=device), torch.randn(m, n, dtype=dtype, device=device)
+    w = 1 + 0.5 * torch.randn(n, dtype=dtype, device=device)
+    dh = torch.randn(m, n, dtype=dtype, device=device) if residual else None
+    _, _, rstd = rms_norm_fwd(x, w, None, 1e-6)
+
+    def grads(cast, upcast):
+        xs, ws = x.to(cast).requires_grad_(), w.to(cast).requires_grad_()
+        y = F.rms_norm_ref(xs, ws, 1e-6, upcast=upcast)
+        dx, dw = torch.autograd.grad(y, (xs, ws), dy.to(cast))
+        return (dx + dh.to(cast) if residual else dx), dw
+
+    return (dy, x, w, rstd, dh), grads(torch.float64, True), grads(dtype, False)
+
+
+# (M, N, programs per SM) and the P partial rows they give with the CPU stand-in of 4 "SMs": 1 (one
+# program, one group), 5 (8-row blocks: groups of 3, the last of 2), 53 (one row a program at N > 4096:
+# 7 groups of 8, the last of 5), and 3 programs of chunked rows.
+_FUSED_SHAPES = [(1, 300, None), (37, 769, None), (53, 4100, 64), (3, 20000, None)]
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, n, per_sm", _FUSED_SHAPES)
+def test_rms_norm_single_launch_backward(m, n, per_sm, dtype, residual, device, monkeypatch):
+    """dx and dw of the single-launch form against the fp64 reference (DESIGN.md §3), in one launch;
+    a second call right after gives bitwise the same (the counters are back at zero, the summation
+    order is fixed); the two-launch form agrees."""
+    rn, launches = _spy_launches(monkeypatch)
+    args, refs, bases = _bwd_inputs(m, n, dtype, device, residual)
+    dx, dw = rn.rms_norm_bwd(*args, programs_per_sm=per_sm, fused_dw=True)
+    assert launches == [True]
+    block_m = rn._bwd_plan(n, residual, True, dtype, args[1].get_device())[2]
+    assert (m + block_m - 1) // block_m == {1: 1, 37: 5, 53: 53, 3: 3}[m]  # P (below 4 x per SM)
+    for name, got, ref, base in zip(["dx", "dw"], (dx, dw), refs, bases):
+        assert got.dtype == dtype
+        assert_close(name, got, ref, base)
+    stream = torch.cuda.current_stream().cuda_stream if device == "cuda" else 0
+    counters, _ = rn._workspaces[(args[1].get_device(), stream)]
+    assert not counters.any()
+    dx2, dw2 = rn.rms_norm_bwd(*args, programs_per_sm=per_sm, fused_dw=True)
+    assert torch.equal(dx2, dx) and torch.equal(dw2, dw)
+    dx3, dw3 = rn.rms_norm_bwd(*args, programs_per_sm=per_sm, fused_dw=False)
+    assert launches == [True, True, False, "dw"]
+    assert torch.equal(dx3, dx)
+    assert_close("dw", dw3, refs[1], bases[1])
+
+
+def test_rms_norm_single_launch_rule(device):
+    """The launch plan's rule: small problems with one-pass rows take one launch; large ones, long
+    rows and no-weight calls do not (the last have no dw: one launch anyway)."""
+    import importlib
+
+    rn = importlib.import_module("fuseformer.ops.rms_norm")
+    assert rn._fused_dw_rows(4096, 1024, 264) == 17  # the small-rows goal shape: P 264, groups of 17
+    assert rn._fused_dw_rows(4096, 2048, 264) == 17
+    assert rn._fused_dw_rows(4096, 4096, 264) == 0  # the tail would read 33 rows of 4096
+    assert rn._fused_dw_rows(32768, 4096, 264) == 0  # 2^27 elements: GPU-bound, two launches
+    assert rn._fused_dw_rows(2048, 8192, 264) == 0  # the tail would read 33 rows of 8192
+    assert [rn._fused_dw_group(p) for p in (1, 2, 4, 5, 9, 10, 528)] == [1, 2, 2, 3, 3, 4, 23]
+    index = torch.empty(0, device=device).get_device()
+    assert rn._bwd_plan(1024, False, True, torch.bfloat16, index)[4]
+    assert not rn._bwd_plan(20000, False, True, torch.bfloat16, index)[4]  # chunked rows
+    assert not rn._bwd_plan(1024, False, False, torch.bfloat16, index)[4]  # no weight
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_public_backward_takes_one_launch(residual, device, monkeypatch):
+    """Through the public op (eager autograd.Function), a small call's backward launches the
+    backward kernel alone, and its gradients are those of the two-launch form."""
+    rn, launches = _spy_launches(monkeypatch)
+    x, r = (torch.randn(29, 257, device=device, requires_grad=True) for _ in range(2))
+    w = torch.randn(257, device=device, requires_grad=True)
+    dy = torch.randn(29, 257, device=device)
+    with fuseformer.use_backend("triton"):
+        y, h = F.rms_norm(x, w, residual=r) if residual else (F.rms_norm(x, w), None)
+        grads = torch.autograd.grad([y, h] if residual else [y], (x, w), [dy, dy] if residual else [dy])
+    assert launches == [True]
+    launches.clear()
+    _, _, rstd = rn.rms_norm_fwd(x.detach(), w.detach(), r.detach() if residual else None, 1e-6)
+    xn = (x + r).detach() if residual else x.detach()
+    dx, dw = rn.rms_norm_bwd(dy, xn, w.detach(), rstd, dy if residual else None, fused_dw=False)
+    torch.testing.assert_close(grads[0], dx, rtol=0, atol=0)
+    assert launches == [False, "dw"]
+    torch.testing.assert_close(grads[1], dw, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_rms_norm_single_launch_under_graph_capture_and_streams(monkeypatch):
+    """While a CUDA graph is captured the backward takes the two-launch form (the per-stream
+    scratch stays out of graphs); a side stream gets its own scratch; results match eager."""
+    rn, launches = _spy_launches(monkeypatch)
+    args, refs, bases = _bwd_inputs(4096, 1024, torch.bfloat16, "cuda", False)
+    rn.rms_norm_bwd(*args, fused_dw=False)  # compiles the two-launch kernels before the capture
+    launches.clear()
+    dx, dw = rn.rms_norm_bwd(*args)
+    assert launches == [True]
+    assert_close("dx", dx, refs[0], bases[0])
+    assert_close("dw", dw, refs[1], bases[1])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dx_side, dw_side = rn.rms_norm_bwd(*args)
+        key = (torch.cuda.current_device(), side.cuda_stream)
+    torch.cuda.current_stream().wait_stream(side)
+    assert key in rn._workspaces
+    assert torch.equal(dx_side, dx) and torch.equal(dw_side, dw)
+    graph = torch.cuda.CUDAGraph()
+    launches.clear()
+    with torch.cuda.graph(graph):
+        dx_g, dw_g = rn.rms_norm_bwd(*args)
+    assert launches == [False, "dw"]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dx_g, dx)
+    assert_close("dw", dw_g, refs[1], bases[1])
 
 
 def test_spec_key_determines_triton_specialization():
@@ -307,7 +451,8 @@ def test_rms_norm_fast_launch_matches_normal_launch(dtype, residual):
 
 def test_rms_norm_reload_forward_matches_two_pass(device):
     """The two-pass forward's RELOAD variant (x and r re-read in pass 2, h stored there; the fused
-    default at rows of 2049..4096) gives the two-pass outputs; y may differ by h's rounding (RELOAD normalizes h unrounded)."""
+    default at rows of 2049..4096) gives the two-pass outputs; y may differ by h's rounding (RELOAD
+    normalizes h unrounded)."""
     import importlib
 
     rn = importlib.import_module("fuseformer.ops.rms_norm")
