@@ -23,6 +23,10 @@ gate (nothing but the inputs is saved), and both gradients are written in the sa
 The kernels compute in fp32 and use exp2 (one MUFU.EX2 on the GPU): sigmoid(x) = 1 / (1 + 2^(-x log2 e)).
 The tanh form of GELU is rewritten exactly as 0.5 * (1 + tanh(z)) = sigmoid(2z), which avoids
 both a tanh and the cancellation of 1 + tanh(z) for negative z.
+
+Launches: the launch plan (config, constexprs, column blocks) is looked up once per row length,
+activation, pass, dtype and device, and the kernels go through ``_utils.Launcher`` (direct calls of
+the compiled kernel after the first launch). One eager swiglu call with grad on an H200 host: 49 -> 22 us.
 """
 
 from __future__ import annotations
@@ -35,12 +39,15 @@ import triton.language as tl
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
+    LaunchConfig,
+    Launcher,
     autograd_function,
     check_shape,
     check_tensor,
     dispatch,
     empty,
     float_dtype_of,
+    launch_config,
     next_pow2,
     rows_2d,
 )
@@ -216,8 +223,19 @@ def glu_config(n: int, dtype: torch.dtype, backward: bool, device: torch.device 
     )  # fmt: skip
 
 
-def _grid(m: int, n: int, cfg: dict) -> tuple[int]:
-    return (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+# The per-call launch plan: what a launch needs that depends only on the row length, the activation,
+# the pass, the dtype and the device, computed once (the autotune lookup happens here, never per call).
+@autotune.plan_cache
+def _plan(
+    n: int, activation: str, backward: bool, dtype: torch.dtype, device: torch.device
+) -> tuple[LaunchConfig, int, int]:
+    """(launch config, BLOCK_M, column blocks of a row) of the forward or backward kernel."""
+    return _launch_plan(glu_config(n, dtype, backward, device), n, activation)
+
+
+def _launch_plan(cfg: dict, n: int, activation: str) -> tuple[LaunchConfig, int, int]:
+    block_n = cfg["BLOCK_N"]
+    return launch_config(ACTIVATION=activation, **cfg), cfg["BLOCK_M"], (n + block_n - 1) // block_n
 
 
 def _check_activation(activation: str) -> None:
@@ -243,18 +261,20 @@ def glu_fwd(
     """
     _check_activation(activation)
     m, n = gate.shape
-    y = out if out is not None else empty((m, n), dtype=gate.dtype, device=gate.device)
+    dtype, device = gate.dtype, gate.device
+    y = out if out is not None else empty((m, n), dtype=dtype, device=device)
     if m == 0 or n == 0:
         return y
-    assert gate.stride(1) == 1 and up.stride(1) == 1 and y.stride(1) == 1
-    assert up.shape == (m, n) and y.shape == (m, n)
-    cfg = config or glu_config(n, gate.dtype, False, gate.device)
-    _glu_fwd_kernel[_grid(m, n, cfg)](
-        gate, up, y,
-        gate.stride(0), up.stride(0), y.stride(0),
-        m, n,
-        ACTIVATION=activation, **cfg,
-    )  # fmt: skip
+    sg, su = gate.stride(), up.stride()  # one call each: gate.stride(i) costs as much
+    sy = y.stride() if out is not None else (n, 1)
+    assert sg[1] == 1 and su[1] == 1 and sy[1] == 1
+    assert up.shape == (m, n) and (out is None or out.shape == (m, n))
+    if config is None:
+        cfg, block_m, col_blocks = _plan(n, activation, False, dtype, device)
+    else:  # sweeps: the given tile and warps
+        cfg, block_m, col_blocks = _launch_plan(config, n, activation)
+    grid = (((m + block_m - 1) // block_m) * col_blocks,)
+    _fwd_launcher(grid, cfg, (gate, up, y), (sg[0], su[0], sy[0], m, n))
     return y
 
 
@@ -271,24 +291,31 @@ def glu_bwd(
 
     ``dgate``/``dup`` (M, N), unit column stride, receive the gradients instead of new tensors: the
     fused MLP passes the two halves of one (M, 2N) buffer, the gradient of its packed gate_up.
+    ``config`` overrides the launch configuration (BLOCK_M, BLOCK_N, num_warps); for tuning sweeps.
     """
     _check_activation(activation)
     m, n = gate.shape
-    dg = dgate if dgate is not None else empty((m, n), dtype=gate.dtype, device=gate.device)
-    du = dup if dup is not None else empty((m, n), dtype=up.dtype, device=up.device)
+    device = gate.device
+    dg = dgate if dgate is not None else empty((m, n), dtype=gate.dtype, device=device)
+    du = dup if dup is not None else empty((m, n), dtype=up.dtype, device=device)
     if m == 0 or n == 0:
         return dg, du
-    assert dy.stride(1) == 1 and gate.stride(1) == 1 and up.stride(1) == 1
-    assert dg.stride(1) == 1 and du.stride(1) == 1
+    sdy, sg, su = dy.stride(), gate.stride(), up.stride()
+    sdg = dg.stride() if dgate is not None else (n, 1)  # fresh (m, n) buffers: row stride n
+    sdu = du.stride() if dup is not None else (n, 1)
+    assert sdy[1] == 1 and sg[1] == 1 and su[1] == 1 and sdg[1] == 1 and sdu[1] == 1
     assert dy.shape == up.shape == dg.shape == du.shape == (m, n)
-    cfg = config or glu_config(n, gate.dtype, True, gate.device)
-    _glu_bwd_kernel[_grid(m, n, cfg)](
-        dy, gate, up, dg, du,
-        dy.stride(0), gate.stride(0), up.stride(0), dg.stride(0), du.stride(0),
-        m, n,
-        ACTIVATION=activation, **cfg,
-    )  # fmt: skip
+    if config is None:
+        cfg, block_m, col_blocks = _plan(n, activation, True, gate.dtype, device)
+    else:  # sweeps: the given tile and warps
+        cfg, block_m, col_blocks = _launch_plan(config, n, activation)
+    grid = (((m + block_m - 1) // block_m) * col_blocks,)
+    _bwd_launcher(grid, cfg, (dy, gate, up, dg, du), (sdy[0], sg[0], su[0], sdg[0], sdu[0], m, n))
     return dg, du
+
+
+_fwd_launcher = Launcher(_glu_fwd_kernel)
+_bwd_launcher = Launcher(_glu_bwd_kernel)
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,14 +373,15 @@ _GLUFunction = autograd_function("_GLUFunction", _fwd_impl, _setup_context, _bac
 # tensor first and passing the halves instead makes autograd concatenate dgate and dup in the
 # backward (Llama 1B training, B 4 x S 4096: 16 copies of 1 GB a step, 4 ms of 325).
 def _packed_fwd_impl(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    n = gate_up.shape[1] // 2
-    return glu_fwd(gate_up[:, :n], gate_up[:, n:], activation)
+    gate, up = gate_up.chunk(2, dim=1)  # one call for both halves: ~1.5 us less than two slices
+    return glu_fwd(gate, up, activation)
 
 
 def _packed_bwd_impl(dy: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    n = gate_up.shape[1] // 2
     d_gate_up = empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
-    glu_bwd(dy, gate_up[:, :n], gate_up[:, n:], activation, dgate=d_gate_up[:, :n], dup=d_gate_up[:, n:])
+    gate, up = gate_up.chunk(2, dim=1)
+    dgate, dup = d_gate_up.chunk(2, dim=1)
+    glu_bwd(dy, gate, up, activation, dgate=dgate, dup=dup)
     return d_gate_up
 
 
@@ -401,12 +429,13 @@ def _glu(op: str, gate: torch.Tensor, up: torch.Tensor | None, activation: str) 
     if gate.dim() == 0:
         raise ValueError(f"{op}: gate must have at least 1 dim, got a scalar")
     check_tensor(op, "up", up, dtypes=(gate.dtype,), device=gate.device, device_of="gate")
-    check_shape(op, "up", up, tuple(gate.shape), "the shape of gate")
+    check_shape(op, "up", up, gate.shape, "the shape of gate")
     backend = choose_backend(op, gate.device, gate.dtype in KERNEL_DTYPES, "float64 runs on the reference")
     if backend == "reference":
         return glu_ref(gate, up, activation)
     y = dispatch(_glu_fwd_op, _GLUFunction, _fwd_impl, rows_2d(gate), rows_2d(up), activation)
-    return y.view(gate.shape)
+    # 2-D inputs come back as they are; else a view with sizes as ints (~2 us faster than the torch.Size).
+    return y if gate.dim() == 2 else y.view(*gate.shape)
 
 
 def _glu_packed(op: str, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -421,7 +450,7 @@ def _glu_packed(op: str, gate_up: torch.Tensor, activation: str) -> torch.Tensor
     if backend == "reference":
         return glu_ref(*gate_up.chunk(2, dim=-1), activation)
     y = dispatch(_glu_packed_fwd_op, _GLUPackedFunction, _packed_fwd_impl, rows_2d(gate_up), activation)
-    return y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    return y if gate_up.dim() == 2 else y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:

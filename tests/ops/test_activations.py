@@ -147,6 +147,43 @@ def test_glu_launchers_read_and_write_packed_halves_in_place(activation, device)
     torch.testing.assert_close(dgu, torch.cat([g.grad, u.grad], -1).half(), rtol=2e-3, atol=2e-3)
 
 
+def test_glu_config_override_matches_default(device):
+    """``config=`` (tuning sweeps) launches the given tile: other tiles, same values; ``out=`` a
+    row-strided buffer."""
+    gate, up = _randn((5, 123), torch.float32, device, 3.0), _randn((5, 123), torch.float32, device)
+    dy = _randn((5, 123), torch.float32, device)
+    y0 = A.glu_fwd(gate, up, "silu")
+    dg0, du0 = A.glu_bwd(dy, gate, up, "silu")
+    for cfg in (dict(BLOCK_M=2, BLOCK_N=32, num_warps=2), dict(BLOCK_M=1, BLOCK_N=256, num_warps=4)):
+        out = torch.full((5, 130), float("nan"), device=device)[:, :123]
+        y = A.glu_fwd(gate, up, "silu", out=out, config=cfg)
+        assert y.data_ptr() == out.data_ptr()
+        torch.testing.assert_close(y, y0, rtol=0, atol=0)
+        dg, du = A.glu_bwd(dy, gate, up, "silu", config=cfg)
+        torch.testing.assert_close(dg, dg0, rtol=0, atol=0)
+        torch.testing.assert_close(du, du0, rtol=0, atol=0)
+
+
+def test_glu_launch_plan_is_cached(monkeypatch, device):
+    """The autotune lookup happens once per launch plan (forward and backward), never per call."""
+    from fuseformer.runtime import autotune
+
+    def fwd_bwd():
+        gate, up = (_randn((3, 40), torch.float32, device).requires_grad_() for _ in range(2))
+        with fuseformer.use_backend("triton"):
+            y = F.swiglu(gate, up)
+        y.sum().backward()
+        return y, gate.grad, up.grad
+
+    fwd_bwd()
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError("autotune.get_config called on a cached plan")
+
+    monkeypatch.setattr(autotune, "get_config", no_lookup)
+    fwd_bwd()
+
+
 def test_glu_row_broadcast_grad(device):
     """An upstream gradient with row stride 0 (expanded) is read correctly."""
     gate = torch.randn(6, 50, device=device, requires_grad=True)
@@ -341,3 +378,44 @@ def test_glu_packed_custom_op_passes_opcheck(device):
     gu = torch.randn(5, 80, device=device, requires_grad=True)
     with fuseformer.use_backend("triton"):
         torch.library.opcheck(_glu_packed_fwd_op, (gu, "silu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("activation", list(VARIANTS))
+def test_glu_fast_launch_matches_normal_launch(activation, dtype):
+    """The direct launch path gives bitwise the outputs and gradients of kernel[grid](...), and is
+    taken: across shapes, the packed form, NaN-gapped row strides and a pointer off 16-byte alignment."""
+    from fuseformer.ops._utils import fast_launch
+
+    op, kwargs, _ = VARIANTS[activation]
+    launchers = (A._fwd_launcher, A._bwd_launcher)
+
+    def cases(m, n):
+        yield _inputs((m, n), dtype, "cuda", "contiguous")
+        yield _inputs((m, n), dtype, "cuda", "nan_gapped")
+        yield _randn((m, 2 * n), dtype, "cuda", 2.0), None  # packed [gate | up], up=None
+        base = _randn((2 * m * n + 1,), dtype, "cuda", 2.0)
+        yield base[1 : m * n + 1].view(m, n), base[m * n + 1 :].view(m, n)  # off 16-byte alignment
+
+    def run(gate, up):
+        # detach(): the same storage and strides (a clone would be a fresh, aligned tensor).
+        args = [t.detach().requires_grad_() for t in (gate, up) if t is not None]
+        y = op(*args, **kwargs) if up is not None else op(args[0], None, **kwargs)
+        y.backward(y.detach() * 0.5 + 1)  # a gradient the same in both runs
+        with torch.no_grad():
+            inference = op(gate, up, **kwargs)
+        return [y.detach(), inference] + [a.grad for a in args]
+
+    for m, n in [(4096, 14336), (37, 769), (1, 1), (3, 70001)]:
+        for gate, up in cases(m, n):
+            with fast_launch(False):
+                expected = run(gate, up)
+            with fast_launch(True):
+                run(gate, up)  # first launch of each key: compiles, fills the cache
+                misses = [la.misses for la in launchers]
+                got = run(gate, up)
+                assert [la.misses for la in launchers] == misses, "direct path not taken"
+            for e, g in zip(expected, got):
+                assert torch.equal(e, g) or (torch.isnan(e).any() and torch.equal(e.isnan(), g.isnan()))
+    torch.cuda.synchronize()

@@ -349,6 +349,37 @@ def test_apply_rotary_custom_op_passes_opcheck(varlen, device):
         torch.library.opcheck(_apply_rotary_op, args)
 
 
+def test_apply_rotary_config_override_matches_default(device):
+    """``config=`` (tuning sweeps) launches the given tile: other tiles, same values."""
+    x = torch.randn(2, 11, 5, 40, device=device)
+    cos, sin = _table(11, 16, device)
+    offsets = torch.tensor([0, 0], device=device)
+    expected = apply_rotary_fwd(x, cos, sin)
+    for cfg in (
+        dict(BLOCK_M=4, BLOCK_H=2, BLOCK_K=16, BLOCK_P=8, num_warps=2),
+        dict(BLOCK_M=1, BLOCK_H=8, BLOCK_K=32, BLOCK_P=16, num_warps=4),
+    ):
+        torch.testing.assert_close(apply_rotary_fwd(x, cos, sin, config=cfg), expected, rtol=0, atol=0)
+        got = apply_rotary_fwd(x, cos, sin, offsets, interleaved=False, config=cfg)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_apply_rotary_launch_plan_is_cached(monkeypatch, device):
+    """The autotune lookup happens once per launch plan, never per call."""
+    from fuseformer.runtime import autotune
+
+    x = torch.randn(1, 3, 2, 16, device=device)
+    cos, sin = _table(3, 8, device)
+    with fuseformer.use_backend("triton"):
+        first = F.apply_rotary(x, cos, sin)
+
+        def no_lookup(*args, **kwargs):
+            raise AssertionError("autotune.get_config called on a cached plan")
+
+        monkeypatch.setattr(autotune, "get_config", no_lookup)
+        torch.testing.assert_close(F.apply_rotary(x, cos, sin), first, rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------------------------
 # GPU, real sizes
 # --------------------------------------------------------------------------------------------
@@ -390,3 +421,51 @@ def test_apply_rotary_gpu_past_2_31_elements():
     base = F.apply_rotary_ref(x[:, tail], cos, sin, seqlen_offsets=s - 8, upcast=False)
     assert_close("out tail", out[:, tail], ref, base)
     assert math.prod(x.shape) > 2**31
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_apply_rotary_fast_launch_matches_normal_launch(dtype):
+    """The direct launch path gives bitwise the outputs and gradients of kernel[grid](...), and is
+    taken: q and k of the speed target, decode, partial rotary, interleaved, tensor offsets, varlen,
+    a pointer off 16-byte alignment and q sliced out of a packed QKV tensor."""
+    from fuseformer.ops._utils import fast_launch
+    from fuseformer.ops.rotary import _launcher
+
+    cos, sin = _table(4096 + 64, 64, "cuda")
+    cos32, sin32 = _table(1100, 16, "cuda")
+
+    def cases():
+        for b, s, h in [(2, 4096, 32), (2, 4096, 8), (64, 1, 32)]:
+            yield torch.randn(b, s, h, 128, dtype=dtype, device="cuda"), (cos, sin), {}
+        yield torch.randn(3, 1025, 12, 80, dtype=dtype, device="cuda"), (cos32, sin32), dict(interleaved=True)
+        offsets = torch.tensor([5, 0, 63], dtype=torch.int32, device="cuda")
+        yield torch.randn(3, 97, 8, 128, dtype=dtype, device="cuda"), (cos, sin), dict(seqlen_offsets=offsets)
+        base = torch.randn(2 * 33 * 4 * 128 + 1, dtype=dtype, device="cuda")
+        yield base[1:].view(2, 33, 4, 128), (cos, sin), dict(seqlen_offsets=7)  # off 16-byte alignment
+        qkv = torch.randn(2, 77, 3, 8, 128, dtype=dtype, device="cuda")
+        yield qkv[:, :, 0], (cos, sin), {}  # row-strided q
+        cu = torch.tensor([0, 1, 1000, 1017], dtype=torch.int32, device="cuda")
+        packed = torch.randn(1017, 8, 128, dtype=dtype, device="cuda")
+        yield packed, (cos, sin), dict(cu_seqlens=cu, max_seqlen=999, seqlen_offsets=cu[:3].long())
+
+    def run(x, tables, kw):
+        # detach(): the same storage and strides (a clone would be a fresh, aligned tensor).
+        xs = x.detach().requires_grad_()
+        out = F.apply_rotary(xs, *tables, **kw)
+        out.backward(out.detach() * 0.5 + 1)  # a gradient the same in both runs
+        with torch.no_grad():
+            inference = F.apply_rotary(x, *tables, **kw)
+        return [out.detach(), xs.grad, inference]
+
+    for x, tables, kw in cases():
+        with fast_launch(False):
+            expected = run(x, tables, kw)
+        with fast_launch(True):
+            run(x, tables, kw)  # first launch of each key: compiles, fills the cache
+            misses = _launcher.misses
+            got = run(x, tables, kw)
+            assert _launcher.misses == misses, f"direct path not taken: {tuple(x.shape)} {list(kw)}"
+        for e, g in zip(expected, got):
+            assert torch.equal(e, g)
+    torch.cuda.synchronize()
