@@ -321,7 +321,7 @@ def _rms_norm_dw_kernel(
 # Launch configuration (from the autotune cache; the rules below are the defaults)
 # --------------------------------------------------------------------------------------------
 FWD_KERNEL, BWD_KERNEL, DW_KERNEL = "rms_norm_fwd", "rms_norm_bwd", "rms_norm_dw"
-_FWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps")
+_FWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps", "RELOAD")
 _BWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps", "programs_per_sm")
 _DW_FIELDS = ("BLOCK_P", "BLOCK_N", "num_warps")
 
@@ -350,7 +350,7 @@ def _fwd_config(n: int, has_residual: bool = False) -> dict:
         # warps: 32768x4096 at 99.4% of copy in run 38 against 96.3% for the one-pass (2 rows, 32
         # warps) that was the best of the earlier sweeps.
         return dict(BLOCK_M=1, BLOCK_N=4096, SINGLE_PASS=False, num_warps=16, RELOAD=True)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps, RELOAD=False)
 
 
 # Backward launch table by row length (BLOCK_M rows per step, warps, persistent programs per SM),
@@ -796,15 +796,19 @@ _TUNE_ELEMENTS = 1 << 27  # M x N of each tuning shape: 256 MiB of bf16, far pas
 def fwd_candidates(n: int, has_residual: bool, quick: bool = False) -> list[dict]:
     """The forward sweep for rows of ``n``, the default first (it wins ties)."""
     out = [_fwd_config(n, has_residual)]
+    # RELOAD (pass 2 re-reads x and r; fused add + norm only) for the two-pass candidates.
+    reloads = (False, True) if has_residual else (False,)
     if n > _SINGLE_PASS_MAX:
-        out += [dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, num_warps=w)
-                for bn in ((8192,) if quick else (2048, 4096, 8192)) for w in (8, 16)]  # fmt: skip
+        out += [dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, num_warps=w, RELOAD=r)
+                for bn in ((8192,) if quick else (2048, 4096, 8192)) for w in (8, 16) for r in reloads]  # fmt: skip
     else:
         bn = next_pow2(n)
         sizes = (8192, 16384) if quick else (2048, 4096, 8192, 16384, 32768)
-        out += [dict(BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=True, num_warps=w)
+        out += [dict(BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=True, num_warps=w, RELOAD=False)
                 for bm in (1, 2, 4, 8, 16) if bm * bn in sizes
                 for w in ((8, 16) if quick else (4, 8, 16, 32))]  # fmt: skip
+        if has_residual:
+            out += [dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, num_warps=w, RELOAD=True) for w in (8, 16)]
     return [c for i, c in enumerate(out) if c not in out[:i]]
 
 

@@ -58,14 +58,14 @@ def _pick(cfg: dict, *names: str) -> tuple:
 # --------------------------------------------------------------------------------------------
 # (n, residual) -> (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps).
 RMS_FWD = {
-    (100, False): (16, 128, True, 4),
-    (1024, False): (8, 1024, True, 4),
-    (4096, False): (4, 4096, True, 8),
-    (4096, True): (2, 4096, True, 32),
-    (3000, True): (2, 4096, True, 32),
-    (8192, True): (2, 8192, True, 8),
-    (16384, False): (1, 16384, True, 16),
-    (65536, False): (1, 8192, False, 16),
+    (100, False): (16, 128, True, 4, False),
+    (1024, False): (8, 1024, True, 4, False),
+    (4096, False): (4, 4096, True, 8, False),
+    (4096, True): (1, 4096, False, 16, True),  # RELOAD: the fused add + norm default since run 38
+    (3000, True): (1, 4096, False, 16, True),
+    (8192, True): (2, 8192, True, 8, False),
+    (16384, False): (1, 16384, True, 16, False),
+    (65536, False): (1, 8192, False, 16, False),
 }
 # n -> (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps, programs_per_sm)
 RMS_BWD = {
@@ -137,7 +137,7 @@ def test_defaults_are_the_pre_cache_values(gpu, request):
     for (n, res), want in RMS_FWD.items():
         for dtype in (BF16, FP32):
             cfg = RN.fwd_config(n, res, dtype, "cpu")
-            assert _pick(cfg, *NORM4) == want and set(cfg) == set(NORM4), (n, res)
+            assert _pick(cfg, *NORM4, "RELOAD") == want and set(cfg) == {*NORM4, "RELOAD"}, (n, res)
             assert RN._fwd_plan(n, res, True, True, dtype, torch.device("cpu"))[1] == want[0]
     for n, want in RMS_BWD.items():
         assert _pick(RN.bwd_config(n, False, BF16, -1), *NORM4, "programs_per_sm") == want, n
@@ -205,7 +205,7 @@ class _LauncherSpy:
 
 def test_rms_norm_launches_with_stored_configs(monkeypatch):
     m, n = 37, 200
-    fwd = dict(BLOCK_M=2, BLOCK_N=256, SINGLE_PASS=True, num_warps=2)
+    fwd = dict(BLOCK_M=2, BLOCK_N=256, SINGLE_PASS=True, num_warps=2, RELOAD=False)
     bwd = dict(BLOCK_M=1, BLOCK_N=64, SINGLE_PASS=False, num_warps=2, programs_per_sm=3)
     dw = dict(BLOCK_P=8, BLOCK_N=16, num_warps=1)
     autotune.store(RN.FWD_KERNEL, RN.config_key(n, True, FP32), fwd, "cpu")
@@ -348,7 +348,8 @@ def test_a_corrupt_cache_file_is_ignored_with_a_warning(kernel):
     [
         (dict(BLOCK_M=2, BLOCK_N=4096), "fields"),  # missing fields
         (dict(BLOCK_M=2, BLOCK_N=4096, SINGLE_PASS=True, num_warps=8, EXTRA=1), "fields"),
-        (dict(BLOCK_M=2, BLOCK_N=2048, SINGLE_PASS=True, num_warps=8), "does not fit"),  # row of 4096
+        (dict(BLOCK_M=2, BLOCK_N=4096, SINGLE_PASS=True, num_warps=8), "fields"),  # no RELOAD (before run 38)
+        (dict(BLOCK_M=2, BLOCK_N=2048, SINGLE_PASS=True, num_warps=8, RELOAD=False), "does not fit"),  # row of 4096
     ],
 )
 def test_a_stored_config_that_does_not_fit_is_ignored(cfg, match):
