@@ -121,7 +121,7 @@ def choose_backend(op: str, device: torch.device, supported: bool = True, why_no
         return "reference"
     key = (device.type, supported)
     backend = _natural_cache.get(key)
-    if backend is not None and forced is None:
+    if backend is not None and (forced is None or backend == forced):
         return backend
     choice = natural_backend(device, supported, why_not)
     _natural_cache[key] = choice.backend
