@@ -335,7 +335,10 @@ def sweep_attention_layouts() -> list[dict]:
     # for the "e" case: 16 sequences of 1021-1027 tokens.
     lens = [1024 + (i % 7) - 3 for i in range(15)]
     cu_docs = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist(), t], dtype=torch.int32, device="cuda")
-    flops = ba.attention_flops(b, s, hq, d, True)
+    full_rows = ba.attention_flops(b, s, hq, d, True)
+    # Causal FLOPs of the documents: sum over them of the per-sequence count.
+    doc_lens = [*lens, t - sum(lens)]
+    documents = sum(ba.attention_flops(1, n, hq, d, True) for n in doc_lens)
 
     def make(case):
         hkv = 32 if case == "a_batched_mha" else 8
@@ -360,7 +363,8 @@ def sweep_attention_layouts() -> list[dict]:
     for case in cases:
         attn_bwd.PAD_VARLEN_STATS = not case.endswith("unpadded")
         q, k, v, cus = make(case)
-        sm = s if not case.startswith("e_") else max(lens)
+        sm = s if not case.startswith("e_") else max(doc_lens)
+        flops = documents if case.startswith("e_") else full_rows
         args = (q, k, v, cus, cus, sm, sm, d**-0.5, -1, 0)
         o, lse = attn.flash_attention_fwd(*args)
         do = torch.randn_like(o)

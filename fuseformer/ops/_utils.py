@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -72,6 +73,42 @@ def rows_2d(t: torch.Tensor) -> torch.Tensor:
     if t.stride(-1) != 1:
         t = t.contiguous()
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+# Offsets tensors (cu_seqlens) already read and checked: id -> (weak reference, version counter, last
+# offset, longest sequence). A model passes one cu_seqlens tensor to every layer (and again in each
+# checkpointed recompute): reading it once saves a host sync a call (Llama 1B training, 16 layers:
+# 64 syncs a step, each draining the GPU's queue). An in-place change bumps the version: read again.
+_CHECKED_OFFSETS: dict[int, tuple[weakref.ref, int, int, int]] = {}
+
+
+def _forget_offsets(ref: weakref.ref, key: int) -> None:
+    entry = _CHECKED_OFFSETS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _CHECKED_OFFSETS[key]
+
+
+def read_offsets(op: str, name: str, cu: torch.Tensor) -> tuple[int, int]:
+    """(last offset, longest sequence) of the offsets ``cu`` (B + 1,), checked to start at 0 and never
+    decrease (ValueError naming ``name`` otherwise).
+
+    Reads ``cu`` on the host (one sync) unless this very tensor, unchanged since (same version
+    counter), was read before. Inference tensors have no version counter: always read.
+    """
+    version = None if cu.is_inference() else cu._version
+    key = id(cu)
+    if version is not None:
+        entry = _CHECKED_OFFSETS.get(key)
+        if entry is not None and entry[0]() is cu and entry[1] == version:
+            return entry[2], entry[3]
+    offsets = cu.tolist()
+    if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"{op}: {name} must start at 0 and be non-decreasing, got {offsets[:8]}...")
+    last, longest = offsets[-1], max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
+    if version is not None:
+        ref = weakref.ref(cu, lambda r, key=key: _forget_offsets(r, key))
+        _CHECKED_OFFSETS[key] = (ref, version, last, longest)
+    return last, longest
 
 
 def next_pow2(n: int) -> int:

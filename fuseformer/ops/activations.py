@@ -423,34 +423,31 @@ _GLUPackedFunction = autograd_function(
 # Public functions
 # --------------------------------------------------------------------------------------------
 def _glu(op: str, gate: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:
-    if up is None:
-        return _glu_packed(op, gate, activation)
+    """The public call; ``up`` None: ``gate`` holds [gate | up] along its last dim (2I)."""
     check_tensor(op, "gate", gate, dtypes=FLOAT_DTYPES)
-    if gate.dim() == 0:
-        raise ValueError(f"{op}: gate must have at least 1 dim, got a scalar")
-    check_tensor(op, "up", up, dtypes=(gate.dtype,), device=gate.device, device_of="gate")
-    check_shape(op, "up", up, gate.shape, "the shape of gate")
+    packed = up is None
+    if packed:
+        if gate.dim() == 0 or gate.shape[-1] % 2:
+            raise ValueError(
+                f"{op}: with up=None, gate must be the packed [gate | up] tensor, its last dim even; "
+                f"got shape {tuple(gate.shape)}"
+            )
+    else:
+        if gate.dim() == 0:
+            raise ValueError(f"{op}: gate must have at least 1 dim, got a scalar")
+        check_tensor(op, "up", up, dtypes=(gate.dtype,), device=gate.device, device_of="gate")
+        check_shape(op, "up", up, gate.shape, "the shape of gate")
     backend = choose_backend(op, gate.device, gate.dtype in KERNEL_DTYPES, "float64 runs on the reference")
     if backend == "reference":
-        return glu_ref(gate, up, activation)
-    y = dispatch(_glu_fwd_op, _GLUFunction, _fwd_impl, rows_2d(gate), rows_2d(up), activation)
-    # 2-D inputs come back as they are; else a view with sizes as ints (~2 us faster than the torch.Size).
-    return y if gate.dim() == 2 else y.view(*gate.shape)
-
-
-def _glu_packed(op: str, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """The packed call: ``gate`` holds [gate | up] along its last dim (2I)."""
-    check_tensor(op, "gate", gate_up, dtypes=FLOAT_DTYPES)
-    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
-        raise ValueError(
-            f"{op}: with up=None, gate must be the packed [gate | up] tensor, its last dim even; "
-            f"got shape {tuple(gate_up.shape)}"
-        )
-    backend = choose_backend(op, gate_up.device, gate_up.dtype in KERNEL_DTYPES, "float64 runs on the reference")
-    if backend == "reference":
-        return glu_ref(*gate_up.chunk(2, dim=-1), activation)
-    y = dispatch(_glu_packed_fwd_op, _GLUPackedFunction, _packed_fwd_impl, rows_2d(gate_up), activation)
-    return y if gate_up.dim() == 2 else y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        return glu_ref(*gate.chunk(2, dim=-1), activation) if packed else glu_ref(gate, up, activation)
+    if packed:
+        y = dispatch(_glu_packed_fwd_op, _GLUPackedFunction, _packed_fwd_impl, rows_2d(gate), activation)
+    else:
+        y = dispatch(_glu_fwd_op, _GLUFunction, _fwd_impl, rows_2d(gate), rows_2d(up), activation)
+    if gate.dim() == 2:  # 2-D inputs come back as they are
+        return y
+    # A view with sizes as ints (~2 us faster than passing the torch.Size).
+    return y.view(*gate.shape[:-1], y.shape[-1])
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import weakref
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -54,6 +53,7 @@ from fuseformer.ops._utils import (
     empty,
     float_dtype_of,
     next_pow2,
+    read_offsets,
 )
 from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import INTERPRET, choose_backend
@@ -732,47 +732,12 @@ def _check_cu_seqlens(name: str, cu: object, device: torch.device) -> torch.Tens
     return cu
 
 
-# Offsets tensors already read and checked: id -> (weak reference, version counter, last offset,
-# longest sequence). A model passes one cu_seqlens tensor to every layer (and again in each
-# checkpointed recompute): reading it once saves a host sync a call (Llama 1B training, 16 layers:
-# 64 syncs a step, each draining the GPU's queue). An in-place change bumps the version: read again.
-_CHECKED_OFFSETS: dict[int, tuple[weakref.ref, int, int, int]] = {}
-
-
-def _forget_offsets(ref: weakref.ref, key: int) -> None:
-    entry = _CHECKED_OFFSETS.get(key)
-    if entry is not None and entry[0] is ref:
-        del _CHECKED_OFFSETS[key]
-
-
-def _offsets_summary(name: str, cu: torch.Tensor) -> tuple[int, int]:
-    """(last offset, longest sequence) of ``cu``, checked to start at 0 and never decrease.
-
-    Reads ``cu`` on the host (one sync) unless this very tensor, unchanged since (same version
-    counter), was read before. Inference tensors have no version counter: always read.
-    """
-    version = None if cu.is_inference() else cu._version
-    key = id(cu)
-    if version is not None:
-        entry = _CHECKED_OFFSETS.get(key)
-        if entry is not None and entry[0]() is cu and entry[1] == version:
-            return entry[2], entry[3]
-    offsets = cu.tolist()
-    if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"{_OP}: {name} must start at 0 and be non-decreasing, got {offsets[:8]}...")
-    last, longest = offsets[-1], max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
-    if version is not None:
-        ref = weakref.ref(cu, lambda r, key=key: _forget_offsets(r, key))
-        _CHECKED_OFFSETS[key] = (ref, version, last, longest)
-    return last, longest
-
-
 def _check_lengths(name: str, cu: torch.Tensor, total: int, max_seqlen: int | None, max_name: str) -> int:
     """Offsets start at 0, never decrease, end within the packed length; returns the longest sequence.
 
     Reads ``cu`` on the host (one sync, once per unchanged tensor); skipped under torch.compile.
     """
-    last, longest = _offsets_summary(name, cu)
+    last, longest = read_offsets(_OP, name, cu)
     if last > total:
         raise ValueError(f"{_OP}: {name} ends at {last} but the packed tensor has {total} rows")
     if max_seqlen is not None and max_seqlen < longest:

@@ -135,10 +135,9 @@ def _pad_stats_kernel(
     ok = rows < sq
     src = h.to(tl.int64) * stride_lh + q_start.to(tl.int64) + rows
     dst = h.to(tl.int64) * stride_ph + _padded_start(q_start, b).to(tl.int64) + rows
-    lse = tl.load(LSE + src, mask=ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2, delta = _load_row_stats(LSE + src, DELTA + src, ok, True)
     tl.store(LSE2_PAD + dst, lse2, mask=ok)
-    tl.store(DELTA_PAD + dst, tl.load(DELTA + src, mask=ok, other=0.0), mask=ok)
+    tl.store(DELTA_PAD + dst, delta, mask=ok)
 
 
 @triton.jit

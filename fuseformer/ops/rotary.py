@@ -46,6 +46,7 @@ from fuseformer.ops._utils import (
     float_dtype_of,
     launch_config,
     next_pow2,
+    read_offsets,
 )
 from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend
@@ -491,12 +492,9 @@ def _check_inputs(x, cos, sin, interleaved, seqlen_offsets, cu_seqlens, max_seql
     host = (varlen or offsets_is_tensor) and _can_read_device_values(x)
     if varlen:
         if host:
-            cu = cu_seqlens.tolist()
-            if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-                raise ValueError(f"{_OP}: cu_seqlens must start at 0 and be non-decreasing, got {cu}")
-            if cu[-1] != x.shape[0]:
-                raise ValueError(f"{_OP}: cu_seqlens ends at {cu[-1]}; expected the token count {x.shape[0]} of x")
-            longest = max(b - a for a, b in zip(cu, cu[1:]))
+            last, longest = read_offsets(_OP, "cu_seqlens", cu_seqlens)  # read once per unchanged tensor
+            if last != x.shape[0]:
+                raise ValueError(f"{_OP}: cu_seqlens ends at {last}; expected the token count {x.shape[0]} of x")
             if max_seqlen is None:
                 max_seqlen = longest
             elif max_seqlen < longest:
@@ -547,7 +545,7 @@ def apply_rotary(
             in cos; with a tensor this check reads its max on the host (a sync; skipped while
             torch.compile traces or a CUDA graph is captured, where an out-of-range position gives NaN).
         cu_seqlens: (B + 1,) int32, starting at 0, non-decreasing, ending at T: the sequence
-            boundaries of packed x. Checked on the host (a sync) like a tensor seqlen_offsets.
+            boundaries of packed x. Checked on the host (a sync, once per unchanged tensor).
         max_seqlen: the longest sequence of packed x; computed from cu_seqlens when None (a sync;
             required under torch.compile).
 

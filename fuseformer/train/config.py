@@ -117,17 +117,14 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.distributed not in DISTRIBUTED:
             raise ValueError(f"TrainConfig: distributed must be one of {DISTRIBUTED}, got {self.distributed!r}")
-        self.checkpoint_every()  # validates activation_checkpointing
+        self.checkpoint_plan()  # validates activation_checkpointing
         for suffix in self.data_suffixes:
             if not isinstance(suffix, str) or not suffix.startswith("."):
                 raise ValueError(f"TrainConfig: data_suffixes entries must start with '.', got {suffix!r}")
 
-    def checkpoint_every(self) -> int:
-        """Activation checkpointing as a stride: 0 = off, 1 = every layer, k = layers 0, k, 2k, ..."""
-        return self.checkpoint_plan()[0]
-
     def checkpoint_plan(self) -> tuple[int, int]:
-        """(stride, last layers left out): "all-but:k" is (1, k), "every:k" (k, 0), "all" (1, 0)."""
+        """Activation checkpointing as (stride, last layers left out): stride 0 = off, 1 = every layer,
+        k = layers 0, k, 2k, ...; "all-but:k" is (1, k), "every:k" (k, 0), "all" (1, 0), "off" (0, 0)."""
         mode = self.activation_checkpointing
         if mode == "off":
             return 0, 0

@@ -469,3 +469,30 @@ def test_apply_rotary_fast_launch_matches_normal_launch(dtype):
         for e, g in zip(expected, got):
             assert torch.equal(e, g)
     torch.cuda.synchronize()
+
+
+def test_apply_rotary_reads_each_offsets_tensor_once(monkeypatch):
+    """One cu_seqlens tensor across calls (every layer of a model) is read on the host once; its
+    per-call checks still apply, and an in-place change is read (and checked) again."""
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(t):
+        reads.append(t.numel())
+        return tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    args = _args(x=torch.randn(7, 2, 32), cu_seqlens=cu)
+    first = F.apply_rotary(**args)
+    for _ in range(3):
+        torch.testing.assert_close(F.apply_rotary(**args), first)
+    assert reads == [3]
+    with pytest.raises(ValueError, match="cu_seqlens ends at 7; expected the token count 8"):
+        F.apply_rotary(**_args(x=torch.randn(8, 2, 32), cu_seqlens=cu))
+    with pytest.raises(ValueError, match="max_seqlen 3 is below the longest"):
+        F.apply_rotary(**_args(x=torch.randn(7, 2, 32), cu_seqlens=cu, max_seqlen=3))
+    cu[1] = 8  # in place: read again and rejected
+    with pytest.raises(ValueError, match="non-decreasing"):
+        F.apply_rotary(**args)
+    assert reads == [3, 3]
