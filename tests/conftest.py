@@ -49,4 +49,19 @@ def device():
     return "cuda" if HAS_CUDA else "cpu"
 
 
+@pytest.fixture
+def host_reads(monkeypatch):
+    """The sizes of the tensors read to the host with ``Tensor.tolist`` (a sync each on a GPU) while
+    the test runs, in order."""
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(t):
+        reads.append(t.numel())
+        return tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    return reads
+
+
 __all__ = ["fuseformer", "HAS_CUDA"]
