@@ -8,7 +8,16 @@ from collections.abc import Callable
 
 import torch
 
-from fuseformer.bench._timing import bench_graph_ms, bench_ms, copy_ceiling_tb_s, gpu_kernels, peak_gib_above, tb_per_s
+from fuseformer.bench._timing import (
+    bench_graph_ms,
+    bench_ms,
+    bench_stream_ms,
+    copy_ceiling_tb_s,
+    gpu_kernels,
+    peak_gib_above,
+    stream_copy_ceiling_tb_s,
+    tb_per_s,
+)
 
 # The module, not the function of the same name that fuseformer.ops exports.
 rn = importlib.import_module("fuseformer.ops.rms_norm")
@@ -507,4 +516,9 @@ SWEEPS = {
     "train_profile": sweep_train_profile,
     "flce": sweep_flce,
     "mlp_decode": sweep_mlp_decode,
+    # The same sweep timed with L2 flushed by reading (bench_stream_ms), against the copy ceiling
+    # timed that way: do_bench's zero-fill flush charges ~60 MB of dirty-line write-back to each call.
+    "mlp_decode_clean": lambda: sweep_mlp_decode(
+        timer=lambda fn: bench_stream_ms(fn, warmup=10, rep=50), ceiling_tb_s=stream_copy_ceiling_tb_s(nbytes=1 << 30)
+    ),
 }
