@@ -462,6 +462,7 @@ def sweep_mlp_decode(
         case("down", "cublas", lambda: y @ w_down.T)
         case("mlp", "decode rule (fused_mlp)", lambda: F.fused_mlp(x, w_gate_up, w_down))
         case("mlp", "decode rule (launcher)", lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"))
+        case("mlp", "decode rule, no PDL", _without_pdl(mlp, lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu")))
         case("mlp", "prefill-style", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0] @ w_down.T)
         case("mlp", "eager", lambda: _eager_mlp(x, w_gate, w_up, w_down))
         if compiled is not None:
@@ -481,16 +482,30 @@ def sweep_mlp_decode(
         for part in ("gate_up", "down"):
             timed = [r for r, _ in cases if r["part"] == part and r["impl"] == "decode" and "ms" in r]
             best[part] = min(timed, key=lambda r: r["ms"])["config"] if timed else None
-        rec = dict(kind="mlp_decode", T=t, H=h, I=i, part="mlp", impl="decode best", gate_up_config=best["gate_up"],
-                   down_config=best["down"])  # fmt: skip
-        try:
-            fn = lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", best["gate_up"], best["down"])
-            fn()
-            _time_record(rec, fn, timer, part_bytes["mlp"], ceiling)
-        except Exception as exc:
-            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        out.append(rec)
+        best_fn = lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", best["gate_up"], best["down"])  # noqa: E731
+        for impl, fn in (("decode best", best_fn), ("decode best, no PDL", _without_pdl(mlp, best_fn))):
+            rec = dict(kind="mlp_decode", T=t, H=h, I=i, part="mlp", impl=impl, gate_up_config=best["gate_up"],
+                       down_config=best["down"])  # fmt: skip
+            try:
+                fn()
+                _time_record(rec, fn, timer, part_bytes["mlp"], ceiling)
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            out.append(rec)
     return out
+
+
+def _without_pdl(mlp, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with the decode GEMMs' programmatic dependent launch off (ops/mlp.py PDL_DECODE)."""
+
+    def run():
+        previous, mlp.PDL_DECODE = mlp.PDL_DECODE, False
+        try:
+            return fn()
+        finally:
+            mlp.PDL_DECODE = previous
+
+    return run
 
 
 def _time_record(rec: dict, fn: Callable[[], object], timer, nbytes: int, ceiling_tb_s: float) -> None:

@@ -45,9 +45,12 @@ torch.compile (70-78%), and 10-20% faster than the prefill kernel + cuBLAS at T 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
@@ -65,7 +68,7 @@ from fuseformer.ops._utils import (
 )
 from fuseformer.ops.activations import ACTIVATIONS, _act_fwd, _act_ref, glu_bwd
 from fuseformer.runtime import autotune
-from fuseformer.runtime.backend import choose_backend
+from fuseformer.runtime.backend import INTERPRET, choose_backend
 
 _OP = "fused_mlp"
 KERNEL = "mlp_gate_up"
@@ -254,6 +257,7 @@ def _mlp_decode_kernel(
     stride_xm, stride_wn, stride_om,
     GLU: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
 ):  # fmt: skip
     # Decode (T <= 64): a weight-streaming GEMM, one kernel for both GEMMs of the MLP.
     #   GLU:  W (2N, K) = [gate; up] -> OUT (M, N) = act(x Wg^T) * (x Wu^T)   (N = I, K = H)
@@ -264,6 +268,11 @@ def _mlp_decode_kernel(
     # A tl.dot padded to 16 rows rather than a multiply + tl.sum over K on CUDA cores: Triton 3.6
     # pipelines descriptor loads only into a dot (offline sm_90 compile of the tl.sum variant: one
     # shared buffer, each load waited for), and the padding costs tensor-core time, not bytes.
+    # Programmatic dependent launch (sm_90, CUDA only; see mlp_decode_fwd): PDL_TRIGGER (the gate-up
+    # GEMM) lets the next kernel's programs start at once; PDL_WAIT (the down GEMM, launched with
+    # launch_pdl) sets up its descriptors, then waits for the previous kernel's writes (y) to land.
+    if PDL_TRIGGER:
+        gdc_launch_dependents()
     off_n = tl.program_id(0) * BLOCK_N
     off_m = tl.program_id(1) * BLOCK_M
     split = tl.program_id(2)
@@ -278,6 +287,8 @@ def _mlp_decode_kernel(
                                        block_shape=[BLOCK_N, BLOCK_K])  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PDL_WAIT:
+        gdc_wait()
     for kt in tl.range(kt_begin, kt_end):
         k = kt * BLOCK_K
         x = x_desc.load([off_m, k])
@@ -548,9 +559,14 @@ def _split_k_reduce(ws: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | Non
     )  # fmt: skip
 
 
-def _decode_gemm(x: torch.Tensor, w: torch.Tensor, glu: bool, activation: str, config: dict) -> torch.Tensor:
+def _decode_gemm(
+    x: torch.Tensor, w: torch.Tensor, glu: bool, activation: str, config: dict, pdl: str = ""
+) -> torch.Tensor:
     """x (T, K), w (2N, K) = [gate; up] (``glu``) or (N, K) -> act(x Wg^T) * (x Wu^T) or x W^T (T, N),
-    x's dtype, through _mlp_decode_kernel (16-byte aligned rows: tensor descriptors)."""
+    x's dtype, through _mlp_decode_kernel (16-byte aligned rows: tensor descriptors).
+
+    ``pdl``: "" none, "trigger" (this kernel lets the next one launch early), "wait" (this kernel is
+    launched as a programmatic dependent of the previous one and waits for its writes)."""
     t, k = x.shape
     n = w.shape[0] // 2 if glu else w.shape[0]
     out = empty((t, n), dtype=x.dtype, device=x.device)
@@ -565,6 +581,7 @@ def _decode_gemm(x: torch.Tensor, w: torch.Tensor, glu: bool, activation: str, c
         t, n, k,
         x.stride(0), w.stride(0), out.stride(0),
         GLU=glu, ACTIVATION=activation, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait", **({"launch_pdl": True} if pdl == "wait" else {}),
         **config,
     )  # fmt: skip
     if split > 1:
@@ -614,8 +631,22 @@ def mlp_decode_fwd(
         gate_up_config = _decode_plan(GATE_UP_DECODE, tb, i, h, x.dtype, x.device)
     if down_config is None:
         down_config = _decode_plan(DOWN_DECODE, tb, h, i, x.dtype, x.device)
-    y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config)
-    return _decode_gemm(y, w_down, False, activation, down_config), y
+    # The down GEMM as a programmatic dependent launch of the gate-up GEMM (sm_90+): its programs
+    # start while the gate-up's last ones run and wait for y in-kernel, so the gap between the two
+    # (launch, program start, descriptor set-up) leaves the weight stream. Only where gate-up is one
+    # kernel (no split-K epilogue between them) and the device is sm_90+.
+    pdl = PDL_DECODE and gate_up_config["SPLIT_K"] == 1 and _pdl_capable(x.device)
+    y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger" if pdl else "")
+    return _decode_gemm(y, w_down, False, activation, down_config, "wait" if pdl else ""), y
+
+
+# Programmatic dependent launch between the two decode GEMMs (a module switch for sweeps).
+PDL_DECODE = True
+
+
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def fused_mlp_fwd(
