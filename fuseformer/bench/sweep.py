@@ -495,6 +495,47 @@ def sweep_mlp_decode(
     return out
 
 
+def sweep_mlp_decode_pdl(tokens: tuple[int, ...] = (1, 8, 32, 64)) -> list[dict]:
+    """The whole decode MLP (H 4096, I 14336, bf16) with the rule's configs, the down GEMM as a
+    programmatic dependent launch of the gate-up GEMM and not, and torch.compile's MLP, timed with
+    L2 flushed by reading (bench_stream_ms) against the copy ceiling timed that way; plus host
+    wall time per call in a loop. Progress on stdout as it goes."""
+    from fuseformer.bench.mlp_ce import _eager_mlp, _heat
+
+    mlp = importlib.import_module("fuseformer.ops.mlp")
+    h, i = 4096, 14336
+    ceiling = stream_copy_ceiling_tb_s(nbytes=1 << 30)
+    out: list[dict] = [dict(kind="mlp_decode_pdl_ceiling", copy_tb_s=ceiling)]
+    w_gate_up = torch.randn(2 * i, h, device="cuda", dtype=torch.bfloat16) / h**0.5
+    w_down = torch.randn(h, i, device="cuda", dtype=torch.bfloat16) / i**0.5
+    w_gate, w_up = (w.contiguous() for w in w_gate_up.chunk(2))
+    compiled = torch.compile(_eager_mlp)
+    for t in tokens:
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        impls = {
+            "decode rule, PDL": lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"),
+            "decode rule, no PDL": _without_pdl(mlp, lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu")),
+            "torch.compile": lambda: compiled(x, w_gate, w_up, w_down),
+        }
+        for impl, fn in impls.items():
+            rec = dict(kind="mlp_decode_pdl", T=t, impl=impl)
+            try:
+                fn()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    fn()
+                torch.cuda.synchronize()
+                rec["loop_us"] = (time.perf_counter() - t0) / 20 * 1e6
+                _heat(0.3)
+                _time_record(rec, fn, lambda fn: bench_stream_ms(fn, warmup=10, rep=50), 3 * h * i * 2, ceiling)
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            print(rec, flush=True)
+            out.append(rec)
+    return out
+
+
 def _without_pdl(mlp, fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` run with the decode GEMMs' programmatic dependent launch off (ops/mlp.py PDL_DECODE)."""
 
@@ -533,6 +574,7 @@ SWEEPS = {
     "mlp_decode": sweep_mlp_decode,
     # The same sweep timed with L2 flushed by reading (bench_stream_ms), against the copy ceiling
     # timed that way: do_bench's zero-fill flush charges ~60 MB of dirty-line write-back to each call.
+    "mlp_decode_pdl": sweep_mlp_decode_pdl,
     "mlp_decode_clean": lambda: sweep_mlp_decode(
         timer=lambda fn: bench_stream_ms(fn, warmup=10, rep=50), ceiling_tb_s=stream_copy_ceiling_tb_s(nbytes=1 << 30)
     ),
