@@ -462,7 +462,9 @@ def sweep_mlp_decode(
         case("down", "cublas", lambda: y @ w_down.T)
         case("mlp", "decode rule (fused_mlp)", lambda: F.fused_mlp(x, w_gate_up, w_down))
         case("mlp", "decode rule (launcher)", lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"))
-        case("mlp", "decode rule, no PDL", _without_pdl(mlp, lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu")))
+        case(
+            "mlp", "decode rule, PDL", _without_pdl(mlp, lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"), True)
+        )
         case("mlp", "prefill-style", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0] @ w_down.T)
         case("mlp", "eager", lambda: _eager_mlp(x, w_gate, w_up, w_down))
         if compiled is not None:
@@ -483,7 +485,7 @@ def sweep_mlp_decode(
             timed = [r for r, _ in cases if r["part"] == part and r["impl"] == "decode" and "ms" in r]
             best[part] = min(timed, key=lambda r: r["ms"])["config"] if timed else None
         best_fn = lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", best["gate_up"], best["down"])  # noqa: E731
-        for impl, fn in (("decode best", best_fn), ("decode best, no PDL", _without_pdl(mlp, best_fn))):
+        for impl, fn in (("decode best", best_fn), ("decode best, PDL", _without_pdl(mlp, best_fn, True))):
             rec = dict(kind="mlp_decode", T=t, H=h, I=i, part="mlp", impl=impl, gate_up_config=best["gate_up"],
                        down_config=best["down"])  # fmt: skip
             try:
@@ -513,9 +515,9 @@ def sweep_mlp_decode_pdl(tokens: tuple[int, ...] = (1, 8, 32, 64)) -> list[dict]
     for t in tokens:
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         impls = {
-            "decode rule, PDL": lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"),
             "decode rule, no PDL": _without_pdl(mlp, lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu")),
             "torch.compile": lambda: compiled(x, w_gate, w_up, w_down),
+            "decode rule, PDL": _without_pdl(mlp, lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"), True),
         }
         for impl, fn in impls.items():
             rec = dict(kind="mlp_decode_pdl", T=t, impl=impl)
@@ -536,11 +538,12 @@ def sweep_mlp_decode_pdl(tokens: tuple[int, ...] = (1, 8, 32, 64)) -> list[dict]
     return out
 
 
-def _without_pdl(mlp, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` run with the decode GEMMs' programmatic dependent launch off (ops/mlp.py PDL_DECODE)."""
+def _without_pdl(mlp, fn: Callable[[], object], pdl: bool = False) -> Callable[[], object]:
+    """``fn`` run with the decode GEMMs' programmatic dependent launch off (ops/mlp.py PDL_DECODE),
+    or on with ``pdl``."""
 
     def run():
-        previous, mlp.PDL_DECODE = mlp.PDL_DECODE, False
+        previous, mlp.PDL_DECODE = mlp.PDL_DECODE, pdl
         try:
             return fn()
         finally:
