@@ -484,24 +484,26 @@ def sweep_mlp_decode(
         for part in ("gate_up", "down"):
             timed = [r for r, _ in cases if r["part"] == part and r["impl"] == "decode" and "ms" in r]
             best[part] = min(timed, key=lambda r: r["ms"])["config"] if timed else None
-        best_fn = lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", best["gate_up"], best["down"])  # noqa: E731
-        for impl, fn in (("decode best", best_fn), ("decode best, PDL", _without_pdl(mlp, best_fn, True))):
-            rec = dict(kind="mlp_decode", T=t, H=h, I=i, part="mlp", impl=impl, gate_up_config=best["gate_up"],
-                       down_config=best["down"])  # fmt: skip
-            try:
-                fn()
-                _time_record(rec, fn, timer, part_bytes["mlp"], ceiling)
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            out.append(rec)
+        rec = dict(kind="mlp_decode", T=t, H=h, I=i, part="mlp", impl="decode best", gate_up_config=best["gate_up"],
+                   down_config=best["down"])  # fmt: skip
+        try:
+            fn = lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", best["gate_up"], best["down"])  # noqa: E731
+            fn()
+            _time_record(rec, fn, timer, part_bytes["mlp"], ceiling)
+        except Exception as exc:
+            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        out.append(rec)
     return out
 
 
 def sweep_mlp_decode_pdl(tokens: tuple[int, ...] = (1, 8, 32, 64)) -> list[dict]:
-    """The whole decode MLP (H 4096, I 14336, bf16) with the rule's configs, the down GEMM as a
-    programmatic dependent launch of the gate-up GEMM and not, and torch.compile's MLP, timed with
-    L2 flushed by reading (bench_stream_ms) against the copy ceiling timed that way; plus host
-    wall time per call in a loop. Progress on stdout as it goes."""
+    """The whole decode MLP (H 4096, I 14336, bf16) with the rule's configs, the down GEMM launched
+    plainly, torch.compile's MLP, then the down GEMM as a programmatic dependent launch of the
+    gate-up GEMM (last: on the H200, run 50, 2026-11-30, its first do_bench-style timing never
+    returned: the process hung in the events' synchronize after a read flush between calls, while 20
+    back-to-back calls had run), timed with L2 flushed by reading (bench_stream_ms) against the copy
+    ceiling timed that way; plus host wall time per call in a loop. Progress on stdout as it goes:
+    run it under ``timeout`` with PYTHONFAULTHANDLER=1 and ``-s ABRT`` to see where it stops."""
     from fuseformer.bench.mlp_ce import _eager_mlp, _heat
 
     mlp = importlib.import_module("fuseformer.ops.mlp")

@@ -641,9 +641,10 @@ def mlp_decode_fwd(
 
 
 # Programmatic dependent launch between the two decode GEMMs: off. Its GPU tests pass (bit-equal
-# outputs, eager and in a CUDA graph), but the two sweeps that timed it on the H200 (runs 48-49,
-# 2026-11-30) never finished: the process hung before any timing came back. Until that is
-# understood, the switch stays off (the sweep mlp_decode_pdl turns it on for itself).
+# outputs, eager and in a CUDA graph, calls back to back), but on the H200 (runs 48-50, 2026-11-30)
+# every timing of it hung: with a kernel of torch's (do_bench's L2 flush, an amax) between one
+# call's down GEMM and the next call's gate-up GEMM, the stream never reached the stop event. Until
+# that is understood, the switch stays off (the sweep mlp_decode_pdl turns it on, last, for itself).
 PDL_DECODE = False
 
 

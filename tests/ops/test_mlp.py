@@ -553,6 +553,10 @@ for t in (1, 32, 64):
         consts = dict(GLU=glu, ACTIVATION="silu", PRECISION="tf32",
                       **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
         build(M._mlp_decode_kernel, dsig, consts, cfg)
+        # The programmatic-dependent-launch forms (PDL_DECODE): gate-up triggers, down waits.
+        pdl = dict(PDL_TRIGGER=True) if glu else dict(PDL_WAIT=True)
+        ptx = build(M._mlp_decode_kernel, dsig, dict(consts, **pdl), cfg).asm["ptx"]
+        assert ("griddepcontrol.launch_dependents" if glu else "griddepcontrol.wait") in ptx
         if cfg["SPLIT_K"] > 1:
             esig = dict(WS="*fp32", Y="*bf16", PRE="*bf16", M="i32", N="i32", stride_ym="i32", stride_pm="i32")
             consts = dict(ACTIVATION="silu", SAVE_PRE=False, SPLIT_K=cfg["SPLIT_K"], BLOCK_M=16, BLOCK_N=256, GLU=glu)
