@@ -45,7 +45,9 @@ torch.compile (70-78%), and 10-20% faster than the prefill kernel + cuBLAS at T 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 import triton
@@ -473,8 +475,35 @@ def _ensure_allocator() -> None:
     """Device-side descriptors need scratch memory from a Triton allocator; set one once."""
     global _ALLOCATOR_SET
     if not _ALLOCATOR_SET:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        triton.set_allocator(_scratch)
         _ALLOCATOR_SET = True
+
+
+# Scratch for device-side tensor descriptors: each launch gets a fresh buffer from the caching
+# allocator, which may hand the next launch the same block at once (stream order makes that safe).
+# Under programmatic dependent launch it is not: the down GEMM's programs start while the gate-up
+# GEMM's still run and read their descriptors from their scratch, so a down GEMM given the same
+# block would overwrite them mid-kernel. Inside ``_holding_scratch`` every scratch buffer stays
+# referenced until the block exits, so the two launches get distinct blocks.
+_scratch_hold = threading.local()
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    buf = torch.empty(size, dtype=torch.int8, device="cuda")
+    held = getattr(_scratch_hold, "bufs", None)
+    if held is not None:
+        held.append(buf)
+    return buf
+
+
+@contextlib.contextmanager
+def _holding_scratch():
+    previous = getattr(_scratch_hold, "bufs", None)
+    _scratch_hold.bufs = []
+    try:
+        yield
+    finally:
+        _scratch_hold.bufs = previous
 
 
 # --------------------------------------------------------------------------------------------
@@ -636,15 +665,24 @@ def mlp_decode_fwd(
     # (launch, program start, descriptor set-up) leaves the weight stream. Only where gate-up is one
     # kernel (no split-K epilogue between them) and the device is sm_90+.
     pdl = PDL_DECODE and gate_up_config["SPLIT_K"] == 1 and _pdl_capable(x.device)
-    y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger" if pdl else "")
-    return _decode_gemm(y, w_down, False, activation, down_config, "wait" if pdl else ""), y
+    if not pdl:
+        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config)
+        return _decode_gemm(y, w_down, False, activation, down_config), y
+    with _holding_scratch():  # the two kernels overlap: their descriptor scratch must not alias
+        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger")
+        return _decode_gemm(y, w_down, False, activation, down_config, "wait"), y
 
 
 # Programmatic dependent launch between the two decode GEMMs: off. Its GPU tests pass (bit-equal
 # outputs, eager and in a CUDA graph, calls back to back), but on the H200 (runs 48-50, 2026-11-30)
 # every timing of it hung: with a kernel of torch's (do_bench's L2 flush, an amax) between one
-# call's down GEMM and the next call's gate-up GEMM, the stream never reached the stop event. Until
-# that is understood, the switch stays off (the sweep mlp_decode_pdl turns it on, last, for itself).
+# call's down GEMM and the next call's gate-up GEMM, the stream never reached the stop event. The
+# likely cause, found afterwards in the compiled code: both kernels build TMA descriptors in
+# scratch memory from the caching allocator, and the down GEMM, started early, could be given the
+# gate-up GEMM's just-freed block and overwrite descriptors still in use (a TMA load on a wrong
+# descriptor never completes its mbarrier). The launches now hold their scratch apart
+# (``_holding_scratch``); not yet run on a GPU, so the switch stays off until a sweep confirms it
+# (the sweep mlp_decode_pdl turns it on, last, for itself).
 PDL_DECODE = False
 
 

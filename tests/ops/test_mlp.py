@@ -457,6 +457,44 @@ def test_decode_pdl_gpu(t, monkeypatch):
     assert torch.equal(g_y, ref_y) and torch.equal(g_out, ref_out)
 
 
+_PDL_BETWEEN = r"""
+import torch
+import fuseformer.ops.mlp as M
+
+torch.manual_seed(0)
+x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+w_gate_up = torch.randn(2 * 14336, 4096, device="cuda", dtype=torch.bfloat16) / 64
+w_down = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16) / 120
+flush = torch.ones(64_000_000, device="cuda")
+ref = M.mlp_decode_fwd(x, w_gate_up, w_down, "silu")[0]
+M.PDL_DECODE = True
+start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+for _ in range(20):
+    start.record()
+    for _ in range(5):  # as bench_stream_ms times a call: a torch kernel between the MLPs
+        flush.amax()
+        out = M.mlp_decode_fwd(x, w_gate_up, w_down, "silu")[0]
+    stop.record()
+    stop.synchronize()
+assert torch.equal(out, ref)
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_decode_pdl_with_torch_kernels_between_gpu():
+    """Runs 48-50 (H200) hung here: PDL decode MLPs with a torch kernel between them. In a child
+    process with a time limit, so a hang fails the test instead of stopping the run."""
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PDL_BETWEEN], capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("PDL decode MLPs with torch kernels between them did not finish in 240 s (a hang)")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
 _DECODE_CANDIDATES = [
     (t, glu, cfg)
     for t in (1, 29, 61)
