@@ -160,6 +160,15 @@ def empty(shape: tuple[int, ...] | list[int], *, dtype: torch.dtype, device: tor
     return torch.empty(*shape, dtype=dtype, device=device) if shape else torch.empty((), dtype=dtype, device=device)
 
 
+def new_empty(t: torch.Tensor, *sizes: int) -> torch.Tensor:
+    """:func:`empty` of ``sizes`` (at least one) in ``t``'s dtype and on its device: contiguous, and
+    poisoned in tests like every kernel output. ``t.new_empty`` has no dtype or device argument to
+    parse: CPU (2026-11-30), 1.2 us against 1.5-1.8 for ``torch.empty(m, n, dtype=, device=)``."""
+    if _POISON:
+        return empty(sizes, dtype=t.dtype, device=t.device)
+    return t.new_empty(*sizes)
+
+
 @contextlib.contextmanager
 def poison_outputs() -> Iterator[None]:
     """Within the block, every buffer from :func:`empty` starts filled with NaN (tests only)."""
@@ -212,6 +221,18 @@ def autograd_function(
         (torch.autograd.Function,),
         {"forward": staticmethod(_forward), "backward": staticmethod(backward)},
     )
+    # The engine runs a graph node of this Function as ``node.apply(*grads)``; the node's class
+    # (``_backward_cls``) inherits BackwardCFunction.apply, which looks the user's function up on
+    # every call (``vjp`` or ``backward``, boxed grads or not) in two Python frames. Here ``vjp`` is
+    # Function's and grads are not boxed, so that lookup always yields ``backward``: the node calls it
+    # directly. CPU (2026-11-30, timeit): node.apply 0.9 us over calling backward, now 0.
+    backward_cls = getattr(cls, "_backward_cls", None)
+    if (
+        backward_cls is not None
+        and cls.vjp is torch.autograd.Function.vjp
+        and not getattr(cls, "boxed_grads_call", False)
+    ):
+        backward_cls.apply = backward
     if _functorch_active is None or _unwrap_if_dead is None:
         cls.fast_apply = cls.apply
         return cls
@@ -316,21 +337,45 @@ def spec_key(tensors: Sequence[torch.Tensor], ints: Sequence[int]) -> tuple[list
 
     Triton specializes a pointer on its dtype and on ``ptr % 16 == 0``; an int on being 1 (then a
     constexpr), on ``% 16 == 0`` and on its range (i32 within [-2^31, 2^31), else i64 / u64). The
-    key holds each dtype and ``ptr & 15``, and per int: the value itself below 16,
-    ``16 | (v & 15)`` in [16, 2^31), the value itself from 2^31 on. The three ranges map to disjoint
-    key values, so equal keys mean equal specializations (tests check this against Triton's own
-    ``native_specialize_impl``). Plain loops: list comprehensions cost ~0.3 us each on 3.11.
+    key holds each dtype; then 0 when every pointer is 16-byte aligned (fresh allocations, the
+    common case), else the tuple of each ``ptr & 15``; then the ints' key (:func:`_int_key`). Equal
+    keys mean equal specializations (tests check this against Triton's own
+    ``native_specialize_impl``).
+
+    Per call this reads each tensor's pointer and dtype and looks the ints up in ``_INT_KEYS``
+    (one hash of the tuple instead of a branch per int). CPU (2026-11-30, timeit), rms_norm's
+    backward launch (9 tensors, 7 ints) 2.8 -> 2.4 us, its forward's (6, 6) 2.05 -> 1.75 us.
     """
     ptrs = []
     key = []
+    bits = 0
     for t in tensors:
         p = t.data_ptr()
         ptrs.append(p)
         key.append(t.dtype)
-        key.append(p & 15)
-    for v in ints:
-        key.append(v if v < 16 else (v & 15) | 16 if v < 0x80000000 else v)
+        bits |= p
+    key.append(tuple([p & 15 for p in ptrs]) if bits & 15 else 0)
+    if type(ints) is not tuple:
+        ints = tuple(ints)
+    int_key = _INT_KEYS.get(ints)
+    if int_key is None:
+        int_key = _int_key(ints)
+    key.append(int_key)
     return ptrs, tuple(key)
+
+
+# The ints' keys already computed (the launch arguments' int tuples repeat: one per shape and flags).
+_INT_KEYS: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _int_key(ints: tuple[int, ...]) -> tuple[int, ...]:
+    """Per int: the value itself below 16, ``16 | (v & 15)`` in [16, 2^31), the value itself from
+    2^31 on (three disjoint ranges of key values); remembered in ``_INT_KEYS``."""
+    key = tuple([v if v < 16 else (v & 15) | 16 if v < 0x80000000 else v for v in ints])
+    if len(_INT_KEYS) >= 4096:  # values >= 2^31 are kept exact: bound the table, just in case
+        _INT_KEYS.clear()
+    _INT_KEYS[ints] = key
+    return key
 
 
 # Resolved at the first direct launch: a CPU build of torch has no _cuda_* functions.
@@ -388,11 +433,11 @@ class Launcher:
             if tensors[0].get_device() == device:
                 ptrs, spec = spec_key(tensors, ints)
                 # Triton's key also holds the options: config's, and the debug and instrumentation knobs.
-                knobs = _triton_knobs
-                key = (config, device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, spec)
+                runtime = _triton_knobs.runtime
+                key = (config, device, runtime.debug, _triton_knobs.compilation.instrumentation_mode, spec)
                 entry = self._cache.get(key)
                 if entry is not None and not self.kernel.pre_run_hooks:
-                    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+                    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
                     if (enter is None or (type(enter) is _HookChain and not enter.calls)) and (
                         exit_ is None or (type(exit_) is _HookChain and not exit_.calls)
                     ):

@@ -321,6 +321,72 @@ def test_rms_norm_single_launch_rule(device):
     assert not rn._bwd_plan(1024, False, False, torch.bfloat16, index)[4]  # no weight
 
 
+def test_rms_norm_backward_takes_the_rules_launch_for_every_m(device, monkeypatch):
+    """The single-launch decision for a full persistent grid comes from the launch plan (computed
+    once); it is ``_fused_dw_rows``'s for every M: around the grid filling up and around the element
+    limit. Launches are recorded, not run."""
+    import importlib
+
+    rn = importlib.import_module("fuseformer.ops.rms_norm")
+    launches = []
+    monkeypatch.setattr(rn, "_bwd_launcher", lambda grid, cfg, tensors, ints: launches.append((grid, cfg, ints[-1])))
+    monkeypatch.setattr(rn, "_dw_launcher", lambda *args: None)
+    n = 1024
+    w = torch.ones(n, device=device)
+    index = w.get_device()
+    cfg, fused_cfg, block_m, max_programs, fused_max, group, rows = rn._bwd_plan(n, False, True, torch.float32, index)
+    assert fused_max and group == rn._fused_dw_rows(1, n, fused_max) and rows * n == rn._FUSED_DW_MAX_ELEMENTS
+    full = block_m * fused_max  # the first M whose row blocks fill the grid
+    for m in (1, full - block_m, full - 1, full, full + 1, rows, rows + 1):
+        x = torch.empty(m, n, device=device)
+        launches.clear()
+        rn.rms_norm_bwd(x, x, w, torch.empty(m, device=device))
+        programs = min((m + block_m - 1) // block_m, fused_max)
+        expected = rn._fused_dw_rows(m, n, programs)
+        if expected:
+            assert launches == [((programs,), fused_cfg, expected)], m
+        else:
+            assert launches == [((min((m + block_m - 1) // block_m, max_programs),), cfg, 0)], m
+
+
+def test_new_empty_is_a_kernel_output_in_the_tensors_dtype_and_device(device, monkeypatch):
+    """``new_empty`` (the launchers' allocation for outputs shaped like an input): contiguous, of
+    the tensor's dtype and device, a plain tensor without grad (also from a Parameter), and NaN-filled
+    while outputs are poisoned (the tests' default)."""
+    from fuseformer.ops import _utils
+
+    x = torch.randn(3, 6, dtype=torch.float16, device=device, requires_grad=True)[:, :5]
+    w = torch.nn.Parameter(torch.randn(5, dtype=torch.bfloat16, device=device))
+    for poison in (True, False):
+        monkeypatch.setattr(_utils, "_POISON", poison)
+        for t, sizes in ((x, (7, 5)), (w, (5,)), (x, (0, 5))):
+            out = _utils.new_empty(t, *sizes)
+            assert out.shape == sizes and out.dtype == t.dtype and out.device == t.device
+            assert out.is_contiguous() and type(out) is torch.Tensor and not out.requires_grad
+            if poison:
+                assert out.isnan().all()
+
+
+def test_autograd_function_node_calls_backward_directly(device):
+    """The eager Function's graph node runs our backward itself (no per-call lookup in
+    BackwardCFunction.apply), and gradients through it are those of the reference."""
+    import importlib
+
+    rn = importlib.import_module("fuseformer.ops.rms_norm")
+    x = torch.randn(4, 64, device=device, requires_grad=True)
+    w = torch.randn(64, device=device, requires_grad=True)
+    with fuseformer.use_backend("triton"):
+        y = F.rms_norm(x, w)
+    assert type(y.grad_fn) is rn._RMSNormFunction._backward_cls
+    assert rn._RMSNormFunction._backward_cls.apply is rn._RMSNormFunction.backward
+    dy = torch.randn_like(y)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    dxr, dwr = torch.autograd.grad(F.rms_norm_ref(xd, wd), (xd, wd), dy.double())
+    torch.testing.assert_close(dx, dxr.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dw, dwr.float(), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_public_backward_takes_one_launch(residual, device, monkeypatch):
     """Through the public op (eager autograd.Function), a small call's backward launches the
@@ -401,6 +467,15 @@ def test_spec_key_determines_triton_specialization():
             assert seen.setdefault(("ptr", key), triton_spec(t)) == triton_spec(t), (dtype, offset)
     # Keys of different kinds never collide (a pointer key holds a dtype; an int key does not).
     assert len({k for kind, k in seen}) == len(seen)
+    # Several pointers, aligned or not in every combination: equal keys, equal specializations of each.
+    views = [buf[offset : offset + 32].view(torch.float16) for offset in (0, 2, 16, 30)]
+    pairs: dict = {}
+    for a in views:
+        for b in views:
+            _, key = spec_key((a, b), (16, 17))
+            assert pairs.setdefault(key, (triton_spec(a), triton_spec(b))) == (triton_spec(a), triton_spec(b))
+    assert len(pairs) > 2
+    assert spec_key((), [1, 16, 2**31])[1] == spec_key((), (1, 16, 2**31))[1]  # ints as a list (rotary's)
 
 
 @pytest.mark.gpu
