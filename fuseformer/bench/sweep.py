@@ -511,11 +511,11 @@ def sweep_mlp_decode(
 def sweep_mlp_decode_pdl(tokens: tuple[int, ...] = (1, 8, 32, 64)) -> list[dict]:
     """The whole decode MLP (H 4096, I 14336, bf16) with the rule's configs, the down GEMM launched
     plainly, torch.compile's MLP, then the down GEMM as a programmatic dependent launch of the
-    gate-up GEMM (last: on the H200, run 50, 2026-11-30, its first do_bench-style timing never
-    returned: the process hung in the events' synchronize after a read flush between calls, while 20
-    back-to-back calls had run), timed with L2 flushed by reading (bench_stream_ms) against the copy
-    ceiling timed that way; plus host wall time per call in a loop. Progress on stdout as it goes:
-    run it under ``timeout`` with PYTHONFAULTHANDLER=1 and ``-s ABRT`` to see where it stops."""
+    gate-up GEMM (last: in runs 48-50 its timings hung, the down GEMM overwriting the gate-up GEMM's
+    descriptor scratch; held apart since, run 52's timing-shaped test passed), timed with L2 flushed
+    by reading (bench_stream_ms) against the copy ceiling timed that way; plus host wall time per
+    call in a loop. Progress on stdout as it goes: run it under ``timeout`` with
+    PYTHONFAULTHANDLER=1 and ``-s ABRT`` to see where a hang stops."""
     from fuseformer.bench.mlp_ce import _eager_mlp, _heat
 
     mlp = importlib.import_module("fuseformer.ops.mlp")
