@@ -83,21 +83,18 @@ def tflop_per_s(flops: float, ms: float) -> float:
 
 
 @functools.cache
-def copy_ceiling_tb_s(device: str = "cuda", nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth, bytes read + bytes written, TB/s (measured, cached)."""
+def copy_ceiling_tb_s(device: str = "cuda", nbytes: int = 2 << 30, read_flush: bool = False) -> float:
+    """Device-to-device copy bandwidth, bytes read + bytes written, TB/s (measured, cached); timed
+    with :func:`bench_stream_ms` (L2 flushed by reading) when ``read_flush``, else :func:`bench_ms`."""
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
+    ms = (bench_stream_ms if read_flush else bench_ms)(lambda: dst.copy_(src))
     return tb_per_s(2 * nbytes, ms)
 
 
-@functools.cache
 def stream_copy_ceiling_tb_s(device: str = "cuda", nbytes: int = 2 << 30) -> float:
     """:func:`copy_ceiling_tb_s` timed with :func:`bench_stream_ms` (L2 flushed by reading)."""
-    src = torch.randn(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    ms = bench_stream_ms(lambda: dst.copy_(src))
-    return tb_per_s(2 * nbytes, ms)
+    return copy_ceiling_tb_s(device, nbytes, read_flush=True)
 
 
 @functools.cache
