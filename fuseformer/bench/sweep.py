@@ -381,31 +381,34 @@ def sweep_attention_layouts() -> list[dict]:
     out = []
     cases = ("a_batched_mha", "b_batched_gqa", "c_varlen_gqa", "c_varlen_gqa_unpadded", "d_varlen_gqa_model_layout",
              "e_docs_padded", "e_docs_unpadded")  # fmt: skip
-    for case in cases:
-        attn_bwd.PAD_VARLEN_STATS = not case.endswith("unpadded")
-        q, k, v, cus = make(case)
-        sm = s if not case.startswith("e_") else max(doc_lens)
-        flops = documents if case.startswith("e_") else full_rows
-        args = (q, k, v, cus, cus, sm, sm, d**-0.5, -1, 0)
-        o, lse = attn.flash_attention_fwd(*args)
-        do = torch.randn_like(o)
+    previous = attn_bwd.PAD_VARLEN_STATS
+    try:
+        for case in cases:
+            attn_bwd.PAD_VARLEN_STATS = not case.endswith("unpadded")
+            q, k, v, cus = make(case)
+            sm = s if not case.startswith("e_") else max(doc_lens)
+            flops = documents if case.startswith("e_") else full_rows
+            args = (q, k, v, cus, cus, sm, sm, d**-0.5, -1, 0)
+            o, lse = attn.flash_attention_fwd(*args)
+            do = torch.randn_like(o)
 
-        def fwd(args=args):
-            attn.flash_attention_fwd(*args)
+            def fwd(args=args):
+                attn.flash_attention_fwd(*args)
 
-        def bwd(q=q, k=k, v=v, o=o, lse=lse, do=do, cus=cus):
-            attn_bwd.flash_attention_bwd(do, q, k, v, o, lse, None, cus, cus, sm, sm, d**-0.5, -1, 0)
+            def bwd(q=q, k=k, v=v, o=o, lse=lse, do=do, cus=cus):
+                attn_bwd.flash_attention_bwd(do, q, k, v, o, lse, None, cus, cus, sm, sm, d**-0.5, -1, 0)
 
-        for pass_, fn, fl in (("fwd", fwd, flops), ("bwd", bwd, 2.5 * flops)):
-            rec = ba._record(dict(kind="attention_layouts", case=case), "fuseformer", pass_, fl, fn)
-            try:
-                rec["kernels"] = [dict(name=x["name"][:60], us=x["us"]) for x in gpu_kernels(fn, reps=5)]
-            except Exception as exc:
-                rec["kernels_error"] = f"{type(exc).__name__}: {exc}"[:200]
-            out.append(rec)
-        del q, k, v, o, lse, do
-        torch.cuda.empty_cache()
-    attn_bwd.PAD_VARLEN_STATS = True
+            for pass_, fn, fl in (("fwd", fwd, flops), ("bwd", bwd, 2.5 * flops)):
+                rec = ba._record(dict(kind="attention_layouts", case=case), "fuseformer", pass_, fl, fn)
+                try:
+                    rec["kernels"] = [dict(name=x["name"][:60], us=x["us"]) for x in gpu_kernels(fn, reps=5)]
+                except Exception as exc:
+                    rec["kernels_error"] = f"{type(exc).__name__}: {exc}"[:200]
+                out.append(rec)
+            del q, k, v, o, lse, do
+            torch.cuda.empty_cache()
+    finally:
+        attn_bwd.PAD_VARLEN_STATS = previous
     return out
 
 
@@ -428,8 +431,9 @@ def sweep_mlp_decode(
 
     Per T: each candidate config of the decode kernel (ops/mlp.py ``decode_candidates``; the rule's
     first, ``rule: True``) for the gate-up GEMM (with act*mul) and the down GEMM alone; then whole
-    MLPs: the decode path with the rule's configs (through ``fused_mlp`` and the launcher), the
-    decode path with the fastest gate-up and down candidates, the prefill-style path (our gate-up
+    MLPs: the decode path with the rule's configs (through ``fused_mlp`` and the launcher, and with
+    the down GEMM as a programmatic dependent launch, ``PDL_DECODE``: its descriptor-scratch hang of
+    runs 48-50 fixed and tested in run 52, not yet timed), the decode path with the fastest gate-up and down candidates, the prefill-style path (our gate-up
     kernel + cuBLAS, fused_mlp before the decode path), cuBLAS's two GEMMs alone, eager (HF
     LlamaMLP) and torch.compile of it. Each record: ms (do_bench median, L2 flushed), the weight
     bytes its part reads (gate-up 2HI x 2, down HI x 2, whole MLP 3HI x 2) as GB/s, and the percent
@@ -474,9 +478,7 @@ def sweep_mlp_decode(
         case("down", "cublas", lambda: y @ w_down.T)
         case("mlp", "decode rule (fused_mlp)", lambda: F.fused_mlp(x, w_gate_up, w_down))
         case("mlp", "decode rule (launcher)", lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"))
-        case(
-            "mlp", "decode rule, PDL", _without_pdl(mlp, lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"), True)
-        )
+        case("mlp", "decode rule, PDL", _with_pdl(mlp, lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu")))
         case("mlp", "prefill-style", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0] @ w_down.T)
         case("mlp", "eager", lambda: _eager_mlp(x, w_gate, w_up, w_down))
         if compiled is not None:
@@ -508,56 +510,11 @@ def sweep_mlp_decode(
     return out
 
 
-def sweep_mlp_decode_pdl(tokens: tuple[int, ...] = (1, 8, 32, 64)) -> list[dict]:
-    """The whole decode MLP (H 4096, I 14336, bf16) with the rule's configs, the down GEMM launched
-    plainly, torch.compile's MLP, then the down GEMM as a programmatic dependent launch of the
-    gate-up GEMM (last: in runs 48-50 its timings hung, the down GEMM overwriting the gate-up GEMM's
-    descriptor scratch; held apart since, run 52's timing-shaped test passed), timed with L2 flushed
-    by reading (bench_stream_ms) against the copy ceiling timed that way; plus host wall time per
-    call in a loop. Progress on stdout as it goes: run it under ``timeout`` with
-    PYTHONFAULTHANDLER=1 and ``-s ABRT`` to see where a hang stops."""
-    from fuseformer.bench.mlp_ce import _eager_mlp, _heat
-
-    mlp = importlib.import_module("fuseformer.ops.mlp")
-    h, i = 4096, 14336
-    ceiling = stream_copy_ceiling_tb_s(nbytes=1 << 30)
-    out: list[dict] = [dict(kind="mlp_decode_pdl_ceiling", copy_tb_s=ceiling)]
-    w_gate_up = torch.randn(2 * i, h, device="cuda", dtype=torch.bfloat16) / h**0.5
-    w_down = torch.randn(h, i, device="cuda", dtype=torch.bfloat16) / i**0.5
-    w_gate, w_up = (w.contiguous() for w in w_gate_up.chunk(2))
-    compiled = torch.compile(_eager_mlp)
-    for t in tokens:
-        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-        impls = {
-            "decode rule, no PDL": _without_pdl(mlp, lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu")),
-            "torch.compile": lambda: compiled(x, w_gate, w_up, w_down),
-            "decode rule, PDL": _without_pdl(mlp, lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"), True),
-        }
-        for impl, fn in impls.items():
-            rec = dict(kind="mlp_decode_pdl", T=t, impl=impl)
-            try:
-                fn()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    fn()
-                torch.cuda.synchronize()
-                rec["loop_us"] = (time.perf_counter() - t0) / 20 * 1e6
-                _heat(0.3)
-                _time_record(rec, fn, lambda fn: bench_stream_ms(fn, warmup=10, rep=50), 3 * h * i * 2, ceiling)
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            print(rec, flush=True)
-            out.append(rec)
-    return out
-
-
-def _without_pdl(mlp, fn: Callable[[], object], pdl: bool = False) -> Callable[[], object]:
-    """``fn`` run with the decode GEMMs' programmatic dependent launch off (ops/mlp.py PDL_DECODE),
-    or on with ``pdl``."""
+def _with_pdl(mlp, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with the decode GEMMs' programmatic dependent launch on (ops/mlp.py PDL_DECODE)."""
 
     def run():
-        previous, mlp.PDL_DECODE = mlp.PDL_DECODE, pdl
+        previous, mlp.PDL_DECODE = mlp.PDL_DECODE, True
         try:
             return fn()
         finally:
@@ -591,7 +548,6 @@ SWEEPS = {
     "mlp_decode": sweep_mlp_decode,
     # The same sweep timed with L2 flushed by reading (bench_stream_ms), against the copy ceiling
     # timed that way: do_bench's zero-fill flush charges ~60 MB of dirty-line write-back to each call.
-    "mlp_decode_pdl": sweep_mlp_decode_pdl,
     "mlp_decode_clean": lambda: sweep_mlp_decode(
         timer=lambda fn: bench_stream_ms(fn, warmup=10, rep=50), ceiling_tb_s=stream_copy_ceiling_tb_s(nbytes=1 << 30)
     ),

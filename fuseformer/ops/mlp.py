@@ -682,8 +682,8 @@ def mlp_decode_fwd(
 # gate-up GEMM's just-freed block and overwrite descriptors still in use (a TMA load on a wrong
 # descriptor never completes its mbarrier). The launches now hold their scratch apart
 # (``_holding_scratch``), and run 52's timing-shaped GPU test (an amax between 100 calls) passed
-# with no hang. PDL has not been timed yet, so the switch stays off until the sweep mlp_decode_pdl
-# (which turns it on, last, for itself) shows a gain.
+# with no hang. PDL has not been timed yet, so the switch stays off until the sweep mlp_decode
+# (or mlp_decode_clean; it times a "decode rule, PDL" case) shows a gain.
 PDL_DECODE = False
 
 

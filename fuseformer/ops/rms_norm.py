@@ -424,22 +424,15 @@ def _fwd_plan(
 @autotune.plan_cache
 def _bwd_plan(
     n: int, has_dh: bool, has_weight: bool, dtype: torch.dtype, device_index: int
-) -> tuple[LaunchConfig, LaunchConfig | None, int, int, int, int, int]:
+) -> tuple[LaunchConfig, LaunchConfig | None, int, int, int]:
     """(launch config, its single-launch form (None without weight), BLOCK_M, most persistent
     programs, most programs of the single-launch form: 0 where its rule never applies (no weight,
-    or chunked rows), then for a single launch of that many programs: its dw group size (0 where
-    the tail rule rejects it) and the most rows it takes) of the backward kernel.
-
-    The last two are ``_fused_dw_rows`` for every M of at least that many row blocks, computed
-    here once (a call, an isqrt and the tail rule per backward: ~0.3 us of host time, CPU 2026-11-30)."""
+    or chunked rows)) of the backward kernel."""
     cfg = dict(bwd_config(n, has_dh, dtype, device_index))
     per_sm = cfg.pop("programs_per_sm")
     sms = num_sms(device_index)
     fused_programs = sms * min(per_sm, _FUSED_DW_PER_SM) if has_weight and cfg["SINGLE_PASS"] else 0
-    fused_group = _fused_dw_rows(1, n, fused_programs) if fused_programs else 0
-    return _bwd_launch_configs(has_dh, has_weight, cfg) + (
-        cfg["BLOCK_M"], sms * per_sm, fused_programs, fused_group, _FUSED_DW_MAX_ELEMENTS // max(n, 1),
-    )  # fmt: skip
+    return _bwd_launch_configs(has_dh, has_weight, cfg) + (cfg["BLOCK_M"], sms * per_sm, fused_programs)
 
 
 def _bwd_launch_configs(has_dh: bool, has_weight: bool, cfg: dict) -> tuple[LaunchConfig, LaunchConfig | None]:
@@ -593,9 +586,9 @@ def rms_norm_bwd(
     """
     # Host time, 4096x1024 bf16 (CPU, 2026-11-30, launches stubbed at the C launch call; median of 8
     # processes' best of 60 rounds): this function 13.6 -> 11.5 us, the eager backward through
-    # autograd.grad 74.7 -> 67.7 us (with the residual 82.2 -> 74.1), from outputs by new_empty, the
-    # plan's dw group for a full grid, spec_key's int-key and aligned-pointer shortcuts, and the graph
-    # node calling the backward directly (_utils.autograd_function).
+    # autograd.grad 74.7 -> 67.7 us (with the residual 82.2 -> 74.1), from outputs by new_empty,
+    # spec_key's int-key and aligned-pointer shortcuts, the graph node calling the backward directly
+    # (_utils.autograd_function), and (~0.3 us, since undone for simplicity) the dw group from the plan.
     m, n = x.shape
     dx = new_empty(x, m, n)
     if m == 0 or n == 0:
@@ -607,8 +600,9 @@ def rms_norm_bwd(
     sdh = dh.stride() if dh is not None else (0, 1)
     assert sx[1] == 1 and sdy[1] == 1 and sdh[1] == 1
     device_index = x.get_device()
-    plan = _bwd_plan(n, dh is not None, weight is not None, x.dtype, device_index)
-    cfg, fused_cfg, block_m, max_programs, fused_max, fused_group, fused_rows = plan
+    cfg, fused_cfg, block_m, max_programs, fused_max = _bwd_plan(
+        n, dh is not None, weight is not None, x.dtype, device_index
+    )
     if config is not None or programs_per_sm is not None:
         # Sweeps: what is given replaces the config the op would use (the cached or default one),
         # programs per SM included for both forms.
@@ -619,7 +613,6 @@ def rms_norm_bwd(
         block_m = config["BLOCK_M"]
         max_programs = num_sms(device_index) * (programs_per_sm or per_sm)
         fused_max = max_programs if weight is not None and config["SINGLE_PASS"] else 0
-        fused_group = fused_rows = 0  # the plan's are for its own programs
     row_blocks = (m + block_m - 1) // block_m
     if weight is None:  # no dw: one launch; the partials' pointer is never used
         _bwd_launcher(
@@ -630,11 +623,8 @@ def rms_norm_bwd(
     dw = new_empty(weight, n)
     group = 0
     if fused_dw is None and fused_max:
-        if row_blocks >= fused_max and m <= fused_rows:  # every program has rows: the plan's group
-            programs, group = fused_max, fused_group
-        else:
-            programs = min(row_blocks, fused_max)
-            group = _fused_dw_rows(m, n, programs)
+        programs = min(row_blocks, fused_max)
+        group = _fused_dw_rows(m, n, programs)
     elif fused_dw:
         programs = min(row_blocks, fused_max or max_programs)
         group = _fused_dw_group(programs)

@@ -130,11 +130,12 @@ class TrainConfig:
             return 0, 0
         if mode == "all":
             return 1, 0
-        for prefix in ("every:", "all-but:"):
-            if isinstance(mode, str) and mode.startswith(prefix):
-                k = mode[len(prefix) :]
-                if k.isdigit() and int(k) >= (1 if prefix == "every:" else 0):
-                    return (int(k), 0) if prefix == "every:" else (1, int(k))
+        kind, _, k = mode.partition(":") if isinstance(mode, str) else ("", "", "")
+        if k.isdigit():
+            if kind == "every" and int(k) >= 1:
+                return int(k), 0
+            if kind == "all-but":
+                return 1, int(k)
         raise ValueError(
             "TrainConfig: activation_checkpointing must be 'off', 'all', 'every:k' (k >= 1) or 'all-but:k' "
             f"(k >= 0), got {mode!r}"
