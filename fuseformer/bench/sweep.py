@@ -426,6 +426,7 @@ def sweep_mlp_decode(
     *,
     timer: Callable[[Callable[[], object]], float] | None = None,
     ceiling_tb_s: float | None = None,
+    pdl_only: bool = False,
 ) -> list[dict]:
     """fused_mlp decode, bf16, H 4096, I 14336, T 1/8/32/64 (~2-3 min of GPU, compiles included).
 
@@ -440,6 +441,10 @@ def sweep_mlp_decode(
     of a 1 GiB device copy (read + write) measured in the same run. Everything is compiled (warmed)
     before a T's timings, then the GPU is kept busy ~1 s, so no timing starts from idle clocks.
     A failing config or peer is a record with ``error``, never the end of the sweep.
+
+    ``pdl_only`` (sweep mlp_decode_pdl, ~1 min): only the whole-MLP cases of the rule's configs,
+    without and with PDL, with PDL and each L2 prefetch size of ``PDL_PREFETCH_SIZES`` (the down
+    GEMM prefetching its first weight bytes before it waits for y), and torch.compile.
 
     ``h``, ``i``, ``tokens``, ``timer`` and ``ceiling_tb_s`` let a CPU test run it at tiny shapes under
     the interpreter (fp16 there: the interpreter's bf16 tl.dot is wrong).
@@ -469,20 +474,27 @@ def sweep_mlp_decode(
             cases.append((dict(kind="mlp_decode", T=t, H=h, I=i, part=part, impl=impl, **extra), fn))
 
         for glu, n, k, part, a, w in ((True, i, h, "gate_up", x, w_gate_up), (False, h, i, "down", y, w_down)):
-            for j, cfg in enumerate(mlp.decode_candidates(t, n, k, glu)):
+            for j, cfg in enumerate([] if pdl_only else mlp.decode_candidates(t, n, k, glu)):
                 case(part, "decode", lambda a=a, w=w, glu=glu, cfg=cfg: mlp._decode_gemm(a, w, glu, "silu", cfg),
                      config=cfg, rule=j == 0, programs=-(-n // cfg["BLOCK_N"]) * -(-t // cfg["BLOCK_M"]) * cfg["SPLIT_K"],
                      smem=mlp.decode_smem_bytes(cfg, glu))  # fmt: skip
-        case("gate_up", "prefill-style kernel", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu"))
-        case("gate_up", "cublas", lambda: x @ w_gate_up.T)
-        case("down", "cublas", lambda: y @ w_down.T)
-        case("mlp", "decode rule (fused_mlp)", lambda: F.fused_mlp(x, w_gate_up, w_down))
-        case("mlp", "decode rule (launcher)", lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"))
-        case("mlp", "decode rule, PDL", _with_pdl(mlp, lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu")))
-        case("mlp", "prefill-style", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0] @ w_down.T)
-        case("mlp", "eager", lambda: _eager_mlp(x, w_gate, w_up, w_down))
+        decode = lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu")  # noqa: E731
+        if not pdl_only:
+            case("gate_up", "prefill-style kernel", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu"))
+            case("gate_up", "cublas", lambda: x @ w_gate_up.T)
+            case("down", "cublas", lambda: y @ w_down.T)
+            case("mlp", "decode rule (fused_mlp)", lambda: F.fused_mlp(x, w_gate_up, w_down))
+        case("mlp", "decode rule (launcher)", decode)
+        case("mlp", "decode rule, PDL", _with_pdl(mlp, decode))
+        for nbytes in PDL_PREFETCH_SIZES if pdl_only else ():
+            case("mlp", f"decode rule, PDL, prefetch {nbytes} B a row", _with_pdl(mlp, decode, nbytes), prefetch=nbytes)
+        if not pdl_only:
+            case("mlp", "prefill-style", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0] @ w_down.T)
+            case("mlp", "eager", lambda: _eager_mlp(x, w_gate, w_up, w_down))
         if compiled is not None:
             case("mlp", "torch.compile", lambda: compiled(x, w_gate, w_up, w_down))
+        if pdl_only:  # the first case again, last: the drift over the T's timings
+            case("mlp", "decode rule (launcher), again", decode)
         for rec, fn in cases:  # compile everything first
             try:
                 fn()
@@ -493,6 +505,8 @@ def sweep_mlp_decode(
             if "error" not in rec:
                 _time_record(rec, fn, timer, part_bytes[rec["part"]], ceiling)
         out += [rec for rec, _ in cases]
+        if pdl_only:
+            continue
         # The decode path with the fastest candidate of each GEMM, timed as one MLP.
         best = {}
         for part in ("gate_up", "down"):
@@ -510,15 +524,21 @@ def sweep_mlp_decode(
     return out
 
 
-def _with_pdl(mlp, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` run with the decode GEMMs' programmatic dependent launch on (ops/mlp.py PDL_DECODE)."""
+# The L2 prefetch sizes (bytes of each weight row of the down GEMM) that sweep mlp_decode_pdl times.
+PDL_PREFETCH_SIZES = (2048, 4096, 8192, 16384)
+
+
+def _with_pdl(mlp, fn: Callable[[], object], prefetch_bytes: int = 0) -> Callable[[], object]:
+    """``fn`` run with the decode GEMMs' programmatic dependent launch on (ops/mlp.py PDL_DECODE)
+    and the down GEMM's L2 prefetch of ``prefetch_bytes`` a row (PDL_PREFETCH_BYTES)."""
 
     def run():
-        previous, mlp.PDL_DECODE = mlp.PDL_DECODE, True
+        previous = mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES
+        mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES = True, prefetch_bytes
         try:
             return fn()
         finally:
-            mlp.PDL_DECODE = previous
+            mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES = previous
 
     return run
 
@@ -548,6 +568,10 @@ SWEEPS = {
     "mlp_decode": sweep_mlp_decode,
     # The same sweep timed with L2 flushed by reading (bench_stream_ms), against the copy ceiling
     # timed that way: do_bench's zero-fill flush charges ~60 MB of dirty-line write-back to each call.
+    "mlp_decode_pdl": lambda: sweep_mlp_decode(
+        timer=lambda fn: bench_stream_ms(fn, warmup=10, rep=50), ceiling_tb_s=stream_copy_ceiling_tb_s(nbytes=1 << 30),
+        pdl_only=True,
+    ),
     "mlp_decode_clean": lambda: sweep_mlp_decode(
         timer=lambda fn: bench_stream_ms(fn, warmup=10, rep=50), ceiling_tb_s=stream_copy_ceiling_tb_s(nbytes=1 << 30)
     ),

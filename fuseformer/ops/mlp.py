@@ -253,13 +253,34 @@ def _mlp_split_k_epilogue_kernel(
 
 
 @triton.jit
+def _prefetch_rows_l2(W, row0, ROWS, K, stride_w, k_begin, k_end, ELEMENT_BYTES: tl.constexpr,
+                      BLOCK_ROWS: tl.constexpr, NBYTES: tl.constexpr):  # fmt: skip
+    # An L2 prefetch (cp.async.bulk.prefetch, sm_90) of the first NBYTES of columns [k_begin, k_end)
+    # of weight rows row0 .. row0 + BLOCK_ROWS (those < ROWS), in 4 pieces a row (one per thread at
+    # 32 rows and 4 warps). Rows are 16-byte aligned (decode_supported), so is every piece.
+    PIECES: tl.constexpr = 4
+    PIECE: tl.constexpr = NBYTES // PIECES
+    r = row0 + tl.arange(0, BLOCK_ROWS)
+    c = tl.arange(0, PIECES)
+    start = k_begin * ELEMENT_BYTES + c * PIECE  # bytes into the row
+    row_bytes = tl.minimum(k_end, K) * ELEMENT_BYTES
+    size = tl.minimum(row_bytes - start, PIECE)
+    size = tl.where((r < ROWS)[:, None] & (size > 0)[None, :], size[None, :], 0).to(tl.int32)
+    addr = (W.to(tl.pointer_type(tl.int8)) + r.to(tl.int64)[:, None] * (stride_w * ELEMENT_BYTES) + start[None, :])
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _mlp_decode_kernel(
     X, W, OUT, WS,
     M, N, K,
     stride_xm, stride_wn, stride_om,
     GLU: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
+    PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False, PREFETCH_BYTES: tl.constexpr = 0,
 ):  # fmt: skip
     # Decode (T <= 64): a weight-streaming GEMM, one kernel for both GEMMs of the MLP.
     #   GLU:  W (2N, K) = [gate; up] -> OUT (M, N) = act(x Wg^T) * (x Wu^T)   (N = I, K = H)
@@ -273,6 +294,8 @@ def _mlp_decode_kernel(
     # Programmatic dependent launch (sm_90, CUDA only; see mlp_decode_fwd): PDL_TRIGGER (the gate-up
     # GEMM) lets the next kernel's programs start at once; PDL_WAIT (the down GEMM, launched with
     # launch_pdl) sets up its descriptors, then waits for the previous kernel's writes (y) to land.
+    # PREFETCH_BYTES (with PDL_WAIT): before waiting, the first PREFETCH_BYTES of each of this
+    # program's weight rows (in its K range) are prefetched into L2; the weights do not depend on y.
     if PDL_TRIGGER:
         gdc_launch_dependents()
     off_n = tl.program_id(0) * BLOCK_N
@@ -289,6 +312,9 @@ def _mlp_decode_kernel(
                                        block_shape=[BLOCK_N, BLOCK_K])  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH_BYTES:
+        _prefetch_rows_l2(W, off_n, (2 * N if GLU else N), K, stride_wn, kt_begin * BLOCK_K, kt_end * BLOCK_K,
+                          W.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PREFETCH_BYTES)  # fmt: skip
     if PDL_WAIT:
         gdc_wait()
     for kt in tl.range(kt_begin, kt_end):
@@ -610,7 +636,8 @@ def _decode_gemm(
         t, n, k,
         x.stride(0), w.stride(0), out.stride(0),
         GLU=glu, ACTIVATION=activation, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait", **({"launch_pdl": True} if pdl == "wait" else {}),
+        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
+        **({"launch_pdl": True, "PREFETCH_BYTES": PDL_PREFETCH_BYTES} if pdl == "wait" else {}),
         **config,
     )  # fmt: skip
     if split > 1:
@@ -685,6 +712,9 @@ def mlp_decode_fwd(
 # with no hang. PDL has not been timed yet, so the switch stays off until the sweep mlp_decode
 # (or mlp_decode_clean; it times a "decode rule, PDL" case) shows a gain.
 PDL_DECODE = False
+# Under PDL, the bytes of each weight row the down GEMM prefetches into L2 before it waits for y
+# (0: none). Not yet timed (sweep mlp_decode_pdl).
+PDL_PREFETCH_BYTES = 0
 
 
 @functools.cache

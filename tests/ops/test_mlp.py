@@ -369,7 +369,7 @@ def test_mlp_decode_sweep_runs_at_tiny_shapes():
     as one MLP; no record carries an error."""
     import time
 
-    from fuseformer.bench.sweep import SWEEPS, sweep_mlp_decode
+    from fuseformer.bench.sweep import PDL_PREFETCH_SIZES, SWEEPS, sweep_mlp_decode
 
     def timer(fn):
         t0 = time.perf_counter()
@@ -387,6 +387,13 @@ def test_mlp_decode_sweep_runs_at_tiny_shapes():
         impls = {r["impl"] for r in rows if r["part"] == "mlp"}
         assert {"decode best", "decode rule (launcher)", "prefill-style", "eager"} <= impls
         assert all(r["pct_copy"] > 0 and r["gb_s"] > 0 for r in rows)
+    # The PDL-only form (sweep mlp_decode_pdl): whole MLPs only, a case per prefetch size (PDL is a
+    # no-op off CUDA, so these run the plain launches here).
+    records = sweep_mlp_decode(h=64, i=96, tokens=(1,), timer=timer, ceiling_tb_s=1.0, pdl_only=True)
+    assert [r for r in records if "error" in r] == [] and "mlp_decode_pdl" in SWEEPS
+    rows = [r for r in records if r.get("T") == 1]
+    assert {r["part"] for r in rows} == {"mlp"}
+    assert sorted(r["prefetch"] for r in rows if "prefetch" in r) == sorted(PDL_PREFETCH_SIZES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,10 +432,13 @@ def test_decode_gpu(t, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [0, 4096])
 @pytest.mark.parametrize("t", [1, 33])
-def test_decode_pdl_gpu(t, monkeypatch):
-    """The down GEMM launched as a programmatic dependent of the gate-up GEMM gives bit-for-bit what
-    the plain launches give, eagerly and replayed from a CUDA graph (as the engine's decode steps run)."""
+def test_decode_pdl_gpu(t, prefetch, monkeypatch):
+    """The down GEMM launched as a programmatic dependent of the gate-up GEMM (with and without its
+    L2 prefetch of weights before the wait) gives bit-for-bit what the plain launches give, eagerly
+    and replayed from a CUDA graph (as the engine's decode steps run)."""
+    monkeypatch.setattr(M, "PDL_PREFETCH_BYTES", prefetch)
     torch.manual_seed(0)
     x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
     w_gate_up = torch.randn(2 * 14336, 4096, device="cuda", dtype=torch.bfloat16) / 64
@@ -595,6 +605,9 @@ for t in (1, 32, 64):
         pdl = dict(PDL_TRIGGER=True) if glu else dict(PDL_WAIT=True)
         ptx = build(M._mlp_decode_kernel, dsig, dict(consts, **pdl), cfg).asm["ptx"]
         assert ("griddepcontrol.launch_dependents" if glu else "griddepcontrol.wait") in ptx
+        if not glu:  # with the L2 prefetch of the weights, issued before the wait
+            ptx = build(M._mlp_decode_kernel, dsig, dict(consts, PREFETCH_BYTES=4096, **pdl), cfg).asm["ptx"]
+            assert 0 <= ptx.find("cp.async.bulk.prefetch.L2") < ptx.find("griddepcontrol.wait")
         if cfg["SPLIT_K"] > 1:
             esig = dict(WS="*fp32", Y="*bf16", PRE="*bf16", M="i32", N="i32", stride_ym="i32", stride_pm="i32")
             consts = dict(ACTIVATION="silu", SAVE_PRE=False, SPLIT_K=cfg["SPLIT_K"], BLOCK_M=16, BLOCK_N=256, GLU=glu)
