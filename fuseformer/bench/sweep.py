@@ -504,8 +504,16 @@ def sweep_mlp_decode(
         for rec, fn in cases:
             if "error" not in rec:
                 _time_record(rec, fn, timer, part_bytes[rec["part"]], ceiling)
+                if pdl_only:  # as it is timed: a hang (runs 48-50, 53) shows which case it was in
+                    print("timed:", rec, flush=True)
         out += [rec for rec, _ in cases]
         if pdl_only:
+            # Which Triton allocator is in use after torch.compile's code ran (a suspect of the hangs).
+            from triton.runtime import _allocation
+
+            alloc = _allocation._allocator.get()
+            out.append(dict(kind="mlp_decode_allocator", T=t, ours=alloc is mlp._scratch,
+                            allocator=f"{getattr(alloc, '__module__', '?')}.{getattr(alloc, '__qualname__', type(alloc).__name__)}"))  # fmt: skip
             continue
         # The decode path with the fastest candidate of each GEMM, timed as one MLP.
         best = {}
@@ -569,7 +577,8 @@ SWEEPS = {
     # The same sweep timed with L2 flushed by reading (bench_stream_ms), against the copy ceiling
     # timed that way: do_bench's zero-fill flush charges ~60 MB of dirty-line write-back to each call.
     "mlp_decode_pdl": lambda: sweep_mlp_decode(
-        timer=lambda fn: bench_stream_ms(fn, warmup=10, rep=50), ceiling_tb_s=stream_copy_ceiling_tb_s(nbytes=1 << 30),
+        timer=lambda fn: bench_stream_ms(fn, warmup=10, rep=50),
+        ceiling_tb_s=stream_copy_ceiling_tb_s(nbytes=1 << 30),
         pdl_only=True,
     ),
     "mlp_decode_clean": lambda: sweep_mlp_decode(

@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.runtime import _allocation
 
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
@@ -266,7 +267,7 @@ def _prefetch_rows_l2(W, row0, ROWS, K, stride_w, k_begin, k_end, ELEMENT_BYTES:
     row_bytes = tl.minimum(k_end, K) * ELEMENT_BYTES
     size = tl.minimum(row_bytes - start, PIECE)
     size = tl.where((r < ROWS)[:, None] & (size > 0)[None, :], size[None, :], 0).to(tl.int32)
-    addr = (W.to(tl.pointer_type(tl.int8)) + r.to(tl.int64)[:, None] * (stride_w * ELEMENT_BYTES) + start[None, :])
+    addr = W.to(tl.pointer_type(tl.int8)) + r.to(tl.int64)[:, None] * (stride_w * ELEMENT_BYTES) + start[None, :]
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
@@ -494,23 +495,22 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
 
 
-_ALLOCATOR_SET = False
-
-
 def _ensure_allocator() -> None:
-    """Device-side descriptors need scratch memory from a Triton allocator; set one once."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
+    """Device-side descriptors need scratch memory from a Triton allocator: set ours where none is
+    (Triton's allocator is a context variable: per thread, and another library may have set its own,
+    which is fine for launches in stream order)."""
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
         triton.set_allocator(_scratch)
-        _ALLOCATOR_SET = True
 
 
 # Scratch for device-side tensor descriptors: each launch gets a fresh buffer from the caching
 # allocator, which may hand the next launch the same block at once (stream order makes that safe).
 # Under programmatic dependent launch it is not: the down GEMM's programs start while the gate-up
 # GEMM's still run and read their descriptors from their scratch, so a down GEMM given the same
-# block would overwrite them mid-kernel. Inside ``_holding_scratch`` every scratch buffer stays
-# referenced until the block exits, so the two launches get distinct blocks.
+# block would overwrite them mid-kernel. Inside ``_holding_scratch`` our allocator is the one in use
+# (whatever another library set: torch.compile's code, run before the PDL timings that hung in
+# runs 48-50 and 53, is one suspect) and every scratch buffer stays referenced until the block
+# exits, so the two launches get distinct blocks.
 _scratch_hold = threading.local()
 
 
@@ -526,9 +526,11 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 def _holding_scratch():
     previous = getattr(_scratch_hold, "bufs", None)
     _scratch_hold.bufs = []
+    token = _allocation._allocator.set(_scratch)
     try:
         yield
     finally:
+        _allocation._allocator.reset(token)
         _scratch_hold.bufs = previous
 
 
