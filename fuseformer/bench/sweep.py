@@ -500,6 +500,10 @@ def sweep_mlp_decode(
                 fn()
             except Exception as exc:
                 rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        if pdl_only:
+            from triton.runtime import _allocation
+
+            print("allocator after the first calls:", _allocation._allocator.get(), flush=True)
         _heat()
         for rec, fn in cases:
             if "error" not in rec:
