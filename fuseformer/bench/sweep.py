@@ -432,9 +432,9 @@ def sweep_mlp_decode(
 
     Per T: each candidate config of the decode kernel (ops/mlp.py ``decode_candidates``; the rule's
     first, ``rule: True``) for the gate-up GEMM (with act*mul) and the down GEMM alone; then whole
-    MLPs: the decode path with the rule's configs (through ``fused_mlp`` and the launcher, and with
-    the down GEMM as a programmatic dependent launch, ``PDL_DECODE``: its descriptor-scratch hang of
-    runs 48-50 fixed and tested in run 52, not yet timed), the decode path with the fastest gate-up and down candidates, the prefill-style path (our gate-up
+    MLPs: the decode path with the rule's configs (through ``fused_mlp`` and the launcher, both with
+    the down GEMM as a programmatic dependent launch, ``PDL_DECODE``, on since run 53; and without
+    it), the decode path with the fastest gate-up and down candidates, the prefill-style path (our gate-up
     kernel + cuBLAS, fused_mlp before the decode path), cuBLAS's two GEMMs alone, eager (HF
     LlamaMLP) and torch.compile of it. Each record: ms (do_bench median, L2 flushed), the weight
     bytes its part reads (gate-up 2HI x 2, down HI x 2, whole MLP 3HI x 2) as GB/s, and the percent
@@ -443,7 +443,7 @@ def sweep_mlp_decode(
     A failing config or peer is a record with ``error``, never the end of the sweep.
 
     ``pdl_only`` (sweep mlp_decode_pdl, ~1 min): only the whole-MLP cases of the rule's configs,
-    without and with PDL, with PDL and each L2 prefetch size of ``PDL_PREFETCH_SIZES`` (the down
+    with and without PDL, with PDL and each L2 prefetch size of ``PDL_PREFETCH_SIZES`` (the down
     GEMM prefetching its first weight bytes before it waits for y), and torch.compile.
 
     ``h``, ``i``, ``tokens``, ``timer`` and ``ceiling_tb_s`` let a CPU test run it at tiny shapes under
@@ -485,7 +485,7 @@ def sweep_mlp_decode(
             case("down", "cublas", lambda: y @ w_down.T)
             case("mlp", "decode rule (fused_mlp)", lambda: F.fused_mlp(x, w_gate_up, w_down))
         case("mlp", "decode rule (launcher)", decode)
-        case("mlp", "decode rule, PDL", _with_pdl(mlp, decode))
+        case("mlp", "decode rule, no PDL", _with_pdl(mlp, decode, enabled=False))
         for nbytes in PDL_PREFETCH_SIZES if pdl_only else ():
             case("mlp", f"decode rule, PDL, prefetch {nbytes} B a row", _with_pdl(mlp, decode, nbytes), prefetch=nbytes)
         if not pdl_only:
@@ -540,13 +540,14 @@ def sweep_mlp_decode(
 PDL_PREFETCH_SIZES = (2048, 4096, 8192, 16384)
 
 
-def _with_pdl(mlp, fn: Callable[[], object], prefetch_bytes: int = 0) -> Callable[[], object]:
-    """``fn`` run with the decode GEMMs' programmatic dependent launch on (ops/mlp.py PDL_DECODE)
-    and the down GEMM's L2 prefetch of ``prefetch_bytes`` a row (PDL_PREFETCH_BYTES)."""
+def _with_pdl(mlp, fn: Callable[[], object], prefetch_bytes: int = 0, enabled: bool = True) -> Callable[[], object]:
+    """``fn`` run with the decode GEMMs' programmatic dependent launch on or off (``enabled``,
+    ops/mlp.py PDL_DECODE) and the down GEMM's L2 prefetch of ``prefetch_bytes`` a row
+    (PDL_PREFETCH_BYTES)."""
 
     def run():
         previous = mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES
-        mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES = True, prefetch_bytes
+        mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES = enabled, prefetch_bytes
         try:
             return fn()
         finally:

@@ -702,20 +702,17 @@ def mlp_decode_fwd(
         return _decode_gemm(y, w_down, False, activation, down_config, "wait"), y
 
 
-# Programmatic dependent launch between the two decode GEMMs: off. Its GPU tests pass (bit-equal
-# outputs, eager and in a CUDA graph, calls back to back), but on the H200 (runs 48-50, 2026-11-30)
-# every timing of it hung: with a kernel of torch's (do_bench's L2 flush, an amax) between one
-# call's down GEMM and the next call's gate-up GEMM, the stream never reached the stop event. The
-# likely cause, found afterwards in the compiled code: both kernels build TMA descriptors in
-# scratch memory from the caching allocator, and the down GEMM, started early, could be given the
-# gate-up GEMM's just-freed block and overwrite descriptors still in use (a TMA load on a wrong
-# descriptor never completes its mbarrier). The launches now hold their scratch apart
-# (``_holding_scratch``), and run 52's timing-shaped GPU test (an amax between 100 calls) passed
-# with no hang. PDL has not been timed yet, so the switch stays off until the sweep mlp_decode
-# (or mlp_decode_clean; it times a "decode rule, PDL" case) shows a gain.
-PDL_DECODE = False
+# Programmatic dependent launch between the two decode GEMMs: on. Run 53 (H200, 2026-12-01, sweep
+# mlp_decode_pdl, L2 flushed by reading), whole MLP at the rule's configs, us without / with PDL
+# (the plain launch timed twice, first and last): T 1 102.5, 100.5 / 97.7; T 8 101.3, 96.4 / 93.8;
+# T 32 108.5, 100.1 / 99.6; T 64 104.4, 100.0 / 98.3: 85.1, 88.7, 83.5, 84.6% of the copy ceiling.
+# Its hangs (runs 48-50, the first try of run 53) came from descriptor scratch shared between the
+# two overlapping kernels: in a process where torch.compile's code had run, Triton's allocator was
+# Inductor's (no hold), so the down GEMM could be given the gate-up GEMM's just-freed scratch block
+# and overwrite descriptors still in use. ``_holding_scratch`` now sets ours for the two launches.
+PDL_DECODE = True
 # Under PDL, the bytes of each weight row the down GEMM prefetches into L2 before it waits for y
-# (0: none). Not yet timed (sweep mlp_decode_pdl).
+# (0: none). Run 53: 2 KB a row -0.5 to +1.0 points against none, 4-16 KB -0.6 to -6: off.
 PDL_PREFETCH_BYTES = 0
 
 
