@@ -442,8 +442,8 @@ def sweep_mlp_decode(
     before a T's timings, then the GPU is kept busy ~1 s, so no timing starts from idle clocks.
     A failing config or peer is a record with ``error``, never the end of the sweep.
 
-    ``pdl_only`` (sweep mlp_decode_pdl, ~1 min): only the whole-MLP cases of the rule's configs,
-    with and without PDL, with PDL and each L2 prefetch size of ``PDL_PREFETCH_SIZES`` (the down
+    ``pdl_only`` (sweep mlp_decode_pdl, ~1 min): only the whole-MLP cases of the rule's configs
+    (through fused_mlp and the launcher), with and without PDL, with PDL and each L2 prefetch size of ``PDL_PREFETCH_SIZES`` (the down
     GEMM prefetching its first weight bytes before it waits for y), and torch.compile.
 
     ``h``, ``i``, ``tokens``, ``timer`` and ``ceiling_tb_s`` let a CPU test run it at tiny shapes under
@@ -483,7 +483,7 @@ def sweep_mlp_decode(
             case("gate_up", "prefill-style kernel", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu"))
             case("gate_up", "cublas", lambda: x @ w_gate_up.T)
             case("down", "cublas", lambda: y @ w_down.T)
-            case("mlp", "decode rule (fused_mlp)", lambda: F.fused_mlp(x, w_gate_up, w_down))
+        case("mlp", "decode rule (fused_mlp)", lambda: F.fused_mlp(x, w_gate_up, w_down))
         case("mlp", "decode rule (launcher)", decode)
         case("mlp", "decode rule, no PDL", _with_pdl(mlp, decode, enabled=False))
         for nbytes in PDL_PREFETCH_SIZES if pdl_only else ():
