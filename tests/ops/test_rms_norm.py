@@ -112,6 +112,11 @@ def test_rms_norm_float64_runs_on_reference(device):
         (dict(x=torch.randn(3, 8), weight=torch.randn(8), residual=torch.randn(3, 9)), "residual has shape"),
         (dict(x=torch.randn(3, 8), weight=torch.randn(8), residual=torch.randn(3, 8).half()), "residual has dtype"),
         (dict(x=torch.randn(3, 8), weight="w"), "weight must be a torch.Tensor"),
+        (dict(x=torch.randn(3, 8), weight=torch.randn(7).double()), r"weight has shape \(7,\); expected \(8,\)"),
+        (dict(x=torch.randn(3, 8), weight=torch.randn(8).int()), "weight has dtype int32"),
+        (dict(x=torch.randn(3, 8), weight=torch.randn(8), residual="r"), "residual must be a torch.Tensor"),
+        (dict(x=torch.randn(3, 8), weight=torch.randn(8), residual=torch.randn(2, 3, 8)), r"\(the shape of x\)"),
+        (dict(x=torch.tensor(1.0), weight=None), "x must have at least 1 dim"),
         (dict(x=torch.randn(3, 8), weight=torch.randn(8), eps=-1.0), "eps must be"),
     ],
 )
@@ -209,6 +214,29 @@ def test_rms_norm_residual_backward_with_one_output_unused(use, device):
     # Only h used: the reference leaves w without a gradient; ours is zero (dy taken as zeros).
     w_ref = wd.grad.float() if wd.grad is not None else torch.zeros_like(w)
     torch.testing.assert_close(w.grad, w_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_rms_norm_backward_with_an_undefined_output_gradient(device):
+    """Without the residual the eager Function leaves autograd to materialize y's gradient: a
+    consumer that returns None for it gives x and w zero gradients (as the residual form's dy None)."""
+
+    class _DropFirst(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y, z):
+            return y.sum() * 0 + z.sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            return None, g.expand(3)
+
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    w = torch.randn(8, device=device, requires_grad=True)
+    z = torch.randn(3, device=device, requires_grad=True)
+    with fuseformer.use_backend("triton"):
+        y = F.rms_norm(x, w)
+    dx, dw, dz = torch.autograd.grad(_DropFirst.apply(y, z), (x, w, z))
+    assert torch.equal(dx, torch.zeros_like(x)) and torch.equal(dw, torch.zeros_like(w))
+    assert torch.equal(dz, torch.ones_like(z))
 
 
 def test_rms_norm_dw_reduction_over_many_partials(device):
@@ -351,17 +379,17 @@ def test_rms_norm_backward_takes_the_rules_launch_for_every_m(device, monkeypatc
 
 def test_new_empty_is_a_kernel_output_in_the_tensors_dtype_and_device(device, monkeypatch):
     """``new_empty`` (the launchers' allocation for outputs shaped like an input): contiguous, of
-    the tensor's dtype and device, a plain tensor without grad (also from a Parameter), and NaN-filled
-    while outputs are poisoned (the tests' default)."""
+    the tensor's dtype (or the one given) and device, a plain tensor without grad (also from a
+    Parameter), and NaN-filled while outputs are poisoned (the tests' default)."""
     from fuseformer.ops import _utils
 
     x = torch.randn(3, 6, dtype=torch.float16, device=device, requires_grad=True)[:, :5]
     w = torch.nn.Parameter(torch.randn(5, dtype=torch.bfloat16, device=device))
     for poison in (True, False):
         monkeypatch.setattr(_utils, "_POISON", poison)
-        for t, sizes in ((x, (7, 5)), (w, (5,)), (x, (0, 5))):
-            out = _utils.new_empty(t, *sizes)
-            assert out.shape == sizes and out.dtype == t.dtype and out.device == t.device
+        for t, sizes, dtype in ((x, (7, 5), None), (w, (5,), None), (x, (0, 5), None), (x, (7,), torch.float32)):
+            out = _utils.new_empty(t, *sizes, dtype=dtype)
+            assert out.shape == sizes and out.dtype == (dtype or t.dtype) and out.device == t.device
             assert out.is_contiguous() and type(out) is torch.Tensor and not out.requires_grad
             if poison:
                 assert out.isnan().all()
