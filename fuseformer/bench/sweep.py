@@ -487,6 +487,9 @@ def sweep_mlp_decode(
         case("mlp", "decode rule (fused_mlp)", lambda: F.fused_mlp(x, w_gate_up, w_down))
         case("mlp", "decode rule (launcher)", decode)
         case("mlp", "decode rule, no PDL", _with_pdl(mlp, decode, enabled=False))
+        if pdl_only:
+            case("mlp", "decode rule, PDL, host descriptors", _with_pdl(mlp, decode, host_desc=True))
+            case("mlp", "decode rule, no PDL, host descriptors", _with_pdl(mlp, decode, enabled=False, host_desc=True))
         for nbytes in PDL_PREFETCH_SIZES if pdl_only else ():
             case("mlp", f"decode rule, PDL, prefetch {nbytes} B a row", _with_pdl(mlp, decode, nbytes), prefetch=nbytes)
         if not pdl_only:
@@ -550,18 +553,20 @@ def sweep_mlp_decode(
 PDL_PREFETCH_SIZES = (2048, 4096, 8192, 16384)
 
 
-def _with_pdl(mlp, fn: Callable[[], object], prefetch_bytes: int = 0, enabled: bool = True) -> Callable[[], object]:
+def _with_pdl(
+    mlp, fn: Callable[[], object], prefetch_bytes: int = 0, enabled: bool = True, host_desc: bool = False
+) -> Callable[[], object]:
     """``fn`` run with the decode GEMMs' programmatic dependent launch on or off (``enabled``,
-    ops/mlp.py PDL_DECODE) and the down GEMM's L2 prefetch of ``prefetch_bytes`` a row
-    (PDL_PREFETCH_BYTES)."""
+    ops/mlp.py PDL_DECODE), the down GEMM's L2 prefetch of ``prefetch_bytes`` a row
+    (PDL_PREFETCH_BYTES) and descriptors built on the host or not (DECODE_HOST_DESC)."""
 
     def run():
-        previous = mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES
-        mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES = enabled, prefetch_bytes
+        previous = mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES, mlp.DECODE_HOST_DESC
+        mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES, mlp.DECODE_HOST_DESC = enabled, prefetch_bytes, host_desc
         try:
             return fn()
         finally:
-            mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES = previous
+            mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES, mlp.DECODE_HOST_DESC = previous
 
     return run
 

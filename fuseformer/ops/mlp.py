@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime import _allocation
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
@@ -282,6 +283,7 @@ def _mlp_decode_kernel(
     GLU: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False, PREFETCH_BYTES: tl.constexpr = 0,
+    HOST_DESC: tl.constexpr = False,
 ):  # fmt: skip
     # Decode (T <= 64): a weight-streaming GEMM, one kernel for both GEMMs of the MLP.
     #   GLU:  W (2N, K) = [gate; up] -> OUT (M, N) = act(x Wg^T) * (x Wu^T)   (N = I, K = H)
@@ -308,12 +310,19 @@ def _mlp_decode_kernel(
     kt_end = tl.minimum(kt_begin + per_split, k_tiles)  # <= kt_begin: a split left without tiles writes 0
     # Out-of-bounds boxes read as zero and cost no bytes (rows >= M, K's tail); a gate box crossing
     # row N reads up rows into columns >= N, which the stores mask off.
-    x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
-    w_desc = tl.make_tensor_descriptor(W, shape=[2 * N if GLU else N, K], strides=[stride_wn, 1],
-                                       block_shape=[BLOCK_N, BLOCK_K])  # fmt: skip
+    # HOST_DESC: X and W are descriptors built on the host (kernel parameters: no per-program
+    # descriptor writes and fences at the start, no scratch memory).
+    if HOST_DESC:
+        x_desc = X
+        w_desc = W
+    else:
+        x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(W, shape=[2 * N if GLU else N, K], strides=[stride_wn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH_BYTES:
+    if PREFETCH_BYTES:  # pointer arithmetic on W: device descriptors only
+        tl.static_assert(not HOST_DESC)
         _prefetch_rows_l2(W, off_n, (2 * N if GLU else N), K, stride_wn, kt_begin * BLOCK_K, kt_end * BLOCK_K,
                           W.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PREFETCH_BYTES)  # fmt: skip
     if PDL_WAIT:
@@ -630,16 +639,23 @@ def _decode_gemm(
     split = config["SPLIT_K"]
     # Split-K partials (SPLIT_K, T, 2N or N) fp32: 1 MB a split at T 64 for the down GEMM (N 4096).
     ws = empty((split, t, 2 * n if glu else n), dtype=torch.float32, device=x.device) if split > 1 else out
-    if x.is_cuda:
-        _ensure_allocator()
+    host_desc = DECODE_HOST_DESC and not (pdl == "wait" and PDL_PREFETCH_BYTES)
+    if host_desc:
+        x_arg = TensorDescriptor(x, [t, k], [x.stride(0), 1], [config["BLOCK_M"], config["BLOCK_K"]])
+        w_arg = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [config["BLOCK_N"], config["BLOCK_K"]])
+    else:
+        x_arg, w_arg = x, w
+        if x.is_cuda:
+            _ensure_allocator()
     grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(t, config["BLOCK_M"]), split)
     _mlp_decode_kernel[grid](
-        x, w, out, ws,
+        x_arg, w_arg, out, ws,
         t, n, k,
         x.stride(0), w.stride(0), out.stride(0),
         GLU=glu, ACTIVATION=activation, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
         **({"launch_pdl": True, "PREFETCH_BYTES": PDL_PREFETCH_BYTES} if pdl == "wait" else {}),
+        HOST_DESC=host_desc,
         **config,
     )  # fmt: skip
     if split > 1:
@@ -714,6 +730,9 @@ PDL_DECODE = True
 # Under PDL, the bytes of each weight row the down GEMM prefetches into L2 before it waits for y
 # (0: none). Run 53: 2 KB a row -0.5 to +1.0 points against none, 4-16 KB -0.6 to -6: off.
 PDL_PREFETCH_BYTES = 0
+# The decode kernels' TMA descriptors built on the host (TensorDescriptor kernel parameters) rather
+# than by each program in scratch memory. Not yet timed (sweep mlp_decode_pdl): off.
+DECODE_HOST_DESC = False
 
 
 @functools.cache

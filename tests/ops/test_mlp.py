@@ -309,6 +309,16 @@ def test_decode_split_k_edges(t, device):
     _check_decode(t, 40, 72, torch.float32, device, _dcfg(bn=32, split=2), _dcfg(bn=32, split=3), "gelu_tanh")
 
 
+@pytest.mark.parametrize("t", [3, 33])
+def test_decode_host_descriptors(t, device, monkeypatch):
+    """The decode kernels with their TMA descriptors built on the host (DECODE_HOST_DESC): split-K,
+    tiles wider than the weights, gapped x rows, several row blocks."""
+    monkeypatch.setattr(M, "DECODE_HOST_DESC", True)
+    _check_decode(t, 40, 72, torch.float16, device, _dcfg(split=3), _dcfg(split=4))
+    _check_decode(t, 24, 40, torch.float16, device, _dcfg(bn=64, bk=64), _dcfg(bn=64, bk=64, split=2), gapped=True)
+    _check_decode(t, 96, 352, torch.float32, device, gapped=True)
+
+
 def test_decode_wide_tiles_and_gapped_rows(device):
     """Tiles wider than the weights (BLOCK_N 64 over I 40, BLOCK_K 64 over H 24: every box partly out
     of bounds) and x rows strided with NaN gaps between them, which the descriptors must not read."""
@@ -432,13 +442,14 @@ def test_decode_gpu(t, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [0, 4096])
+@pytest.mark.parametrize("prefetch, host_desc", [(0, False), (4096, False), (0, True)])
 @pytest.mark.parametrize("t", [1, 33])
-def test_decode_pdl_gpu(t, prefetch, monkeypatch):
+def test_decode_pdl_gpu(t, prefetch, host_desc, monkeypatch):
     """The down GEMM launched as a programmatic dependent of the gate-up GEMM (with and without its
     L2 prefetch of weights before the wait) gives bit-for-bit what the plain launches give, eagerly
     and replayed from a CUDA graph (as the engine's decode steps run)."""
     monkeypatch.setattr(M, "PDL_PREFETCH_BYTES", prefetch)
+    monkeypatch.setattr(M, "DECODE_HOST_DESC", host_desc)
     torch.manual_seed(0)
     x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
     w_gate_up = torch.randn(2 * 14336, 4096, device="cuda", dtype=torch.bfloat16) / 64
