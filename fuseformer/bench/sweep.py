@@ -207,10 +207,28 @@ def sweep_small_rows() -> list[dict]:
         calls["liger fwd"] = lambda: liger_rms_norm(x, w, 1e-6)
     except Exception:
         pass
+    # Zero-work graph nodes (no kernel in their backward): what autograd.grad itself costs through a
+    # C++ node (a view's) and through a Python autograd.Function returning stored gradients.
+    gx, gw = torch.randn_like(x0), torch.randn_like(w0)
+
+    class _StoredGrads(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, dy):
+            return gx, gw
+
+    calls["no-kernel C++ node (view) fwd"] = lambda: x.view(m, n)
+    calls["no-kernel Python node fwd"] = lambda: _StoredGrads.apply(x, w)
     for name in [k for k in calls if k.endswith(" fwd")]:
         y = calls[name]()
         dy = torch.randn_like(y)
-        calls[name.replace(" fwd", " bwd")] = lambda y=y, dy=dy: torch.autograd.grad(y, (x, w), dy, retain_graph=True)
+        inputs = (x,) if name.startswith("no-kernel C++") else (x, w)  # a view of x: w gets no gradient
+        calls[name.replace(" fwd", " bwd")] = lambda y=y, dy=dy, inputs=inputs: torch.autograd.grad(
+            y, inputs, dy, retain_graph=True
+        )
     # Last: the first call of a torch.library custom op with autograd may set up state the others
     # would then pay for (see the note on the kernel listing below).
     calls["ours custom op with grad"] = lambda: rn._rms_norm_fwd_op(x, w, None, 1e-6)
@@ -549,6 +567,105 @@ def sweep_mlp_decode(
     return out
 
 
+def _timeline_summary(g: torch.Tensor | None, d: torch.Tensor | None) -> dict:
+    """One launch's program stamps (int64 (programs, 4): start, after the PDL wait, end in ns; SM),
+    as µs from the first program's start: the spread of starts, the waits' release, and the ends'
+    quantiles (the tail is the time between the first and the last program's end)."""
+    stamps = [s for s in (g, d) if s is not None]
+    t0 = min(int(s[:, 0].min()) for s in stamps)
+    out = {}
+    for name, s in (("gate_up", g), ("down", d)):
+        if s is None:
+            continue
+        start, wait, end = ((s[:, j] - t0).double() / 1e3 for j in range(3))
+        q = torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)
+        out[name] = dict(
+            programs=int(s.shape[0]), sms=int(s[:, 3].unique().numel()),
+            start_first=float(start.min()), start_last=float(start.max()),
+            wait_first=float(wait.min()), wait_last=float(wait.max()),
+            end_q=[float(v) for v in torch.quantile(end, q)],  # quantiles 0, 0.1, 0.5, 0.9, 1
+            busy_mean=float((end - wait).mean()),  # per program, from its wait's release to its end
+        )  # fmt: skip
+    return out
+
+
+def sweep_mlp_decode_timeline(
+    h: int = 4096, i: int = 14336, tokens: tuple[int, ...] = (1, 8, 64), iters: int = 15
+) -> list[dict]:
+    """Where the decode MLP's time goes (GPU only): each program of the two decode GEMMs stamps
+    %globaltimer at its start, after its PDL wait and at its end (ops/mlp.py ``_mlp_decode_kernel``'s
+    TIMES), for the whole MLP with and without PDL and each GEMM alone, at the rule's configs, L2
+    flushed by reading before each call (as ``bench_stream_ms``). Per case, the medians over ``iters``
+    calls of: the CUDA-event time of the call, the span from the first program's start to the last
+    one's end, and each GEMM's start spread, PDL release and end quantiles (``_timeline_summary``)."""
+    from fuseformer.bench._timing import _stream_flush_buffer
+    from fuseformer.bench.mlp_ce import _heat
+
+    mlp = importlib.import_module("fuseformer.ops.mlp")
+    dev, dtype = "cuda", torch.bfloat16
+    flush = _stream_flush_buffer(torch.cuda.current_device())
+    w_gate_up = torch.randn(2 * i, h, device=dev).to(dtype) / h**0.5
+    w_down = torch.randn(h, i, device=dev).to(dtype) / i**0.5
+    out: list[dict] = []
+    for t in tokens:
+        x = torch.randn(t, h, device=dev).to(dtype)
+        y = mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0]
+        tb = mlp.next_pow2(t)
+        gcfg = mlp._decode_plan(mlp.GATE_UP_DECODE, tb, i, h, dtype, x.device)
+        dcfg = mlp._decode_plan(mlp.DOWN_DECODE, tb, h, i, dtype, x.device)
+
+        def stamps(cfg, n):
+            programs = -(-n // cfg["BLOCK_N"]) * -(-t // cfg["BLOCK_M"]) * cfg["SPLIT_K"]
+            return torch.zeros(programs, 4, dtype=torch.int64, device=dev)
+
+        tg, td = stamps(gcfg, i), stamps(dcfg, h)
+        decode = lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", times=(tg, td))  # noqa: E731
+        cases = {
+            "mlp, PDL": (decode, True, True),
+            "mlp, no PDL": (_with_pdl(mlp, decode, enabled=False, host_desc=mlp.DECODE_HOST_DESC), True, True),
+            "gate_up alone": (lambda: mlp._decode_gemm(x, w_gate_up, True, "silu", gcfg, times=tg), True, False),
+            "down alone": (lambda: mlp._decode_gemm(y, w_down, False, "silu", dcfg, times=td), False, True),
+        }
+        for fn, _, _ in cases.values():
+            fn()
+        _heat()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for name, (fn, has_g, has_d) in cases.items():
+            rows = []
+            try:
+                for _ in range(3):  # warm
+                    fn()
+                for _ in range(iters):
+                    flush.amax()
+                    start.record()
+                    fn()
+                    stop.record()
+                    stop.synchronize()
+                    summary = _timeline_summary(tg.cpu() if has_g else None, td.cpu() if has_d else None)
+                    ends = [summary[p]["end_q"][-1] for p in ("gate_up", "down") if p in summary]
+                    rows.append(dict(event_us=1e3 * start.elapsed_time(stop), span_us=max(ends), **summary))
+            except Exception as exc:
+                out.append(dict(kind="mlp_decode_timeline", T=t, case=name, error=f"{type(exc).__name__}: {exc}"[:300]))
+                continue
+            rec = dict(kind="mlp_decode_timeline", T=t, case=name, iters=iters, gate_up_config=gcfg, down_config=dcfg,
+                       event_us=statistics.median(r["event_us"] for r in rows),
+                       span_us=statistics.median(r["span_us"] for r in rows))  # fmt: skip
+            for part in ("gate_up", "down"):
+                if part in rows[0]:
+                    med = {}
+                    for key, v in rows[0][part].items():
+                        if isinstance(v, list):
+                            med[key] = [statistics.median(r[part][key][j] for r in rows) for j in range(len(v))]
+                        else:
+                            med[key] = statistics.median(r[part][key] for r in rows)
+                    rec[part] = med
+            last = {p: s.cpu().tolist() for p, s, has in (("gate_up", tg, has_g), ("down", td, has_d)) if has}
+            rec["last_call_stamps"] = last  # raw, for plots: (start, after wait, end ns; SM) per program
+            print("timeline:", {k: v for k, v in rec.items() if k != "last_call_stamps"}, flush=True)
+            out.append(rec)
+    return out
+
+
 # The L2 prefetch sizes (bytes of each weight row of the down GEMM) that sweep mlp_decode_pdl times.
 PDL_PREFETCH_SIZES = (2048, 4096, 8192, 16384)
 
@@ -594,6 +711,7 @@ SWEEPS = {
     "train_profile": sweep_train_profile,
     "flce": sweep_flce,
     "mlp_decode": sweep_mlp_decode,
+    "mlp_decode_timeline": sweep_mlp_decode_timeline,
     # The same sweep timed with L2 flushed by reading (bench_stream_ms), against the copy ceiling
     # timed that way: do_bench's zero-fill flush charges ~60 MB of dirty-line write-back to each call.
     "mlp_decode_pdl": lambda: sweep_mlp_decode(

@@ -52,7 +52,7 @@ import threading
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -283,7 +283,7 @@ def _mlp_decode_kernel(
     GLU: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False, PREFETCH_BYTES: tl.constexpr = 0,
-    HOST_DESC: tl.constexpr = False,
+    HOST_DESC: tl.constexpr = False, TIMES=None,
 ):  # fmt: skip
     # Decode (T <= 64): a weight-streaming GEMM, one kernel for both GEMMs of the MLP.
     #   GLU:  W (2N, K) = [gate; up] -> OUT (M, N) = act(x Wg^T) * (x Wu^T)   (N = I, K = H)
@@ -299,6 +299,10 @@ def _mlp_decode_kernel(
     # launch_pdl) sets up its descriptors, then waits for the previous kernel's writes (y) to land.
     # PREFETCH_BYTES (with PDL_WAIT): before waiting, the first PREFETCH_BYTES of each of this
     # program's weight rows (in its K range) are prefetched into L2; the weights do not depend on y.
+    # TIMES (sweeps only: the timeline of one launch): per program, int64 x 4 at its linear index:
+    # %globaltimer (ns) at its start, after its PDL wait (= start without), at its end; its SM.
+    if TIMES is not None:
+        t_start = globaltimer()
     if PDL_TRIGGER:
         gdc_launch_dependents()
     off_n = tl.program_id(0) * BLOCK_N
@@ -327,6 +331,8 @@ def _mlp_decode_kernel(
                           W.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PREFETCH_BYTES)  # fmt: skip
     if PDL_WAIT:
         gdc_wait()
+    if TIMES is not None:
+        t_wait = globaltimer()
     for kt in tl.range(kt_begin, kt_end):
         k = kt * BLOCK_K
         x = x_desc.load([off_m, k])
@@ -346,6 +352,13 @@ def _mlp_decode_kernel(
         _gate_up_epilogue(acc, acc_u, OUT, OUT, rows, rn, mask, stride_om, 0, N, ACTIVATION, False)
     else:
         tl.store(OUT + rows * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
+    if TIMES is not None:
+        t_end = globaltimer()
+        pid = (split * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+        tl.store(TIMES + pid * 4, t_start)
+        tl.store(TIMES + pid * 4 + 1, t_wait)
+        tl.store(TIMES + pid * 4 + 2, t_end)
+        tl.store(TIMES + pid * 4 + 3, smid().to(tl.int64))
 
 
 # --------------------------------------------------------------------------------------------
@@ -626,13 +639,15 @@ def _split_k_reduce(ws: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | Non
 
 
 def _decode_gemm(
-    x: torch.Tensor, w: torch.Tensor, glu: bool, activation: str, config: dict, pdl: str = ""
-) -> torch.Tensor:
+    x: torch.Tensor, w: torch.Tensor, glu: bool, activation: str, config: dict, pdl: str = "",
+    times: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """x (T, K), w (2N, K) = [gate; up] (``glu``) or (N, K) -> act(x Wg^T) * (x Wu^T) or x W^T (T, N),
     x's dtype, through _mlp_decode_kernel (16-byte aligned rows: tensor descriptors).
 
     ``pdl``: "" none, "trigger" (this kernel lets the next one launch early), "wait" (this kernel is
-    launched as a programmatic dependent of the previous one and waits for its writes)."""
+    launched as a programmatic dependent of the previous one and waits for its writes). ``times``
+    (sweeps): int64 (programs, 4) that the kernel fills with its timeline (_mlp_decode_kernel's TIMES)."""
     t, k = x.shape
     n = w.shape[0] // 2 if glu else w.shape[0]
     out = empty((t, n), dtype=x.dtype, device=x.device)
@@ -655,7 +670,7 @@ def _decode_gemm(
         GLU=glu, ACTIVATION=activation, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
         **({"launch_pdl": True, "PREFETCH_BYTES": PDL_PREFETCH_BYTES} if pdl == "wait" else {}),
-        HOST_DESC=host_desc,
+        HOST_DESC=host_desc, TIMES=times,
         **config,
     )  # fmt: skip
     if split > 1:
@@ -694,10 +709,12 @@ def mlp_decode_fwd(
     activation: str,
     gate_up_config: dict | None = None,
     down_config: dict | None = None,
+    times: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (T, H), T <= 64 -> out (T, H) and y (T, I): the gate-up GEMM with the activation, then the
     down GEMM, both through _mlp_decode_kernel (plus the split-K epilogue where a config splits).
-    No pre-activation (inference only). The configs override the cached ones (sweeps, tests)."""
+    No pre-activation (inference only). The configs override the cached ones (sweeps, tests);
+    ``times`` (sweeps): the two GEMMs' timeline buffers (``_decode_gemm``)."""
     t, h = x.shape
     i = w_down.shape[1]
     tb = next_pow2(t)
@@ -710,12 +727,13 @@ def mlp_decode_fwd(
     # (launch, program start, descriptor set-up) leaves the weight stream. Only where gate-up is one
     # kernel (no split-K epilogue between them) and the device is sm_90+.
     pdl = PDL_DECODE and gate_up_config["SPLIT_K"] == 1 and _pdl_capable(x.device)
+    t_gate_up, t_down = times if times is not None else (None, None)
     if not pdl:
-        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config)
-        return _decode_gemm(y, w_down, False, activation, down_config), y
+        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, times=t_gate_up)
+        return _decode_gemm(y, w_down, False, activation, down_config, times=t_down), y
     with _holding_scratch():  # the two kernels overlap: their descriptor scratch must not alias
-        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger")
-        return _decode_gemm(y, w_down, False, activation, down_config, "wait"), y
+        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger", t_gate_up)
+        return _decode_gemm(y, w_down, False, activation, down_config, "wait", t_down), y
 
 
 # Programmatic dependent launch between the two decode GEMMs: on. Run 53 (H200, 2026-12-01, sweep

@@ -620,6 +620,9 @@ for t in (1, 32, 64):
         pdl = dict(PDL_TRIGGER=True) if glu else dict(PDL_WAIT=True)
         ptx = build(M._mlp_decode_kernel, dsig, dict(consts, **pdl), cfg).asm["ptx"]
         assert ("griddepcontrol.launch_dependents" if glu else "griddepcontrol.wait") in ptx
+        # The sweeps' timeline form (TIMES): %globaltimer read at the start, after the wait, at the end.
+        ptx = build(M._mlp_decode_kernel, dict(dsig, TIMES="*i64"), dict(consts, **pdl), cfg).asm["ptx"]
+        assert ptx.count("%globaltimer") == 3 and "%smid" in ptx
         if not glu:  # with the L2 prefetch of the weights, issued before the wait
             ptx = build(M._mlp_decode_kernel, dsig, dict(consts, PREFETCH_BYTES=4096, **pdl), cfg).asm["ptx"]
             assert 0 <= ptx.find("cp.async.bulk.prefetch.L2") < ptx.find("griddepcontrol.wait")
