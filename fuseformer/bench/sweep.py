@@ -184,6 +184,54 @@ def _host_us(fn, calls: int = 500) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def _small_rows_backward_breakdown(x: torch.Tensor, w: torch.Tensor, calls: int = 500) -> dict:
+    """Where the host time of ``autograd.grad`` through our eager rms_norm goes: a copy of its
+    autograd.Function whose backward stamps ``perf_counter`` at its entry, around ``rms_norm_bwd``
+    and at its exit, against stamps before and after ``autograd.grad``. Mean µs per call of: the
+    engine until our backward starts (on its device thread), our backward before ``rms_norm_bwd``
+    (saved tensors, contiguity), ``rms_norm_bwd`` itself, our backward after it, and the engine after
+    our backward returns; and ``rms_norm_bwd`` called directly on the main thread, for comparison."""
+    from fuseformer.ops._utils import autograd_function
+
+    stamps: list[float] = []
+    clock = time.perf_counter
+
+    def timed_bwd(*args):
+        stamps.append(clock())
+        result = rn.rms_norm_bwd(*args)
+        stamps.append(clock())
+        return result
+
+    inner = rn._backward_with(timed_bwd)
+
+    def backward(ctx, *grads):
+        stamps.append(clock())
+        result = inner(ctx, *grads)
+        stamps.append(clock())
+        return result
+
+    fn = autograd_function("_TimedRMSNorm", rn._forward_eager, None, backward)
+    y = fn.apply(x, w, None, 1e-6)
+    dy = torch.randn_like(y)
+    sums = [0.0] * 5
+    for rep in range(50 + calls):
+        stamps.clear()
+        t0 = clock()
+        torch.autograd.grad(y, (x, w), dy, retain_graph=True)
+        t_end = clock()
+        if rep >= 50:
+            points = [t0, *stamps, t_end]  # t0, enter, before bwd, after bwd, exit, end
+            for j in range(5):
+                sums[j] += points[j + 1] - points[j]
+    torch.cuda.synchronize()
+    rstd = rn.rms_norm_fwd(x.detach(), w.detach(), None, 1e-6)[2]
+    direct = _host_us(lambda: rn.rms_norm_bwd(dy, x.detach(), w.detach(), rstd), calls)
+    names = ("engine until our backward", "our backward before rms_norm_bwd", "rms_norm_bwd",
+             "our backward after rms_norm_bwd", "engine after our backward")  # fmt: skip
+    return dict(kind="small_rows_bwd_breakdown", shape=list(x.shape),
+                us={name: 1e6 * v / calls for name, v in zip(names, sums)}, rms_norm_bwd_direct_us=direct)  # fmt: skip
+
+
 def sweep_small_rows() -> list[dict]:
     """rms_norm at 4096x1024 bf16, where eager calls are host-bound: for each call (our launcher,
     public op and custom op; F.rms_norm; Liger; forward without and with grad, backward alone through
@@ -246,6 +294,7 @@ def sweep_small_rows() -> list[dict]:
         except Exception as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out.append(rec)
+    out.append(_small_rows_backward_breakdown(x, w))
     # The kernels by torch.profiler, after every timing. In run 45 (kernel listings interleaved with
     # the timings, the custom op timed third) the Python autograd.Functions' calls (ours, Liger's)
     # came out 2-4x slower than in `bench ops` in a fresh process on the same machine (ours fwd 38.0
@@ -589,28 +638,42 @@ def _timeline_summary(g: torch.Tensor | None, d: torch.Tensor | None) -> dict:
     return out
 
 
+# Timeline variants (sweep mlp_decode_timeline): (BLOCK_N, BLOCK_K, num_stages) of the down GEMM and of
+# the gate-up GEMM by BLOCK_M (16: T <= 16, mma.sync, num_stages - 1 buffers; 64: wgmma, num_stages
+# buffers), beside the rule's: deeper pipelines (more weight bytes in flight a program).
+_TIMELINE_DOWN = {16: [(32, 256, 7), (32, 256, 8), (32, 128, 12), (32, 128, 16)],
+                  64: [(32, 128, 8), (32, 64, 12), (32, 256, 4)]}  # fmt: skip
+_TIMELINE_GATE_UP = {16: [(128, 64, 5), (128, 64, 6)], 64: [(128, 64, 4)]}
+
+
 def sweep_mlp_decode_timeline(
     h: int = 4096, i: int = 14336, tokens: tuple[int, ...] = (1, 8, 64), iters: int = 15
 ) -> list[dict]:
     """Where the decode MLP's time goes (GPU only): each program of the two decode GEMMs stamps
     %globaltimer at its start, after its PDL wait and at its end (ops/mlp.py ``_mlp_decode_kernel``'s
-    TIMES), for the whole MLP with and without PDL and each GEMM alone, at the rule's configs, L2
-    flushed by reading before each call (as ``bench_stream_ms``). Per case, the medians over ``iters``
-    calls of: the CUDA-event time of the call, the span from the first program's start to the last
-    one's end, and each GEMM's start spread, PDL release and end quantiles (``_timeline_summary``)."""
+    TIMES), for the whole MLP with and without PDL and each GEMM alone, at the rule's configs and at
+    the ``_TIMELINE_DOWN`` / ``_TIMELINE_GATE_UP`` variants. Each call: a GPU sleep (so the host's
+    launches are queued before the GPU reaches them), the L2 flush by reading (as
+    ``bench_stream_ms``), then the call between CUDA events. Per case, the medians over ``iters``
+    calls of: the event time, the span from the first program's start to the last one's end, and
+    each GEMM's start spread, PDL release and end quantiles (``_timeline_summary``). The whole-MLP
+    cases are also timed by ``bench_stream_ms`` (3 interleaved rounds, median: ``stream_us``)."""
     from fuseformer.bench._timing import _stream_flush_buffer
     from fuseformer.bench.mlp_ce import _heat
 
     mlp = importlib.import_module("fuseformer.ops.mlp")
     dev, dtype = "cuda", torch.bfloat16
     flush = _stream_flush_buffer(torch.cuda.current_device())
+    ceiling = stream_copy_ceiling_tb_s(nbytes=1 << 30)
+    out: list[dict] = [dict(kind="mlp_decode_ceiling", copy_tb_s=ceiling, copy_bytes=1 << 30)]
     w_gate_up = torch.randn(2 * i, h, device=dev).to(dtype) / h**0.5
     w_down = torch.randn(h, i, device=dev).to(dtype) / i**0.5
-    out: list[dict] = []
+    mlp_bytes = 3 * h * i * 2
     for t in tokens:
         x = torch.randn(t, h, device=dev).to(dtype)
         y = mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0]
         tb = mlp.next_pow2(t)
+        bm = max(16, tb)
         gcfg = mlp._decode_plan(mlp.GATE_UP_DECODE, tb, i, h, dtype, x.device)
         dcfg = mlp._decode_plan(mlp.DOWN_DECODE, tb, h, i, dtype, x.device)
 
@@ -618,37 +681,73 @@ def sweep_mlp_decode_timeline(
             programs = -(-n // cfg["BLOCK_N"]) * -(-t // cfg["BLOCK_M"]) * cfg["SPLIT_K"]
             return torch.zeros(programs, 4, dtype=torch.int64, device=dev)
 
-        tg, td = stamps(gcfg, i), stamps(dcfg, h)
-        decode = lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", times=(tg, td))  # noqa: E731
-        cases = {
-            "mlp, PDL": (decode, True, True),
-            "mlp, no PDL": (_with_pdl(mlp, decode, enabled=False, host_desc=mlp.DECODE_HOST_DESC), True, True),
-            "gate_up alone": (lambda: mlp._decode_gemm(x, w_gate_up, True, "silu", gcfg, times=tg), True, False),
-            "down alone": (lambda: mlp._decode_gemm(y, w_down, False, "silu", dcfg, times=td), False, True),
-        }
-        for fn, _, _ in cases.values():
-            fn()
+        def variant(base, bn, bk, stages):
+            return dict(base, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages)
+
+        # name -> (fn, gate-up stamps or None, down stamps or None, gate-up config, down config)
+        cases: dict[str, tuple] = {}
+
+        def mlp_case(name, g_cfg, d_cfg, pdl=True):
+            tg, td = stamps(g_cfg, i), stamps(d_cfg, h)
+            fn = lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", g_cfg, d_cfg, times=(tg, td))  # noqa: E731
+            cases[name] = (fn if pdl else _with_pdl(mlp, fn, enabled=False, host_desc=mlp.DECODE_HOST_DESC),
+                           tg, td, g_cfg, d_cfg)  # fmt: skip
+
+        def alone_case(name, glu, cfg):
+            ts = stamps(cfg, i if glu else h)
+            a, w = (x, w_gate_up) if glu else (y, w_down)
+            fn = lambda: mlp._decode_gemm(a, w, glu, "silu", cfg, times=ts)  # noqa: E731
+            cases[name] = (fn, ts if glu else None, None if glu else ts, cfg if glu else None, None if glu else cfg)
+
+        mlp_case("mlp, PDL", gcfg, dcfg)
+        mlp_case("mlp, no PDL", gcfg, dcfg, pdl=False)
+        alone_case("gate_up alone", True, gcfg)
+        alone_case("down alone", False, dcfg)
+        for bn, bk, st in _TIMELINE_DOWN[min(bm, 64)]:
+            cfg = variant(dcfg, bn, bk, st)
+            if mlp.decode_smem_bytes(cfg, False) + 4096 <= mlp._SMEM_LIMIT:
+                alone_case(f"down alone {bn}x{bk}/{st}", False, cfg)
+                mlp_case(f"mlp, PDL, down {bn}x{bk}/{st}", gcfg, cfg)
+        for bn, bk, st in _TIMELINE_GATE_UP[min(bm, 64)]:
+            cfg = variant(gcfg, bn, bk, st)
+            if mlp.decode_smem_bytes(cfg, True) + 4096 <= mlp._SMEM_LIMIT:
+                alone_case(f"gate_up alone {bn}x{bk}/{st}", True, cfg)
+                mlp_case(f"mlp, PDL, gate_up {bn}x{bk}/{st}", cfg, dcfg)
+        failed = {}
+        for name, (fn, *_) in cases.items():
+            try:
+                fn()
+            except Exception as exc:
+                failed[name] = f"{type(exc).__name__}: {exc}"[:300]
         _heat()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for name, (fn, has_g, has_d) in cases.items():
+        recs = {}
+        for name, (fn, tg, td, g_cfg, d_cfg) in cases.items():
+            rec = recs[name] = dict(kind="mlp_decode_timeline", T=t, case=name, iters=iters, gate_up_config=g_cfg,
+                                    down_config=d_cfg)  # fmt: skip
+            if name in failed:
+                rec["error"] = failed[name]
+                continue
             rows = []
             try:
                 for _ in range(3):  # warm
                     fn()
                 for _ in range(iters):
+                    torch.cuda._sleep(200_000)  # ~100 us: the launches below are queued before the GPU gets there
                     flush.amax()
                     start.record()
                     fn()
                     stop.record()
                     stop.synchronize()
-                    summary = _timeline_summary(tg.cpu() if has_g else None, td.cpu() if has_d else None)
+                    summary = _timeline_summary(
+                        tg.cpu() if tg is not None else None, td.cpu() if td is not None else None
+                    )
                     ends = [summary[p]["end_q"][-1] for p in ("gate_up", "down") if p in summary]
                     rows.append(dict(event_us=1e3 * start.elapsed_time(stop), span_us=max(ends), **summary))
             except Exception as exc:
-                out.append(dict(kind="mlp_decode_timeline", T=t, case=name, error=f"{type(exc).__name__}: {exc}"[:300]))
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 continue
-            rec = dict(kind="mlp_decode_timeline", T=t, case=name, iters=iters, gate_up_config=gcfg, down_config=dcfg,
-                       event_us=statistics.median(r["event_us"] for r in rows),
+            rec.update(event_us=statistics.median(r["event_us"] for r in rows),
                        span_us=statistics.median(r["span_us"] for r in rows))  # fmt: skip
             for part in ("gate_up", "down"):
                 if part in rows[0]:
@@ -659,10 +758,20 @@ def sweep_mlp_decode_timeline(
                         else:
                             med[key] = statistics.median(r[part][key] for r in rows)
                     rec[part] = med
-            last = {p: s.cpu().tolist() for p, s, has in (("gate_up", tg, has_g), ("down", td, has_d)) if has}
+            last = {p: s.cpu().tolist() for p, s in (("gate_up", tg), ("down", td)) if s is not None}
             rec["last_call_stamps"] = last  # raw, for plots: (start, after wait, end ns; SM) per program
             print("timeline:", {k: v for k, v in rec.items() if k != "last_call_stamps"}, flush=True)
-            out.append(rec)
+        # The whole-MLP cases as the benchmark times them: 3 interleaved rounds, the median.
+        for _ in range(3):
+            for name, (fn, *_) in cases.items():
+                rec = recs[name]
+                if name.startswith("mlp") and "error" not in rec:
+                    rec.setdefault("stream_rounds_us", []).append(1e3 * bench_stream_ms(fn, warmup=10, rep=50))
+        for rec in recs.values():
+            if rec.get("stream_rounds_us"):
+                rec["stream_us"] = statistics.median(rec["stream_rounds_us"])
+                rec["pct_copy"] = 100 * mlp_bytes / (rec["stream_us"] * 1e-6) / (ceiling * 1e12)
+        out += list(recs.values())
     return out
 
 
