@@ -638,12 +638,19 @@ def _timeline_summary(g: torch.Tensor | None, d: torch.Tensor | None) -> dict:
     return out
 
 
-# Timeline variants (sweep mlp_decode_timeline): (BLOCK_N, BLOCK_K, num_stages) of the down GEMM and of
-# the gate-up GEMM by BLOCK_M (16: T <= 16, mma.sync, num_stages - 1 buffers; 64: wgmma, num_stages
-# buffers), beside the rule's: deeper pipelines (more weight bytes in flight a program).
-_TIMELINE_DOWN = {16: [(32, 256, 7), (32, 256, 8), (32, 128, 12), (32, 128, 16)],
-                  64: [(32, 128, 8), (32, 64, 12), (32, 256, 4)]}  # fmt: skip
-_TIMELINE_GATE_UP = {16: [(128, 64, 5), (128, 64, 6)], 64: [(128, 64, 4)]}
+# Timeline variants (sweep mlp_decode_timeline): (BLOCK_N, BLOCK_K, num_stages, stream-K) of the down
+# GEMM and of the gate-up GEMM by BLOCK_M (16: T <= 16, mma.sync, num_stages - 1 buffers; 64: wgmma,
+# num_stages buffers), beside the rule's: deeper pipelines (run 60: the down 1-1.5 us faster alone,
+# the gate-up at T 64 4 us), and the stream-K kernel (every program the same bytes, one per SM).
+_TIMELINE_DOWN = {16: [(32, 256, 8, False), (16, 256, 8, True), (16, 256, 10, True), (16, 256, 12, True)],
+                  64: [(32, 256, 4, False), (16, 128, 8, True), (16, 256, 4, True), (16, 64, 12, True)]}  # fmt: skip
+_TIMELINE_GATE_UP = {16: [(64, 64, 6, True), (64, 64, 8, True), (64, 128, 4, True)],
+                     64: [(128, 64, 4, False), (32, 64, 4, True), (32, 64, 6, True), (32, 128, 4, True)]}  # fmt: skip
+# Whole-MLP pairs of stream-K variants (gate-up, down) by BLOCK_M.
+_TIMELINE_PAIRS = {16: [((64, 64, 8, True), (16, 256, 10, True)), ((64, 128, 4, True), (16, 256, 10, True)),
+                        ((64, 64, 6, True), (16, 256, 8, True))],
+                   64: [((32, 64, 6, True), (16, 128, 8, True)), ((128, 64, 4, False), (16, 128, 8, True)),
+                        ((32, 128, 4, True), (16, 256, 4, True))]}  # fmt: skip
 
 
 def sweep_mlp_decode_timeline(
@@ -678,11 +685,17 @@ def sweep_mlp_decode_timeline(
         dcfg = mlp._decode_plan(mlp.DOWN_DECODE, tb, h, i, dtype, x.device)
 
         def stamps(cfg, n):
-            programs = -(-n // cfg["BLOCK_N"]) * -(-t // cfg["BLOCK_M"]) * cfg["SPLIT_K"]
+            if cfg.get("STREAM_K"):
+                programs = mlp.streamk_programs(n, cfg, mlp.num_sms(torch.cuda.current_device()))
+            else:
+                programs = -(-n // cfg["BLOCK_N"]) * -(-t // cfg["BLOCK_M"]) * cfg["SPLIT_K"]
             return torch.zeros(programs, 4, dtype=torch.int64, device=dev)
 
-        def variant(base, bn, bk, stages):
-            return dict(base, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages)
+        def variant(base, bn, bk, stages, stream_k):
+            return dict(base, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages, STREAM_K=stream_k, SPLIT_K=1)
+
+        def label(bn, bk, stages, stream_k):
+            return f"{bn}x{bk}/{stages}{' stream-K' if stream_k else ''}"
 
         # name -> (fn, gate-up stamps or None, down stamps or None, gate-up config, down config)
         cases: dict[str, tuple] = {}
@@ -703,16 +716,17 @@ def sweep_mlp_decode_timeline(
         mlp_case("mlp, no PDL", gcfg, dcfg, pdl=False)
         alone_case("gate_up alone", True, gcfg)
         alone_case("down alone", False, dcfg)
-        for bn, bk, st in _TIMELINE_DOWN[min(bm, 64)]:
-            cfg = variant(dcfg, bn, bk, st)
-            if mlp.decode_smem_bytes(cfg, False) + 4096 <= mlp._SMEM_LIMIT:
-                alone_case(f"down alone {bn}x{bk}/{st}", False, cfg)
-                mlp_case(f"mlp, PDL, down {bn}x{bk}/{st}", gcfg, cfg)
-        for bn, bk, st in _TIMELINE_GATE_UP[min(bm, 64)]:
-            cfg = variant(gcfg, bn, bk, st)
-            if mlp.decode_smem_bytes(cfg, True) + 4096 <= mlp._SMEM_LIMIT:
-                alone_case(f"gate_up alone {bn}x{bk}/{st}", True, cfg)
-                mlp_case(f"mlp, PDL, gate_up {bn}x{bk}/{st}", cfg, dcfg)
+        for v in _TIMELINE_DOWN[min(bm, 64)]:
+            cfg = variant(dcfg, *v)
+            alone_case(f"down alone {label(*v)}", False, cfg)
+            mlp_case(f"mlp, PDL, down {label(*v)}", gcfg, cfg)
+        for v in _TIMELINE_GATE_UP[min(bm, 64)]:
+            cfg = variant(gcfg, *v)
+            alone_case(f"gate_up alone {label(*v)}", True, cfg)
+            mlp_case(f"mlp, PDL, gate_up {label(*v)}", cfg, dcfg)
+        for vg, vd in _TIMELINE_PAIRS[min(bm, 64)]:
+            mlp_case(f"mlp, PDL, gate_up {label(*vg)}, down {label(*vd)}", variant(gcfg, *vg), variant(dcfg, *vd))
+        mlp_case("mlp, PDL (again)", gcfg, dcfg)
         failed = {}
         for name, (fn, *_) in cases.items():
             try:

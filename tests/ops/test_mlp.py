@@ -319,6 +319,42 @@ def test_decode_host_descriptors(t, device, monkeypatch):
     _check_decode(t, 96, 352, torch.float32, device, gapped=True)
 
 
+def _skcfg(programs, bm=16, bn=16, bk=32):
+    return dict(_dcfg(bm, bn, bk), STREAM_K=True, PROGRAMS=programs)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 5, 7, 64])
+@pytest.mark.parametrize("t, bm", [(1, 16), (16, 16), (33, 64)])
+def test_decode_stream_k(t, bm, programs, device):
+    """The stream-K decode kernel (both GEMMs): the (tile, k-step) pairs cut evenly over 1-7 programs
+    (tiles cut between two programs, finished by whichever comes second) and over as many programs
+    as tiles (64: capped, no cut); N not a multiple of BLOCK_N (I 200: 13 tiles, the last half empty;
+    H 96: 6 tiles); x rows with gaps. The counters are left at zero, and a second call gives the
+    same bits."""
+    for dtype, (h, i), gapped in ((torch.float16, (96, 200), False), (torch.float32, (96, 352), True)):
+        gcfg, dcfg = _skcfg(programs, bm), _skcfg(programs, bm)
+        _check_decode(t, h, i, dtype, device, gcfg, dcfg, gapped=gapped)
+        for _ws, counters in M._streamk_scratch.values():
+            assert not counters.any()
+    x = torch.randn(t, 96, device=device).half()
+    wgu, wd = _weights(96, 200, torch.float16, device)
+    first = M.mlp_decode_fwd(x, wgu, wd, "gelu_tanh", _skcfg(programs, bm), _skcfg(programs, bm))
+    again = M.mlp_decode_fwd(x, wgu, wd, "gelu_tanh", _skcfg(programs, bm), _skcfg(programs, bm))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_stream_k_grid_never_cuts_a_tile_twice():
+    """Every program's range is at least one tile long (so a tile is cut at most once): the grid is
+    capped at the tile count, whatever the SM count."""
+    for n, k, bn, bk in ((14336, 4096, 64, 64), (4096, 14336, 16, 256), (4096, 14336, 32, 256), (96, 352, 16, 32)):
+        cfg = dict(BLOCK_N=bn, BLOCK_K=bk)
+        tiles, k_steps = -(-n // bn), -(-k // bk)
+        for sms in (1, 7, 132, 1000):
+            p = M.streamk_programs(n, cfg, sms)
+            assert 1 <= p <= min(sms, tiles)
+            assert min((q + 1) * tiles * k_steps // p - q * tiles * k_steps // p for q in range(p)) >= k_steps
+
+
 def test_decode_wide_tiles_and_gapped_rows(device):
     """Tiles wider than the weights (BLOCK_N 64 over I 40, BLOCK_K 64 over H 24: every box partly out
     of bounds) and x rows strided with NaN gaps between them, which the descriptors must not read."""
@@ -538,6 +574,46 @@ def test_decode_every_candidate_config_gpu(t, glu, cfg):
     """Each config the mlp_decode sweep times compiles on this GPU and gives the right answer (its
     GEMM with it, the other by rule), bf16 at Llama-3 8B's sizes."""
     _check_decode(t, 4096, 14336, torch.bfloat16, "cuda", cfg if glu else None, None if glu else cfg)
+
+
+_STREAM_K_CASES = (
+    (1, True, 64, 64, 8),
+    (1, False, 16, 256, 10),
+    (7, True, 64, 128, 4),
+    (16, False, 16, 256, 12),
+    (61, True, 32, 64, 6),
+    (61, False, 16, 128, 8),
+)  # (T, GLU, BLOCK_N, BLOCK_K, num_stages)
+_STREAM_K_GPU = [
+    (t, dict(BLOCK_M=max(16, 1 << (t - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=4, num_stages=st,
+             STREAM_K=True), glu)
+    for t, glu, bn, bk, st in _STREAM_K_CASES
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, cfg, glu", _STREAM_K_GPU)
+def test_decode_stream_k_gpu(t, cfg, glu):
+    """The stream-K decode kernel at Llama-3 8B's sizes in bf16 (one program per SM), eager and
+    replayed from a CUDA graph (its scratch then the graph's own), equal bits both ways."""
+    _check_decode(t, 4096, 14336, torch.bfloat16, "cuda", cfg if glu else None, None if glu else cfg)
+    x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
+    wgu, wd = _weights(4096, 14336, torch.bfloat16, "cuda")
+    run = lambda: M.mlp_decode_fwd(x, wgu, wd, "silu", cfg if glu else None, None if glu else cfg)[0]  # noqa: E731
+    eager = run()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # warm on the side stream, as capture needs
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+        assert torch.equal(run(), eager)
 
 
 @pytest.mark.gpu
