@@ -787,7 +787,7 @@ def _decode_gemm(
         PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
         **({"launch_pdl": True, "PREFETCH_BYTES": PDL_PREFETCH_BYTES} if pdl == "wait" else {}),
         HOST_DESC=host_desc, TIMES=times,
-        **config,
+        **{key: v for key, v in config.items() if key not in ("STREAM_K", "PROGRAMS")},
     )  # fmt: skip
     if split > 1:
         _split_k_reduce(ws, out, None, activation, glu)
