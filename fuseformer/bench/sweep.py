@@ -638,6 +638,30 @@ def _timeline_summary(g: torch.Tensor | None, d: torch.Tensor | None) -> dict:
     return out
 
 
+def _graph_us(fn: Callable[[], object], calls: int = 10, replays: int = 20) -> float:
+    """µs per call of ``fn`` captured ``calls`` times in one CUDA graph: the median replay over
+    ``replays``, divided by ``calls`` (GPU time alone: no host in it)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(1e3 * start.elapsed_time(stop) / calls)
+    return statistics.median(times)
+
+
 # Timeline variants (sweep mlp_decode_timeline): (BLOCK_N, BLOCK_K, num_stages, stream-K) of the down
 # GEMM and of the gate-up GEMM by BLOCK_M (16: T <= 16, mma.sync, num_stages - 1 buffers; 64: wgmma,
 # num_stages buffers), beside the rule's: deeper pipelines (run 60: the down 1-1.5 us faster alone,
@@ -645,7 +669,7 @@ def _timeline_summary(g: torch.Tensor | None, d: torch.Tensor | None) -> dict:
 # Run 61: the down GEMM's stream-K forms (16-row tiles) ran 1.6-4x slower than the rule (x re-read
 # from L2 as often as the weights), and so did T 64's 32-row gate-up tiles: dropped.
 _TIMELINE_DOWN: dict[int, list] = {16: [], 64: []}
-_TIMELINE_GATE_UP = {16: [(64, 128, 4, True), (64, 128, 5, True), (64, 64, 6, True)], 64: [(128, 64, 4, False)]}
+_TIMELINE_GATE_UP = {16: [(64, 128, 3, True), (64, 128, 4, True), (64, 64, 6, True)], 64: [(128, 64, 4, False)]}
 # Whole-MLP pairs of variants (gate-up, down) by BLOCK_M.
 _TIMELINE_PAIRS: dict[int, list] = {16: [], 64: []}
 
@@ -744,7 +768,7 @@ def sweep_mlp_decode_timeline(
                 for _ in range(3):  # warm
                     fn()
                 for _ in range(iters):
-                    torch.cuda._sleep(200_000)  # ~100 us: the launches below are queued before the GPU gets there
+                    torch.cuda._sleep(400_000)  # ~200 us: the launches below are queued before the GPU gets there
                     flush.amax()
                     start.record()
                     fn()
@@ -772,16 +796,27 @@ def sweep_mlp_decode_timeline(
             last = {p: s.cpu().tolist() for p, s in (("gate_up", tg), ("down", td)) if s is not None}
             rec["last_call_stamps"] = last  # raw, for plots: (start, after wait, end ns; SM) per program
             print("timeline:", {k: v for k, v in rec.items() if k != "last_call_stamps"}, flush=True)
-        # The whole-MLP cases as the benchmark times them: 3 interleaved rounds, the median.
+        # The whole-MLP cases as the benchmark times them (3 interleaved rounds, the median), and their
+        # GPU time alone: CUDA graphs of 10 x (flush, MLP) against 10 x (flush), replayed.
+        graph_flush = _graph_us(lambda: flush.amax())
         for _ in range(3):
             for name, (fn, *_) in cases.items():
                 rec = recs[name]
                 if name.startswith("mlp") and "error" not in rec:
                     rec.setdefault("stream_rounds_us", []).append(1e3 * bench_stream_ms(fn, warmup=10, rep=50))
+                    try:
+                        rec.setdefault("graph_rounds_us", []).append(
+                            _graph_us(lambda fn=fn: (flush.amax(), fn())) - graph_flush
+                        )
+                    except Exception as exc:
+                        rec["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
         for rec in recs.values():
             if rec.get("stream_rounds_us"):
                 rec["stream_us"] = statistics.median(rec["stream_rounds_us"])
                 rec["pct_copy"] = 100 * mlp_bytes / (rec["stream_us"] * 1e-6) / (ceiling * 1e12)
+            if rec.get("graph_rounds_us"):
+                rec["graph_us"] = statistics.median(rec["graph_rounds_us"])
+                rec["graph_pct_copy"] = 100 * mlp_bytes / (rec["graph_us"] * 1e-6) / (ceiling * 1e12)
         out += list(recs.values())
     return out
 

@@ -562,3 +562,156 @@ class Launcher:
 
 _triton_knobs: Any = None
 _HookChain: Any = None
+
+
+class DescLauncher(Launcher):
+    """:class:`Launcher` for kernels whose runtime parameters include host-built tensor descriptors
+    (``triton.tools.tensor_descriptor.TensorDescriptor``): launched as
+    ``kernel[grid](*args, **config)``, with a direct path for launches Triton has already compiled.
+
+    ``args``: every runtime parameter, in order: descriptors, tensors (pointers), ints, or None (a
+    parameter Triton then takes as a constexpr); then constexprs only, from ``config`` or their
+    defaults. ``key`` (the caller's) must determine Triton's specialization of ``args`` (its own may
+    be finer, never coarser): every int's value, every tensor's dtype and 16-byte alignment, every
+    descriptor's dtype, shape, strides and block shape, and which args are None.
+
+    The direct path does what Triton 3.6's launch does after its cache lookup (``JITFunction.run``,
+    ``CudaLauncher``, the descriptor expansion of ``wrap_handle_tensordesc``) and nothing else: the
+    descriptors' CUtensorMaps are encoded by Triton's own ``make_tensordesc_arg`` (cached per base
+    pointer, shape, strides and block: a weight's is encoded once), pointers go as integers, and the
+    C launcher is called. What it skips per launch is :class:`Launcher`'s list plus the binder's
+    specialization of the descriptors. Everything unusual takes ``kernel[grid]``, as there.
+    """
+
+    __slots__ = ("_maps",)
+
+    _MAX_MAPS = 256
+
+    def __init__(self, kernel: Any):
+        super().__init__(kernel)
+        self._maps: dict[tuple, list] = {}
+
+    def launch(self, grid: tuple[int, ...], config: LaunchConfig, key: tuple, args: Sequence[Any]) -> None:
+        full_key = None
+        if _fast_launch_on and (self._direct or (self._direct is None and self._decide())):
+            device = _cuda_get_device()
+            runtime = _triton_knobs.runtime
+            full_key = (config, device, runtime.debug, _triton_knobs.compilation.instrumentation_mode, key)
+            entry = self._cache.get(full_key)
+            if entry is not None and not self.kernel.pre_run_hooks:
+                enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+                if (enter is None or (type(enter) is _HookChain and not enter.calls)) and (
+                    exit_ is None or (type(exit_) is _HookChain and not exit_.calls)
+                ):
+                    launch, function, packed_metadata, cooperative, pdl, kinds, constexprs = entry
+                    final: list = []
+                    for arg, kind in zip(args, kinds):
+                        if kind is None:  # a tensor: its pointer
+                            final.append(arg.data_ptr() if arg is not None else None)
+                        elif kind == "int":
+                            final.append(arg)
+                        else:  # a descriptor: (index, its tensordesc metadata)
+                            final.extend(self._expand(arg, kind))
+                    n = len(grid)
+                    launch(
+                        grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                        _cuda_current_stream(device), function, cooperative, pdl, None, None,
+                        packed_metadata, None, None, None, *final, *constexprs,
+                    )  # fmt: skip
+                    return
+            if entry is not None:
+                full_key = None  # hooks installed: Triton's own launch calls them
+        self.misses += 1
+        compiled = self.kernel[grid](*args, **config.kwargs)
+        if full_key is not None:
+            entry = self._desc_entry(compiled, config, args)
+            if entry is None:
+                self._direct = False
+                return
+            if len(self._cache) >= self._MAX_ENTRIES:
+                self._cache.clear()
+            self._cache[full_key] = entry
+
+    def _expand(self, desc: Any, kind: tuple) -> list:
+        """The C launcher's arguments for one descriptor (Triton's ``make_tensordesc_arg``), cached."""
+        base = desc.base
+        map_key = (base.data_ptr(), base.dtype, tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape),
+                   desc.padding, kind)  # fmt: skip
+        expanded = self._maps.get(map_key)
+        if expanded is None:
+            from triton.backends.nvidia.driver import make_tensordesc_arg
+
+            if len(self._maps) >= self._MAX_MAPS:
+                self._maps.clear()
+            expanded = self._maps[map_key] = make_tensordesc_arg(desc, kind[1])
+        return expanded
+
+    def _desc_entry(self, compiled: Any, config: LaunchConfig, args: Sequence[Any]) -> tuple | None:
+        """(C launch, CUfunction, packed metadata, cooperative, pdl, per-arg kinds, constexpr values)
+        for a compiled kernel, or None when it is not the form the direct call handles."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        kernel = self.kernel
+        if kernel.used_global_vals or kernel.pre_run_hooks or type(compiled).__name__ != "CompiledKernel":
+            return None
+        launcher = getattr(compiled, "_run", None)
+        if type(launcher).__name__ != "CudaLauncher" or compiled.function is None:
+            return None
+        if launcher.global_scratch_size or launcher.profile_scratch_size:
+            return None
+        # The C launch under wrap_handle_tensordesc's wrapper (a closure over it), or the launch itself.
+        launch = launcher.launch
+        code = getattr(launch, "__code__", None)
+        if code is not None:
+            cells = dict(zip(code.co_freevars, launch.__closure__ or ()))
+            if "launcher" not in cells:
+                return None
+            launch = cells["launcher"].cell_contents
+        if getattr(launch, "__code__", None) is not None:  # not the C function
+            return None
+        signature = list(compiled.src.signature.values())
+        params = kernel.params
+        if len(signature) != len(params) or len(params) < len(args):
+            return None
+        metas = list(getattr(compiled.metadata, "tensordesc_meta", None) or [])
+        kinds: list = []
+        n_desc = 0
+        for i, arg in enumerate(args):
+            ty = signature[i]
+            if not isinstance(ty, str) or params[i].is_constexpr:
+                return None
+            if isinstance(arg, TensorDescriptor):
+                if not ty.startswith("tensordesc"):
+                    return None
+                kinds.append((n_desc, metas[n_desc] if metas else None))
+                n_desc += 1
+            elif isinstance(arg, torch.Tensor):
+                if not ty.startswith("*"):
+                    return None
+                kinds.append(None)
+            elif arg is None:
+                if ty != "constexpr":
+                    return None
+                kinds.append("int")  # passed as is (None): the launcher ignores constexpr slots
+            elif isinstance(arg, int) and not isinstance(arg, bool):
+                if ty not in ("i32", "i64", "u64", "constexpr"):
+                    return None
+                kinds.append("int")
+            else:
+                return None
+        if metas and n_desc != len(metas):
+            return None
+        constexprs = []
+        for p in params[len(args) :]:
+            if not p.is_constexpr:
+                return None
+            if p.name in config.kwargs:
+                constexprs.append(config.kwargs[p.name])
+            elif p.has_default:
+                constexprs.append(p.default)
+            else:
+                return None
+        return (
+            launch, compiled.function, compiled.packed_metadata, launcher.launch_cooperative_grid, launcher.launch_pdl,
+            tuple(kinds), tuple(constexprs),
+        )  # fmt: skip

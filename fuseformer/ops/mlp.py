@@ -59,12 +59,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
+    DescLauncher,
     autocast_inputs,
     autograd_function,
     check_tensor,
     dispatch,
     empty,
     float_dtype_of,
+    launch_config,
     next_pow2,
     num_sms,
     rows_2d,
@@ -280,10 +282,11 @@ def _mlp_decode_kernel(
     X, W, OUT, WS,
     M, N, K,
     stride_xm, stride_wn, stride_om,
+    TIMES,
     GLU: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False, PREFETCH_BYTES: tl.constexpr = 0,
-    HOST_DESC: tl.constexpr = False, TIMES=None,
+    HOST_DESC: tl.constexpr = False,
 ):  # fmt: skip
     # Decode (T <= 64): a weight-streaming GEMM, one kernel for both GEMMs of the MLP.
     #   GLU:  W (2N, K) = [gate; up] -> OUT (M, N) = act(x Wg^T) * (x Wu^T)   (N = I, K = H)
@@ -401,9 +404,10 @@ def _mlp_decode_streamk_kernel(
     X, W, OUT, WS, COUNTERS,
     M, N, K,
     stride_xm, stride_wn, stride_om,
+    TIMES,
     GLU: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False, TIMES=None,
+    PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
 ):  # fmt: skip
     # _mlp_decode_kernel's GEMM (M <= BLOCK_M: one row block; X and W host-built descriptors) with
     # the work split evenly over the programs (stream-K): the (tile, k-step) pairs, tile-major, are
@@ -779,16 +783,18 @@ def _decode_gemm(
         if x.is_cuda:
             _ensure_allocator()
     grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(t, config["BLOCK_M"]), split)
-    _mlp_decode_kernel[grid](
-        x_arg, w_arg, out, ws,
-        t, n, k,
-        x.stride(0), w.stride(0), out.stride(0),
+    kwargs = dict(
         GLU=glu, ACTIVATION=activation, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
         **({"launch_pdl": True, "PREFETCH_BYTES": PDL_PREFETCH_BYTES} if pdl == "wait" else {}),
-        HOST_DESC=host_desc, TIMES=times,
+        HOST_DESC=host_desc,
         **{key: v for key, v in config.items() if key not in ("STREAM_K", "PROGRAMS")},
     )  # fmt: skip
+    args = (x_arg, w_arg, out, ws, t, n, k, x.stride(0), w.stride(0), out.stride(0), times)
+    if host_desc:
+        _decode_launcher.launch(grid, launch_config(**kwargs), _launch_key(x, w, out, ws, times), args)
+    else:
+        _mlp_decode_kernel[grid](*args, **kwargs)
     if split > 1:
         _split_k_reduce(ws, out, None, activation, glu)
     return out
@@ -840,16 +846,29 @@ def _decode_gemm_streamk(
     ws, counters = _streamk_buffers(x.device, programs * 2 * bm * (2 * bn if glu else bn), programs)
     x_desc = TensorDescriptor(x, [t, k], [x.stride(0), 1], [bm, config["BLOCK_K"]])
     w_desc = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [bn, config["BLOCK_K"]])
-    _mlp_decode_streamk_kernel[(programs,)](
-        x_desc, w_desc, out, ws, counters,
-        t, n, k,
-        x.stride(0), w.stride(0), out.stride(0),
+    kwargs = dict(
         GLU=glu, ACTIVATION=activation, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
-        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait", TIMES=times,
+        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
         num_warps=config["num_warps"], num_stages=config["num_stages"],
         **({"launch_pdl": True} if pdl == "wait" else {}),
     )  # fmt: skip
+    args = (x_desc, w_desc, out, ws, counters, t, n, k, x.stride(0), w.stride(0), out.stride(0), times)
+    _streamk_launcher.launch((programs,), launch_config(**kwargs), _launch_key(x, w, out, ws, times), args)
+
+
+def _launch_key(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor, times: torch.Tensor | None):
+    """What, beside the launch config and the ints (in the key through the shapes and strides below),
+    decides Triton's specialization of a decode launch (``DescLauncher``): dtypes, shapes and row
+    strides, each pointer's 16-byte alignment, and whether there is a timeline buffer."""
+    aligned = tuple(t.data_ptr() % 16 == 0 for t in (x, w, out, ws))
+    return (x.dtype, tuple(x.shape), x.stride(0), tuple(w.shape), w.stride(0), tuple(out.shape), out.stride(0),
+            ws.dtype, aligned, None if times is None else times.data_ptr() % 16 == 0)  # fmt: skip
+
+
+# Direct launches of the decode kernels with host-built descriptors (after the first, compiling one).
+_decode_launcher = DescLauncher(_mlp_decode_kernel)
+_streamk_launcher = DescLauncher(_mlp_decode_streamk_kernel)
 
 
 @autotune.plan_cache
@@ -857,10 +876,19 @@ def _decode_plan(kernel: str, tb: int, n: int, k: int, dtype: torch.dtype, devic
     """The launch config of one decode GEMM (cached per T bucket, shape, dtype and device)."""
     return autotune.get_config(
         kernel, decode_key(tb, n, k, dtype), device=device, generic_key=decode_generic_key(tb, dtype),
-        default=lambda: decode_config(tb, n, k, kernel == GATE_UP_DECODE, num_sms(device.index or 0),
-                                      device.type == "cuda"),
+        default=lambda: _wide_dtype(decode_config(tb, n, k, kernel == GATE_UP_DECODE, num_sms(device.index or 0),
+                                                  device.type == "cuda"), dtype),
         fields=DECODE_CONFIG_KEYS,
     )  # fmt: skip
+
+
+def _wide_dtype(cfg: dict, dtype: torch.dtype) -> dict:
+    """The rule's tiles are sized for 2-byte elements: fp32 (reachable through ``mlp_decode_fwd``, not
+    ``fused_mlp``) takes half the BLOCK_K, so its operand buffers stay within shared memory (run 62,
+    H200: the bf16 tiles in fp32 asked for 241,720 of 232,448 bytes)."""
+    if torch.empty((), dtype=dtype).element_size() > 2 and cfg["BLOCK_K"] > 16:
+        cfg = dict(cfg, BLOCK_K=cfg["BLOCK_K"] // 2)
+    return cfg
 
 
 def decode_supported(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:

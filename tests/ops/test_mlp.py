@@ -370,6 +370,7 @@ def test_fused_mlp_takes_decode_path_for_inference(device, monkeypatch):
     launches = []
     for name in ("_mlp_decode_kernel", "_mlp_gate_up_kernel", "_mlp_split_k_epilogue_kernel"):
         monkeypatch.setattr(M, name, _LaunchSpy(getattr(M, name), name, launches))
+    monkeypatch.setattr(M._decode_launcher, "kernel", M._mlp_decode_kernel)  # host descriptors launch through it
 
     def run(t, h, i, grad=False):
         launches.clear()
@@ -617,6 +618,39 @@ def test_decode_stream_k_gpu(t, cfg, glu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 61])
+def test_decode_direct_launch_gpu(t, monkeypatch):
+    """After a decode MLP's first (compiling) call, its launches take the direct path (DescLauncher):
+    no more misses, for new inputs too, and the same bits as Triton's own launch; the stream-K form
+    too. Weights of other shapes miss once, then go direct."""
+    from fuseformer.ops import _utils
+
+    wgu, wd = _weights(4096, 14336, torch.bfloat16, "cuda")
+    sk = dict(_STREAM_K_GPU[0][1], BLOCK_M=max(16, 1 << (t - 1).bit_length()))
+    for gate_up_config in (None, sk):
+        x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
+        M.mlp_decode_fwd(x, wgu, wd, "silu", gate_up_config)
+        launchers = (M._decode_launcher, M._streamk_launcher)
+        misses = [lc.misses for lc in launchers]
+        for _ in range(3):
+            x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
+            out, y = M.mlp_decode_fwd(x, wgu, wd, "silu", gate_up_config)
+        assert [lc.misses for lc in launchers] == misses
+        with monkeypatch.context() as m:
+            m.setattr(_utils, "_fast_launch_on", False)
+            ref, y_ref = M.mlp_decode_fwd(x, wgu, wd, "silu", gate_up_config)
+        assert torch.equal(out, ref) and torch.equal(y, y_ref)
+    wgu2, wd2 = _weights(2048, 8192, torch.bfloat16, "cuda")
+    x2 = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
+    M.mlp_decode_fwd(x2, wgu2, wd2, "silu")
+    misses = M._decode_launcher.misses
+    out2 = M.mlp_decode_fwd(x2, wgu2, wd2, "silu")[0]
+    assert M._decode_launcher.misses == misses
+    assert_close("out", out2, M.fused_mlp_ref(x2.double(), wgu2.double(), wd2.double()),
+                 M.fused_mlp_ref(x2, wgu2, wd2, upcast=False))  # fmt: skip
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["gelu_tanh", "gelu"])
 def test_fused_mlp_gpu_gelu(activation):
     _check((513,), 2048, 5632, torch.bfloat16, "cuda", activation)
@@ -689,19 +723,32 @@ dsig = dict(X="*bf16", W="*bf16", OUT="*bf16", WS="*fp32", **{k: "i32" for k in 
 for t in (1, 32, 64):
     for glu, n, k in ((True, 14336, 4096), (False, 4096, 14336)):
         cfg = M.decode_config(t, n, k, glu, 132)
-        consts = dict(GLU=glu, ACTIVATION="silu", PRECISION="tf32",
-                      **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
+        consts = dict(GLU=glu, ACTIVATION="silu", PRECISION="tf32", TIMES=None,
+                      **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages", "STREAM_K")})
         build(M._mlp_decode_kernel, dsig, consts, cfg)
         # The programmatic-dependent-launch forms (PDL_DECODE): gate-up triggers, down waits.
         pdl = dict(PDL_TRIGGER=True) if glu else dict(PDL_WAIT=True)
         ptx = build(M._mlp_decode_kernel, dsig, dict(consts, **pdl), cfg).asm["ptx"]
         assert ("griddepcontrol.launch_dependents" if glu else "griddepcontrol.wait") in ptx
         # The sweeps' timeline form (TIMES): %globaltimer read at the start, after the wait, at the end.
-        ptx = build(M._mlp_decode_kernel, dict(dsig, TIMES="*i64"), dict(consts, **pdl), cfg).asm["ptx"]
+        timed = {k: v for k, v in dict(consts, **pdl).items() if k != "TIMES"}
+        ptx = build(M._mlp_decode_kernel, dict(dsig, TIMES="*i64"), timed, cfg).asm["ptx"]
         assert ptx.count("%globaltimer") == 3 and "%smid" in ptx
         if not glu:  # with the L2 prefetch of the weights, issued before the wait
             ptx = build(M._mlp_decode_kernel, dsig, dict(consts, PREFETCH_BYTES=4096, **pdl), cfg).asm["ptx"]
             assert 0 <= ptx.find("cp.async.bulk.prefetch.L2") < ptx.find("griddepcontrol.wait")
+        # The stream-K form (host descriptors; its gate-up configs of the sweep, and a down one).
+        bm = cfg["BLOCK_M"]
+        for bn, bk, st in ((64, 128, 4), (64, 64, 6)) if glu else ((16, 256, 8),):
+            if bm != 16:
+                continue
+            ssig = dict(X=f"tensordesc<bf16[{bm}, {bk}]>", W=f"tensordesc<bf16[{bn}, {bk}]>", OUT="*bf16",
+                        WS="*fp32", COUNTERS="*i32", M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32",
+                        stride_om="i32")  # fmt: skip
+            sconsts = dict(TIMES=None, GLU=glu, ACTIVATION="silu", PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn,
+                           BLOCK_K=bk, **pdl)  # fmt: skip
+            sk = build(M._mlp_decode_streamk_kernel, ssig, sconsts, dict(num_warps=4, num_stages=st))
+            assert sk.metadata.shared > (st - 2) * bn * bk * 2, "the stream-K loop is not pipelined"
         if cfg["SPLIT_K"] > 1:
             esig = dict(WS="*fp32", Y="*bf16", PRE="*bf16", M="i32", N="i32", stride_ym="i32", stride_pm="i32")
             consts = dict(ACTIVATION="silu", SAVE_PRE=False, SPLIT_K=cfg["SPLIT_K"], BLOCK_M=16, BLOCK_N=256, GLU=glu)
