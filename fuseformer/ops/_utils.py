@@ -636,7 +636,7 @@ class DescLauncher(Launcher):
         """The C launcher's arguments for one descriptor (Triton's ``make_tensordesc_arg``), cached."""
         base = desc.base
         map_key = (base.data_ptr(), base.dtype, tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape),
-                   desc.padding, kind)  # fmt: skip
+                   desc.padding, kind[2])  # fmt: skip
         expanded = self._maps.get(map_key)
         if expanded is None:
             from triton.backends.nvidia.driver import make_tensordesc_arg
@@ -683,7 +683,9 @@ class DescLauncher(Launcher):
             if isinstance(arg, TensorDescriptor):
                 if not ty.startswith("tensordesc"):
                     return None
-                kinds.append((n_desc, metas[n_desc] if metas else None))
+                meta = metas[n_desc] if metas else None
+                # (index, Triton's metadata of this descriptor, a hashable form of it for _expand's key)
+                kinds.append((n_desc, meta, repr(sorted(meta.items())) if meta is not None else None))
                 n_desc += 1
             elif isinstance(arg, torch.Tensor):
                 if not ty.startswith("*"):
