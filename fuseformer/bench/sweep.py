@@ -662,16 +662,14 @@ def _graph_us(fn: Callable[[], object], calls: int = 10, replays: int = 20) -> f
     return statistics.median(times)
 
 
-# Timeline variants (sweep mlp_decode_timeline): (BLOCK_N, BLOCK_K, num_stages, stream-K) of the down
-# GEMM and of the gate-up GEMM by BLOCK_M (16: T <= 16, mma.sync, num_stages - 1 buffers; 64: wgmma,
-# num_stages buffers), beside the rule's: deeper pipelines (run 60: the down 1-1.5 us faster alone,
-# the gate-up at T 64 4 us), and the stream-K kernel (every program the same bytes, one per SM).
-# Run 61: the down GEMM's stream-K forms (16-row tiles) ran 1.6-4x slower than the rule (x re-read
-# from L2 as often as the weights), and so did T 64's 32-row gate-up tiles: dropped.
-_TIMELINE_DOWN: dict[int, list] = {16: [], 64: []}
-_TIMELINE_GATE_UP = {16: [(64, 128, 3, True), (64, 128, 4, True), (64, 64, 6, True)], 64: [(128, 64, 4, False)]}
-# Whole-MLP pairs of variants (gate-up, down) by BLOCK_M.
-_TIMELINE_PAIRS: dict[int, list] = {16: [], 64: []}
+# Timeline variants (sweep mlp_decode_timeline): (BLOCK_N, BLOCK_K, num_stages) of the down GEMM and of
+# the gate-up GEMM by BLOCK_M (16: T <= 16, mma.sync, num_stages - 1 buffers; 64: wgmma, num_stages
+# buffers), beside the rule's. Runs 60-64 timed deeper pipelines (the down 1-1.5 us faster alone,
+# nothing in the whole MLP) and a stream-K kernel (every program the same bytes, one per SM: its
+# gate-up 1-2.6 us faster alone, nothing in the whole MLP; its down 16-row tiles 1.6-4x slower);
+# both left out of the library (perf-notes, session 10).
+_TIMELINE_DOWN: dict[int, list] = {16: [(32, 256, 8)], 64: [(32, 256, 4)]}
+_TIMELINE_GATE_UP: dict[int, list] = {16: [(128, 64, 5)], 64: [(128, 64, 3)]}
 
 
 def sweep_mlp_decode_timeline(
@@ -706,17 +704,14 @@ def sweep_mlp_decode_timeline(
         dcfg = mlp._decode_plan(mlp.DOWN_DECODE, tb, h, i, dtype, x.device)
 
         def stamps(cfg, n):
-            if cfg.get("STREAM_K"):
-                programs = mlp.streamk_programs(n, cfg, mlp.num_sms(torch.cuda.current_device()))
-            else:
-                programs = -(-n // cfg["BLOCK_N"]) * -(-t // cfg["BLOCK_M"]) * cfg["SPLIT_K"]
+            programs = -(-n // cfg["BLOCK_N"]) * -(-t // cfg["BLOCK_M"]) * cfg["SPLIT_K"]
             return torch.zeros(programs, 4, dtype=torch.int64, device=dev)
 
-        def variant(base, bn, bk, stages, stream_k):
-            return dict(base, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages, STREAM_K=stream_k, SPLIT_K=1)
+        def variant(base, bn, bk, stages):
+            return dict(base, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages, SPLIT_K=1)
 
-        def label(bn, bk, stages, stream_k):
-            return f"{bn}x{bk}/{stages}{' stream-K' if stream_k else ''}"
+        def label(bn, bk, stages):
+            return f"{bn}x{bk}/{stages}"
 
         # name -> (fn, gate-up stamps or None, down stamps or None, gate-up config, down config)
         cases: dict[str, tuple] = {}
@@ -745,8 +740,6 @@ def sweep_mlp_decode_timeline(
             cfg = variant(gcfg, *v)
             alone_case(f"gate_up alone {label(*v)}", True, cfg)
             mlp_case(f"mlp, PDL, gate_up {label(*v)}", cfg, dcfg)
-        for vg, vd in _TIMELINE_PAIRS[min(bm, 64)]:
-            mlp_case(f"mlp, PDL, gate_up {label(*vg)}, down {label(*vd)}", variant(gcfg, *vg), variant(dcfg, *vd))
         mlp_case("mlp, PDL (again)", gcfg, dcfg)
         failed = {}
         for name, (fn, *_) in cases.items():

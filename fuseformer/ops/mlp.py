@@ -364,120 +364,6 @@ def _mlp_decode_kernel(
         tl.store(TIMES + pid * 4 + 3, smid().to(tl.int64))
 
 
-@triton.jit
-def _streamk_finish(acc, acc_u, WS, COUNTERS, boundary, slot, OUT, off_n, M, N, stride_om,
-                    GLU: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):  # fmt: skip
-    # One part of a tile split between programs ``boundary`` (its first k-steps, at that program's
-    # end: slot 0) and ``boundary + 1`` (the rest, at that program's start: slot 1). Each stores its
-    # fp32 part in WS[boundary, slot] and takes a ticket on COUNTERS[boundary]; the second one adds
-    # the other's part to its own and writes the tile (the act for GLU), then resets the counter: the
-    # kernel leaves COUNTERS at zero. No program waits on another (the interpreter runs programs one
-    # after another). Two fp32 addends: the same sum whichever program adds. Ordering as in
-    # rms_norm's single-launch backward: the barrier puts every thread's stores before the one
-    # thread's acq_rel ticket.
-    width: tl.constexpr = 2 * BLOCK_N if GLU else BLOCK_N
-    rm = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    base = WS + (boundary * 2 + slot).to(tl.int64) * (BLOCK_M * width) + rm[:, None] * width + cols[None, :]
-    other = WS + (boundary * 2 + 1 - slot).to(tl.int64) * (BLOCK_M * width) + rm[:, None] * width + cols[None, :]
-    tl.store(base, acc)
-    if GLU:
-        tl.store(base + BLOCK_N, acc_u)
-    tl.debug_barrier()
-    ticket = tl.atomic_add(COUNTERS + boundary, 1, sem="acq_rel")
-    if ticket == 1:
-        tl.store(COUNTERS + boundary, 0)
-        acc += tl.load(other)
-        rn = off_n + cols
-        mask = (rm < M)[:, None] & (rn < N)[None, :]
-        rows = rm.to(tl.int64)[:, None]
-        if GLU:
-            acc_u += tl.load(other + BLOCK_N)
-            _gate_up_epilogue(acc, acc_u, OUT, OUT, rows, rn, mask, stride_om, 0, N, ACTIVATION, False)
-        else:
-            tl.store(OUT + rows * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _mlp_decode_streamk_kernel(
-    X, W, OUT, WS, COUNTERS,
-    M, N, K,
-    stride_xm, stride_wn, stride_om,
-    TIMES,
-    GLU: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
-):  # fmt: skip
-    # _mlp_decode_kernel's GEMM (M <= BLOCK_M: one row block; X and W host-built descriptors) with
-    # the work split evenly over the programs (stream-K): the (tile, k-step) pairs, tile-major, are
-    # cut into num_programs equal ranges, so every program streams the same bytes (within one
-    # k-step) whatever the tile count, and the grid can be one program per SM. A program finishes
-    # the tiles whose every k-step it ran; a tile cut between two programs is finished by whichever
-    # of them comes second (_streamk_finish). The host makes every range at least one tile long, so
-    # a tile is cut at most once, the cut tiles are a program's first (its start: "head") and last
-    # (its end: "tail"), and the loop below is one flat software-pipelined loop across tiles.
-    # Timeline (H200, run 59-60): with one whole tile a program, the programs' ends spread 5-7 us
-    # over a ~56 us gate-up GEMM (the same weight rows slow in every run) and 1-7 us over the down.
-    if TIMES is not None:
-        t_start = globaltimer()
-    if PDL_TRIGGER:
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    total = tl.cdiv(N, BLOCK_N) * k_steps
-    begin = (pid * total) // programs
-    end = ((pid + 1) * total) // programs
-    if PDL_WAIT:
-        gdc_wait()
-    if TIMES is not None:
-        t_wait = globaltimer()
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    head = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    head_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    rm = tl.arange(0, BLOCK_M)
-    for g in tl.range(begin, end):
-        tile = g // k_steps
-        step = g - tile * k_steps
-        off_n = tile * BLOCK_N
-        x = X.load([0, step * BLOCK_K])
-        acc = tl.dot(x, W.load([off_n, step * BLOCK_K]).T, acc, input_precision=PRECISION)
-        if GLU:
-            acc_u = tl.dot(x, W.load([N + off_n, step * BLOCK_K]).T, acc_u, input_precision=PRECISION)
-        if step == k_steps - 1:
-            if g - step >= begin:  # the whole tile ran here
-                rn = off_n + tl.arange(0, BLOCK_N)
-                mask = (rm < M)[:, None] & (rn < N)[None, :]
-                rows = rm.to(tl.int64)[:, None]
-                if GLU:
-                    _gate_up_epilogue(acc, acc_u, OUT, OUT, rows, rn, mask, stride_om, 0, N, ACTIVATION, False)
-                else:
-                    tl.store(OUT + rows * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
-            else:  # head: the rest of the tile the previous program began, finished after the loop
-                head = acc
-                head_u = acc_u
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The cut tiles' tickets after the loop: an atomic inside it stops Triton 3.6 from pipelining the
-    # loop (offline sm_90 compile: one shared buffer), a store does not.
-    first_tile = begin // k_steps
-    if begin != first_tile * k_steps:
-        _streamk_finish(head, head_u, WS, COUNTERS, pid - 1, 1, OUT, first_tile * BLOCK_N, M, N, stride_om, GLU,
-                        ACTIVATION, BLOCK_M, BLOCK_N)  # fmt: skip
-    last_tile = (end - 1) // k_steps
-    if end - last_tile * k_steps != k_steps:  # tail: the first k-steps of a tile the next program ends
-        _streamk_finish(acc, acc_u, WS, COUNTERS, pid, 0, OUT, last_tile * BLOCK_N, M, N, stride_om, GLU, ACTIVATION,
-                        BLOCK_M, BLOCK_N)  # fmt: skip
-    if TIMES is not None:
-        t_end = globaltimer()
-        tl.store(TIMES + pid * 4, t_start)
-        tl.store(TIMES + pid * 4 + 1, t_wait)
-        tl.store(TIMES + pid * 4 + 2, t_end)
-        tl.store(TIMES + pid * 4 + 3, smid().to(tl.int64))
-
-
 # --------------------------------------------------------------------------------------------
 # Launch configuration (from the autotune cache)
 # --------------------------------------------------------------------------------------------
@@ -535,7 +421,7 @@ def default_config(t: int, h: int, i: int, dtype: torch.dtype, on_gpu: bool) -> 
 DECODE_MAX_T = 64
 GATE_UP_DECODE = "mlp_decode_gate_up"  # N = I, K = H, GLU
 DOWN_DECODE = "mlp_decode_down"  # N = H, K = I
-DECODE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "STREAM_K")
+DECODE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 # Where fused_mlp takes the decode path (tests add "cpu" to run it under the interpreter).
 DECODE_DEVICE_TYPES = frozenset({"cuda"})
 
@@ -568,11 +454,13 @@ def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = Tr
     """
     bm = max(16, next_pow2(t))
     if not on_gpu:
-        return dict(BLOCK_M=bm, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1, STREAM_K=False)
+        return dict(BLOCK_M=bm, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1)
     # (BLOCK_N, BLOCK_K, num_stages) by BLOCK_M; shared memory per program (bf16) in the comment.
     if glu:
-        # run 34 (us, gate-up alone): T 1 70.9, T 8 71.4, T 32 70.8, T 64 72.0
-        bn, bk, stages = {16: (128, 64, 4), 32: (64, 128, 3), 64: (128, 64, 3)}[min(bm, 64)]
+        # run 34 (us, gate-up alone): T 1 70.9, T 8 71.4, T 32 70.8, T 64 72.0. T 64 at 4 stages, not 3
+        # (runs 60, 62, 64, sweep mlp_decode_timeline): the gate-up alone 2.6-4.1 us faster; the whole
+        # MLP with PDL 97.5 -> 95.3 us eager, 95.0 -> 92.8 from a CUDA graph (run 64).
+        bn, bk, stages = {16: (128, 64, 4), 32: (64, 128, 3), 64: (128, 64, 4)}[min(bm, 64)]
     else:
         # run 34 (us, down alone): T 1 44.6, T 8 43.2, T 32 44.5, T 64 44.4
         bn, bk, stages = {16: (32, 256, 6), 32: (16, 256, 5), 64: (32, 128, 6)}[min(bm, 64)]
@@ -581,7 +469,7 @@ def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = Tr
         blocks, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
         while blocks * split * 2 <= sms and k_tiles >= 8 * split:
             split *= 2
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages, STREAM_K=False)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages)
 
 
 def decode_smem_bytes(cfg: dict, glu: bool, element_size: int = 2) -> int:
@@ -614,7 +502,7 @@ def decode_candidates(t: int, n: int, k: int, glu: bool, sms: int = 132) -> list
     bm = max(16, next_pow2(t))
     out = [decode_config(t, n, k, glu, sms)]
     for bn, bk, stages, split in _DECODE_SWEEP[(glu, min(bm, 64))]:
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages, STREAM_K=False)
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages)
         if cfg not in out:
             out.append(cfg)
     return [c for c in out if decode_smem_bytes(c, glu) + 4096 <= _SMEM_LIMIT]
@@ -768,9 +656,6 @@ def _decode_gemm(
     t, k = x.shape
     n = w.shape[0] // 2 if glu else w.shape[0]
     out = empty((t, n), dtype=x.dtype, device=x.device)
-    if config.get("STREAM_K"):
-        _decode_gemm_streamk(x, w, out, glu, activation, config, pdl, times)
-        return out
     split = config["SPLIT_K"]
     # Split-K partials (SPLIT_K, T, 2N or N) fp32: 1 MB a split at T 64 for the down GEMM (N 4096).
     ws = empty((split, t, 2 * n if glu else n), dtype=torch.float32, device=x.device) if split > 1 else out
@@ -788,7 +673,7 @@ def _decode_gemm(
         PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
         **({"launch_pdl": True, "PREFETCH_BYTES": PDL_PREFETCH_BYTES} if pdl == "wait" else {}),
         HOST_DESC=host_desc,
-        **{key: v for key, v in config.items() if key not in ("STREAM_K", "PROGRAMS")},
+        **config,
     )  # fmt: skip
     args = (x_arg, w_arg, out, ws, t, n, k, x.stride(0), w.stride(0), out.stride(0), times)
     if host_desc:
@@ -800,63 +685,6 @@ def _decode_gemm(
     return out
 
 
-# Stream-K scratch per (device index, stream): the fp32 parts of cut tiles (2 a boundary between
-# programs) and the boundaries' ticket counters (int32, zero between launches: every launch leaves
-# them so), grown to the largest need. Launches on one stream run in order, so they can share it; a
-# stream being captured into a CUDA graph gets buffers of its own each launch (owned by the graph's
-# memory pool), so a graph never shares scratch with eager launches or other graphs.
-_streamk_scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _streamk_buffers(device: torch.device, floats: int, programs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return (torch.empty(floats, dtype=torch.float32, device=device),
-                    torch.zeros(programs, dtype=torch.int32, device=device))  # fmt: skip
-        key = (device.index if device.index is not None else torch.cuda.current_device(),
-               torch.cuda.current_stream(device).cuda_stream)  # fmt: skip
-    else:  # the interpreter: programs run one after another
-        key = (-1, 0)
-    ws, counters = _streamk_scratch.get(key, (None, None))
-    if ws is None or ws.numel() < floats:
-        ws = torch.empty(floats, dtype=torch.float32, device=device)
-    if counters is None or counters.numel() < programs:
-        counters = torch.zeros(programs, dtype=torch.int32, device=device)
-    _streamk_scratch[key] = (ws, counters)
-    return ws, counters
-
-
-def streamk_programs(n: int, config: dict, sms: int) -> int:
-    """The stream-K grid: one program per SM (``config["PROGRAMS"]`` instead, where given: tests),
-    but no more than the tiles, so that every program's range is at least one tile long."""
-    tiles = triton.cdiv(n, config["BLOCK_N"])
-    return max(1, min(config.get("PROGRAMS") or sms, tiles))
-
-
-def _decode_gemm_streamk(
-    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, glu: bool, activation: str, config: dict, pdl: str,
-    times: torch.Tensor | None,
-) -> None:  # fmt: skip
-    """``_decode_gemm`` through _mlp_decode_streamk_kernel (T <= BLOCK_M: one row block)."""
-    t, k = x.shape
-    n = out.shape[1]
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    assert t <= bm, (t, bm)
-    programs = streamk_programs(n, config, num_sms(x.device.index or 0) if x.is_cuda else 1)
-    ws, counters = _streamk_buffers(x.device, programs * 2 * bm * (2 * bn if glu else bn), programs)
-    x_desc = TensorDescriptor(x, [t, k], [x.stride(0), 1], [bm, config["BLOCK_K"]])
-    w_desc = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [bn, config["BLOCK_K"]])
-    kwargs = dict(
-        GLU=glu, ACTIVATION=activation, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
-        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-        **({"launch_pdl": True} if pdl == "wait" else {}),
-    )  # fmt: skip
-    args = (x_desc, w_desc, out, ws, counters, t, n, k, x.stride(0), w.stride(0), out.stride(0), times)
-    _streamk_launcher.launch((programs,), launch_config(**kwargs), _launch_key(x, w, out, ws, times), args)
-
-
 def _launch_key(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor, times: torch.Tensor | None):
     """What, beside the launch config and the ints (in the key through the shapes and strides below),
     decides Triton's specialization of a decode launch (``DescLauncher``): dtypes, shapes and row
@@ -866,9 +694,8 @@ def _launch_key(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.T
             ws.dtype, aligned, None if times is None else times.data_ptr() % 16 == 0)  # fmt: skip
 
 
-# Direct launches of the decode kernels with host-built descriptors (after the first, compiling one).
+# Direct launches of the decode kernel with host-built descriptors (after the first, compiling one).
 _decode_launcher = DescLauncher(_mlp_decode_kernel)
-_streamk_launcher = DescLauncher(_mlp_decode_streamk_kernel)
 
 
 @autotune.plan_cache

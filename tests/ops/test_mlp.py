@@ -9,6 +9,7 @@ import torch
 
 import fuseformer
 import fuseformer.ops as F
+from fuseformer.ops import _utils
 from fuseformer.testing import assert_close
 
 # The module, not the function of the same name that fuseformer.ops exports.
@@ -319,42 +320,6 @@ def test_decode_host_descriptors(t, device, monkeypatch):
     _check_decode(t, 96, 352, torch.float32, device, gapped=True)
 
 
-def _skcfg(programs, bm=16, bn=16, bk=32):
-    return dict(_dcfg(bm, bn, bk), STREAM_K=True, PROGRAMS=programs)
-
-
-@pytest.mark.parametrize("programs", [1, 3, 5, 7, 64])
-@pytest.mark.parametrize("t, bm", [(1, 16), (16, 16), (33, 64)])
-def test_decode_stream_k(t, bm, programs, device):
-    """The stream-K decode kernel (both GEMMs): the (tile, k-step) pairs cut evenly over 1-7 programs
-    (tiles cut between two programs, finished by whichever comes second) and over as many programs
-    as tiles (64: capped, no cut); N not a multiple of BLOCK_N (I 200: 13 tiles, the last half empty;
-    H 96: 6 tiles); x rows with gaps. The counters are left at zero, and a second call gives the
-    same bits."""
-    for dtype, (h, i), gapped in ((torch.float16, (96, 200), False), (torch.float32, (96, 352), True)):
-        gcfg, dcfg = _skcfg(programs, bm), _skcfg(programs, bm)
-        _check_decode(t, h, i, dtype, device, gcfg, dcfg, gapped=gapped)
-        for _ws, counters in M._streamk_scratch.values():
-            assert not counters.any()
-    x = torch.randn(t, 96, device=device).half()
-    wgu, wd = _weights(96, 200, torch.float16, device)
-    first = M.mlp_decode_fwd(x, wgu, wd, "gelu_tanh", _skcfg(programs, bm), _skcfg(programs, bm))
-    again = M.mlp_decode_fwd(x, wgu, wd, "gelu_tanh", _skcfg(programs, bm), _skcfg(programs, bm))
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
-
-
-def test_stream_k_grid_never_cuts_a_tile_twice():
-    """Every program's range is at least one tile long (so a tile is cut at most once): the grid is
-    capped at the tile count, whatever the SM count."""
-    for n, k, bn, bk in ((14336, 4096, 64, 64), (4096, 14336, 16, 256), (4096, 14336, 32, 256), (96, 352, 16, 32)):
-        cfg = dict(BLOCK_N=bn, BLOCK_K=bk)
-        tiles, k_steps = -(-n // bn), -(-k // bk)
-        for sms in (1, 7, 132, 1000):
-            p = M.streamk_programs(n, cfg, sms)
-            assert 1 <= p <= min(sms, tiles)
-            assert min((q + 1) * tiles * k_steps // p - q * tiles * k_steps // p for q in range(p)) >= k_steps
-
-
 def test_decode_wide_tiles_and_gapped_rows(device):
     """Tiles wider than the weights (BLOCK_N 64 over I 40, BLOCK_K 64 over H 24: every box partly out
     of bounds) and x rows strided with NaN gaps between them, which the descriptors must not read."""
@@ -371,6 +336,7 @@ def test_fused_mlp_takes_decode_path_for_inference(device, monkeypatch):
     for name in ("_mlp_decode_kernel", "_mlp_gate_up_kernel", "_mlp_split_k_epilogue_kernel"):
         monkeypatch.setattr(M, name, _LaunchSpy(getattr(M, name), name, launches))
     monkeypatch.setattr(M._decode_launcher, "kernel", M._mlp_decode_kernel)  # host descriptors launch through it
+    monkeypatch.setattr(_utils, "_fast_launch_on", False)  # every launch through the spy (on a GPU too)
 
     def run(t, h, i, grad=False):
         launches.clear()
@@ -577,69 +543,24 @@ def test_decode_every_candidate_config_gpu(t, glu, cfg):
     _check_decode(t, 4096, 14336, torch.bfloat16, "cuda", cfg if glu else None, None if glu else cfg)
 
 
-_STREAM_K_CASES = (
-    (1, True, 64, 64, 8),
-    (1, False, 16, 256, 10),
-    (7, True, 64, 128, 4),
-    (16, False, 16, 256, 12),
-    (61, True, 32, 64, 6),
-    (61, False, 16, 128, 8),
-)  # (T, GLU, BLOCK_N, BLOCK_K, num_stages)
-_STREAM_K_GPU = [
-    (t, dict(BLOCK_M=max(16, 1 << (t - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=4, num_stages=st,
-             STREAM_K=True), glu)
-    for t, glu, bn, bk, st in _STREAM_K_CASES
-]  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t, cfg, glu", _STREAM_K_GPU)
-def test_decode_stream_k_gpu(t, cfg, glu):
-    """The stream-K decode kernel at Llama-3 8B's sizes in bf16 (one program per SM), eager and
-    replayed from a CUDA graph (its scratch then the graph's own), equal bits both ways."""
-    _check_decode(t, 4096, 14336, torch.bfloat16, "cuda", cfg if glu else None, None if glu else cfg)
-    x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
-    wgu, wd = _weights(4096, 14336, torch.bfloat16, "cuda")
-    run = lambda: M.mlp_decode_fwd(x, wgu, wd, "silu", cfg if glu else None, None if glu else cfg)[0]  # noqa: E731
-    eager = run()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # warm on the side stream, as capture needs
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, eager)
-        assert torch.equal(run(), eager)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 8, 61])
 def test_decode_direct_launch_gpu(t, monkeypatch):
     """After a decode MLP's first (compiling) call, its launches take the direct path (DescLauncher):
-    no more misses, for new inputs too, and the same bits as Triton's own launch; the stream-K form
-    too. Weights of other shapes miss once, then go direct."""
-    from fuseformer.ops import _utils
-
+    no more misses, for new inputs too, and the same bits as Triton's own launch. Weights of other
+    shapes miss once, then go direct."""
     wgu, wd = _weights(4096, 14336, torch.bfloat16, "cuda")
-    sk = dict(_STREAM_K_GPU[0][1], BLOCK_M=max(16, 1 << (t - 1).bit_length()))
-    for gate_up_config in (None, sk):
+    x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
+    M.mlp_decode_fwd(x, wgu, wd, "silu")
+    misses = M._decode_launcher.misses
+    for _ in range(3):
         x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
-        M.mlp_decode_fwd(x, wgu, wd, "silu", gate_up_config)
-        launchers = (M._decode_launcher, M._streamk_launcher)
-        misses = [lc.misses for lc in launchers]
-        for _ in range(3):
-            x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
-            out, y = M.mlp_decode_fwd(x, wgu, wd, "silu", gate_up_config)
-        assert [lc.misses for lc in launchers] == misses
-        with monkeypatch.context() as m:
-            m.setattr(_utils, "_fast_launch_on", False)
-            ref, y_ref = M.mlp_decode_fwd(x, wgu, wd, "silu", gate_up_config)
-        assert torch.equal(out, ref) and torch.equal(y, y_ref)
+        out, y = M.mlp_decode_fwd(x, wgu, wd, "silu")
+    assert M._decode_launcher.misses == misses
+    with monkeypatch.context() as m:
+        m.setattr(_utils, "_fast_launch_on", False)
+        ref, y_ref = M.mlp_decode_fwd(x, wgu, wd, "silu")
+    assert torch.equal(out, ref) and torch.equal(y, y_ref)
     wgu2, wd2 = _weights(2048, 8192, torch.bfloat16, "cuda")
     x2 = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
     M.mlp_decode_fwd(x2, wgu2, wd2, "silu")
@@ -724,7 +645,7 @@ for t in (1, 32, 64):
     for glu, n, k in ((True, 14336, 4096), (False, 4096, 14336)):
         cfg = M.decode_config(t, n, k, glu, 132)
         consts = dict(GLU=glu, ACTIVATION="silu", PRECISION="tf32", TIMES=None,
-                      **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages", "STREAM_K")})
+                      **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
         build(M._mlp_decode_kernel, dsig, consts, cfg)
         # The programmatic-dependent-launch forms (PDL_DECODE): gate-up triggers, down waits.
         pdl = dict(PDL_TRIGGER=True) if glu else dict(PDL_WAIT=True)
@@ -737,18 +658,6 @@ for t in (1, 32, 64):
         if not glu:  # with the L2 prefetch of the weights, issued before the wait
             ptx = build(M._mlp_decode_kernel, dsig, dict(consts, PREFETCH_BYTES=4096, **pdl), cfg).asm["ptx"]
             assert 0 <= ptx.find("cp.async.bulk.prefetch.L2") < ptx.find("griddepcontrol.wait")
-        # The stream-K form (host descriptors; its gate-up configs of the sweep, and a down one).
-        bm = cfg["BLOCK_M"]
-        for bn, bk, st in ((64, 128, 4), (64, 64, 6)) if glu else ((16, 256, 8),):
-            if bm != 16:
-                continue
-            ssig = dict(X=f"tensordesc<bf16[{bm}, {bk}]>", W=f"tensordesc<bf16[{bn}, {bk}]>", OUT="*bf16",
-                        WS="*fp32", COUNTERS="*i32", M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32",
-                        stride_om="i32")  # fmt: skip
-            sconsts = dict(TIMES=None, GLU=glu, ACTIVATION="silu", PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn,
-                           BLOCK_K=bk, **pdl)  # fmt: skip
-            sk = build(M._mlp_decode_streamk_kernel, ssig, sconsts, dict(num_warps=4, num_stages=st))
-            assert sk.metadata.shared > (st - 2) * bn * bk * 2, "the stream-K loop is not pipelined"
         if cfg["SPLIT_K"] > 1:
             esig = dict(WS="*fp32", Y="*bf16", PRE="*bf16", M="i32", N="i32", stride_ym="i32", stride_pm="i32")
             consts = dict(ACTIVATION="silu", SAVE_PRE=False, SPLIT_K=cfg["SPLIT_K"], BLOCK_M=16, BLOCK_N=256, GLU=glu)
