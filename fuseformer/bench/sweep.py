@@ -673,7 +673,7 @@ _TIMELINE_GATE_UP: dict[int, list] = {16: [(128, 64, 5)], 64: [(128, 64, 3)]}
 
 
 def sweep_mlp_decode_timeline(
-    h: int = 4096, i: int = 14336, tokens: tuple[int, ...] = (1, 8, 64), iters: int = 15
+    h: int = 4096, i: int = 14336, tokens: tuple[int, ...] = (1, 2, 8), iters: int = 15
 ) -> list[dict]:
     """Where the decode MLP's time goes (GPU only): each program of the two decode GEMMs stamps
     %globaltimer at its start, after its PDL wait and at its end (ops/mlp.py ``_mlp_decode_kernel``'s
@@ -695,6 +695,11 @@ def sweep_mlp_decode_timeline(
     w_gate_up = torch.randn(2 * i, h, device=dev).to(dtype) / h**0.5
     w_down = torch.randn(h, i, device=dev).to(dtype) / i**0.5
     mlp_bytes = 3 * h * i * 2
+    import triton
+
+    from fuseformer.ops._utils import DescLauncher
+
+    nospec_launcher = DescLauncher(triton.jit(do_not_specialize=["M"])(mlp._mlp_decode_kernel.fn))
     for t in tokens:
         x = torch.randn(t, h, device=dev).to(dtype)
         y = mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0]
@@ -732,6 +737,19 @@ def sweep_mlp_decode_timeline(
         mlp_case("mlp, no PDL", gcfg, dcfg, pdl=False)
         alone_case("gate_up alone", True, gcfg)
         alone_case("down alone", False, dcfg)
+        # Run 64: T 1's down GEMM ran ~4 us slower than T 8's with the same config. T 1 makes M == 1,
+        # which Triton specializes (a constexpr): the same kernel with M left unspecialized.
+        ts_nospec = stamps(dcfg, h)
+
+        def down_m_unspecialized(ts=ts_nospec):
+            saved = mlp._decode_launcher
+            mlp._decode_launcher = nospec_launcher
+            try:
+                return mlp._decode_gemm(y, w_down, False, "silu", dcfg, times=ts)
+            finally:
+                mlp._decode_launcher = saved
+
+        cases["down alone, M unspecialized"] = (down_m_unspecialized, None, ts_nospec, None, dcfg)
         for v in _TIMELINE_DOWN[min(bm, 64)]:
             cfg = variant(dcfg, *v)
             alone_case(f"down alone {label(*v)}", False, cfg)
@@ -789,6 +807,13 @@ def sweep_mlp_decode_timeline(
             last = {p: s.cpu().tolist() for p, s in (("gate_up", tg), ("down", td)) if s is not None}
             rec["last_call_stamps"] = last  # raw, for plots: (start, after wait, end ns; SM) per program
             print("timeline:", {k: v for k, v in rec.items() if k != "last_call_stamps"}, flush=True)
+        # Host µs a call (the GPU synchronized around 500 calls): the public op and its launcher.
+        import fuseformer.ops as F
+
+        with torch.no_grad():
+            out.append(dict(kind="mlp_decode_host", T=t,
+                            fused_mlp_us=_host_us(lambda: F.fused_mlp(x, w_gate_up, w_down), 200),
+                            launcher_us=_host_us(lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"), 200)))  # fmt: skip
         # The whole-MLP cases as the benchmark times them (3 interleaved rounds, the median), and their
         # GPU time alone: CUDA graphs of 10 x (flush, MLP) against 10 x (flush), replayed.
         graph_flush = _graph_us(lambda: flush.amax())
