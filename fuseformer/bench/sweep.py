@@ -554,6 +554,13 @@ def sweep_mlp_decode(
         case("mlp", "decode rule (fused_mlp)", lambda: F.fused_mlp(x, w_gate_up, w_down))
         case("mlp", "decode rule (launcher)", decode)
         case("mlp", "decode rule, no PDL", _with_pdl(mlp, decode, enabled=False))
+        if pdl_only and t == 1:  # the rule before run 66 (the down GEMM at 6 stages)
+            down6 = dict(mlp._decode_plan(mlp.DOWN_DECODE, 1, h, i, dtype, x.device), num_stages=6)
+            case(
+                "mlp",
+                "decode rule, down at 6 stages",
+                lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", None, down6),
+            )
         if pdl_only:
             case("mlp", "decode rule, PDL, host descriptors", _with_pdl(mlp, decode, host_desc=True))
             case("mlp", "decode rule, no PDL, host descriptors", _with_pdl(mlp, decode, enabled=False, host_desc=True))

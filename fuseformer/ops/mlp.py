@@ -464,6 +464,12 @@ def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = Tr
     else:
         # run 34 (us, down alone): T 1 44.6, T 8 43.2, T 32 44.5, T 64 44.4
         bn, bk, stages = {16: (32, 256, 6), 32: (16, 256, 5), 64: (32, 128, 6)}[min(bm, 64)]
+        if t == 1:
+            # 8 stages at T 1 (sweep mlp_decode_timeline): the down alone 1.4-1.7 us faster (runs 60, 66);
+            # the whole MLP with PDL, eager, 98.1 -> 95.5 us in run 66 and level in run 60 (its CUDA-graph
+            # time the same: 91.6 us); at T 2-16 it was +1.0 / -1.1 us, so T 1 only. It no longer fits
+            # beside a gate-up program, so the PDL launch's programs wait for SMs to free.
+            stages = 8
     split = 1
     if not glu:
         blocks, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
