@@ -517,9 +517,9 @@ class Launcher:
         _cuda_current_stream = torch._C._cuda_getCurrentRawStream
         return True
 
-    def _entry(self, compiled: Any, config: LaunchConfig, n_ptr: int, n_int: int, n_float: int) -> tuple | None:
-        """(C launch, CUfunction, packed metadata, cooperative, pdl, constexpr values) for a compiled
-        kernel, or None when it is not the plain form the direct call handles."""
+    def _plain_launcher(self, compiled: Any) -> Any:
+        """The CudaLauncher of a compiled kernel the direct call can launch (no global-variable checks,
+        pre-run hooks or scratch memory), else None."""
         kernel = self.kernel
         if kernel.used_global_vals or kernel.pre_run_hooks or type(compiled).__name__ != "CompiledKernel":
             return None
@@ -527,6 +527,39 @@ class Launcher:
         if type(launcher).__name__ != "CudaLauncher" or compiled.function is None:
             return None
         if launcher.global_scratch_size or launcher.profile_scratch_size:
+            return None
+        return launcher
+
+    @staticmethod
+    def _constexpr_values(params: Sequence[Any], config: LaunchConfig) -> tuple | None:
+        """The values of trailing constexpr ``params``: from ``config``, else their defaults (None if
+        one has neither, or is not a constexpr)."""
+        values = []
+        for p in params:
+            if not p.is_constexpr:
+                return None
+            if p.name in config.kwargs:
+                values.append(config.kwargs[p.name])
+            elif p.has_default:
+                values.append(p.default)
+            else:
+                return None
+        return tuple(values)
+
+    @staticmethod
+    def _hooks_clear(runtime: Any) -> bool:
+        """Whether no launch hooks are installed (a profiler's would need Triton's own launch)."""
+        enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+        return (enter is None or (type(enter) is _HookChain and not enter.calls)) and (
+            exit_ is None or (type(exit_) is _HookChain and not exit_.calls)
+        )
+
+    def _entry(self, compiled: Any, config: LaunchConfig, n_ptr: int, n_int: int, n_float: int) -> tuple | None:
+        """(C launch, CUfunction, packed metadata, cooperative, pdl, constexpr values) for a compiled
+        kernel, or None when it is not the plain form the direct call handles."""
+        kernel = self.kernel
+        launcher = self._plain_launcher(compiled)
+        if launcher is None:
             return None
         signature = list(compiled.src.signature.values())
         params = kernel.params
@@ -546,17 +579,12 @@ class Launcher:
                 ok = ty == "constexpr" and params[i].is_constexpr
             if not ok:
                 return None
-        constexprs = []
-        for p in params[n_runtime:]:
-            if p.name in config.kwargs:
-                constexprs.append(config.kwargs[p.name])
-            elif p.has_default:
-                constexprs.append(p.default)
-            else:
-                return None
+        constexprs = self._constexpr_values(params[n_runtime:], config)
+        if constexprs is None:
+            return None
         return (
             launcher.launch, compiled.function, compiled.packed_metadata,
-            launcher.launch_cooperative_grid, launcher.launch_pdl, tuple(constexprs),
+            launcher.launch_cooperative_grid, launcher.launch_pdl, constexprs,
         )  # fmt: skip
 
 
@@ -599,10 +627,7 @@ class DescLauncher(Launcher):
             full_key = (config, device, runtime.debug, _triton_knobs.compilation.instrumentation_mode, key)
             entry = self._cache.get(full_key)
             if entry is not None and not self.kernel.pre_run_hooks:
-                enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
-                if (enter is None or (type(enter) is _HookChain and not enter.calls)) and (
-                    exit_ is None or (type(exit_) is _HookChain and not exit_.calls)
-                ):
+                if self._hooks_clear(runtime):
                     launch, function, packed_metadata, cooperative, pdl, kinds, constexprs = entry
                     final: list = []
                     for arg, kind in zip(args, kinds):
@@ -652,12 +677,8 @@ class DescLauncher(Launcher):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         kernel = self.kernel
-        if kernel.used_global_vals or kernel.pre_run_hooks or type(compiled).__name__ != "CompiledKernel":
-            return None
-        launcher = getattr(compiled, "_run", None)
-        if type(launcher).__name__ != "CudaLauncher" or compiled.function is None:
-            return None
-        if launcher.global_scratch_size or launcher.profile_scratch_size:
+        launcher = self._plain_launcher(compiled)
+        if launcher is None:
             return None
         # The C launch under wrap_handle_tensordesc's wrapper (a closure over it), or the launch itself.
         launch = launcher.launch
@@ -703,16 +724,9 @@ class DescLauncher(Launcher):
                 return None
         if metas and n_desc != len(metas):
             return None
-        constexprs = []
-        for p in params[len(args) :]:
-            if not p.is_constexpr:
-                return None
-            if p.name in config.kwargs:
-                constexprs.append(config.kwargs[p.name])
-            elif p.has_default:
-                constexprs.append(p.default)
-            else:
-                return None
+        constexprs = self._constexpr_values(params[len(args) :], config)
+        if constexprs is None:
+            return None
         return (
             launch, compiled.function, compiled.packed_metadata, launcher.launch_cooperative_grid, launcher.launch_pdl,
             tuple(kinds), tuple(constexprs),
