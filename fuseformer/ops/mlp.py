@@ -38,9 +38,13 @@ bandwidth, and the prefill kernel's grid is the wrong shape for it (448 programs
 T 1: 3.4 waves). ``_mlp_decode_kernel`` runs both GEMMs: gate-up with the activation in its
 epilogue, then down, each with its own config (``decode_config``: the H200 sweep's fastest, deep
 TMA pipelines and wide weight tiles; split-K for the down GEMM only where its outputs are too few to
-give every SM a program), so the whole MLP is two or three kernels, none of them cuBLAS. Measured on
-an H200 (BENCHMARKS.md, runs 34-35): 73-79% of the copy bandwidth at T 1-64, level with eager and
-torch.compile (70-78%), and 10-20% faster than the prefill kernel + cuBLAS at T 32-64.
+give every SM a program), so the whole MLP is two or three kernels, none of them cuBLAS. The down
+GEMM is a programmatic dependent launch of the gate-up GEMM (``PDL_DECODE``), both take host-built
+tensor descriptors (``DECODE_HOST_DESC``), and after a shape's first call both launch through
+``DescLauncher`` (the C launcher called directly: Triton's own launch path cost up to ~60 us of host
+time a GEMM on a slow host, run 62). Measured on H200s (BENCHMARKS.md, runs 57-67, L2 flushed by
+reading): 84.5-90% of the copy bandwidth at T 1-64 by machine, eager (torch.compile 69-83%); 89.5-93%
+from CUDA graphs, as the engine's decode runs it.
 """
 
 from __future__ import annotations
