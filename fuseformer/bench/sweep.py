@@ -226,10 +226,20 @@ def _small_rows_backward_breakdown(x: torch.Tensor, w: torch.Tensor, calls: int 
     torch.cuda.synchronize()
     rstd = rn.rms_norm_fwd(x.detach(), w.detach(), None, 1e-6)[2]
     direct = _host_us(lambda: rn.rms_norm_bwd(dy, x.detach(), w.detach(), rstd), calls)
+    # The same loop on a Python thread of its own: is any thread but the main one slower (per-thread
+    # state, or a core woken for the work), or only autograd's device thread?
+    import threading
+
+    on_thread: list[float] = []
+    worker = threading.Thread(target=lambda: on_thread.append(
+        _host_us(lambda: rn.rms_norm_bwd(dy, x.detach(), w.detach(), rstd), calls)))  # fmt: skip
+    worker.start()
+    worker.join()
     names = ("engine until our backward", "our backward before rms_norm_bwd", "rms_norm_bwd",
              "our backward after rms_norm_bwd", "engine after our backward")  # fmt: skip
     return dict(kind="small_rows_bwd_breakdown", shape=list(x.shape),
-                us={name: 1e6 * v / calls for name, v in zip(names, sums)}, rms_norm_bwd_direct_us=direct)  # fmt: skip
+                us={name: 1e6 * v / calls for name, v in zip(names, sums)}, rms_norm_bwd_direct_us=direct,
+                rms_norm_bwd_python_thread_us=on_thread[0] if on_thread else None)  # fmt: skip
 
 
 def sweep_small_rows() -> list[dict]:
