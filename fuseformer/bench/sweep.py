@@ -685,8 +685,8 @@ def _graph_us(fn: Callable[[], object], calls: int = 10, replays: int = 20) -> f
 # nothing in the whole MLP) and a stream-K kernel (every program the same bytes, one per SM: its
 # gate-up 1-2.6 us faster alone, nothing in the whole MLP; its down 16-row tiles 1.6-4x slower);
 # both left out of the library (perf-notes, session 10).
-_TIMELINE_DOWN: dict[int, list] = {16: [(32, 256, 8)], 64: [(32, 256, 4)]}
-_TIMELINE_GATE_UP: dict[int, list] = {16: [(128, 64, 5)], 64: [(128, 64, 3)]}
+_TIMELINE_DOWN: dict[int, list] = {16: [], 64: []}
+_TIMELINE_GATE_UP: dict[int, list] = {16: [], 64: []}
 
 
 def sweep_mlp_decode_timeline(
@@ -738,9 +738,16 @@ def sweep_mlp_decode_timeline(
         # name -> (fn, gate-up stamps or None, down stamps or None, gate-up config, down config)
         cases: dict[str, tuple] = {}
 
-        def mlp_case(name, g_cfg, d_cfg, pdl=True):
+        def mlp_case(name, g_cfg, d_cfg, pdl=True, pad=True):
             tg, td = stamps(g_cfg, i), stamps(d_cfg, h)
-            fn = lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", g_cfg, d_cfg, times=(tg, td))  # noqa: E731
+
+            def fn():
+                previous, mlp.DECODE_PAD_Y = mlp.DECODE_PAD_Y, pad and mlp.DECODE_PAD_Y
+                try:
+                    return mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", g_cfg, d_cfg, times=(tg, td))
+                finally:
+                    mlp.DECODE_PAD_Y = previous
+
             cases[name] = (fn if pdl else _with_pdl(mlp, fn, enabled=False, host_desc=mlp.DECODE_HOST_DESC),
                            tg, td, g_cfg, d_cfg)  # fmt: skip
 
@@ -767,6 +774,16 @@ def sweep_mlp_decode_timeline(
                 mlp._decode_launcher = saved
 
         cases["down alone, M unspecialized"] = (down_m_unspecialized, None, ts_nospec, None, dcfg)
+        # y padded to the row block (DECODE_PAD_Y): the down GEMM's x boxes without out-of-bounds rows.
+        if t < dcfg["BLOCK_M"]:
+            y_pad = torch.zeros(dcfg["BLOCK_M"], i, device=dev, dtype=dtype)
+            y_pad[:t] = y
+            ts_pad = stamps(dcfg, h)
+            cases["down alone, y padded"] = (
+                lambda ts=ts_pad, y_pad=y_pad: mlp._decode_gemm(y_pad, w_down, False, "silu", dcfg, times=ts, rows=t),
+                None, ts_pad, None, dcfg,
+            )  # fmt: skip
+            mlp_case("mlp, PDL, y not padded", gcfg, dcfg, pad=False)
         for v in _TIMELINE_DOWN[min(bm, 64)]:
             cfg = variant(dcfg, *v)
             alone_case(f"down alone {label(*v)}", False, cfg)

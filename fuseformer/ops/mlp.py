@@ -655,21 +655,26 @@ def _split_k_reduce(ws: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | Non
 
 def _decode_gemm(
     x: torch.Tensor, w: torch.Tensor, glu: bool, activation: str, config: dict, pdl: str = "",
-    times: torch.Tensor | None = None,
+    times: torch.Tensor | None = None, rows: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x (T, K), w (2N, K) = [gate; up] (``glu``) or (N, K) -> act(x Wg^T) * (x Wu^T) or x W^T (T, N),
     x's dtype, through _mlp_decode_kernel (16-byte aligned rows: tensor descriptors).
 
     ``pdl``: "" none, "trigger" (this kernel lets the next one launch early), "wait" (this kernel is
     launched as a programmatic dependent of the previous one and waits for its writes). ``times``
-    (sweeps): int64 (programs, 4) that the kernel fills with its timeline (_mlp_decode_kernel's TIMES)."""
+    (sweeps): int64 (programs, 4) that the kernel fills with its timeline (_mlp_decode_kernel's TIMES).
+    ``rows`` (host descriptors only): the output's rows, where they differ from x's (``DECODE_PAD_Y``):
+    more (the rows past x's come out of zero x rows: zeros after the act) or fewer (x's last rows
+    are padding)."""
     t, k = x.shape
+    m = t if rows is None else rows
     n = w.shape[0] // 2 if glu else w.shape[0]
-    out = empty((t, n), dtype=x.dtype, device=x.device)
+    out = empty((m, n), dtype=x.dtype, device=x.device)
     split = config["SPLIT_K"]
     # Split-K partials (SPLIT_K, T, 2N or N) fp32: 1 MB a split at T 64 for the down GEMM (N 4096).
-    ws = empty((split, t, 2 * n if glu else n), dtype=torch.float32, device=x.device) if split > 1 else out
+    ws = empty((split, m, 2 * n if glu else n), dtype=torch.float32, device=x.device) if split > 1 else out
     host_desc = DECODE_HOST_DESC and not (pdl == "wait" and PDL_PREFETCH_BYTES)
+    assert host_desc or m == t, "rows other than x's need host descriptors (x's own shape in them)"
     if host_desc:
         x_arg = TensorDescriptor(x, [t, k], [x.stride(0), 1], [config["BLOCK_M"], config["BLOCK_K"]])
         w_arg = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [config["BLOCK_N"], config["BLOCK_K"]])
@@ -677,7 +682,7 @@ def _decode_gemm(
         x_arg, w_arg = x, w
         if x.is_cuda:
             _ensure_allocator()
-    grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(t, config["BLOCK_M"]), split)
+    grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(m, config["BLOCK_M"]), split)
     kwargs = dict(
         GLU=glu, ACTIVATION=activation, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
@@ -685,7 +690,7 @@ def _decode_gemm(
         HOST_DESC=host_desc,
         **config,
     )  # fmt: skip
-    args = (x_arg, w_arg, out, ws, t, n, k, x.stride(0), w.stride(0), out.stride(0), times)
+    args = (x_arg, w_arg, out, ws, m, n, k, x.stride(0), w.stride(0), out.stride(0), times)
     if host_desc:
         _decode_launcher.launch(grid, launch_config(**kwargs), _launch_key(x, w, out, ws, times), args)
     else:
@@ -767,12 +772,23 @@ def mlp_decode_fwd(
     # kernel (no split-K epilogue between them) and the device is sm_90+.
     pdl = PDL_DECODE and gate_up_config["SPLIT_K"] == 1 and _pdl_capable(x.device)
     t_gate_up, t_down = times if times is not None else (None, None)
+    # y padded to the down GEMM's row block of 16 (DECODE_PAD_Y; T < 16, where it was timed): the
+    # gate-up GEMM writes all 16 rows (those past T are zeros: x's missing rows read as zeros, and
+    # act(0) * 0 = 0) and the down GEMM reads y without out-of-bounds rows.
+    bm = down_config["BLOCK_M"]
+    pad = (
+        DECODE_PAD_Y and DECODE_HOST_DESC and not PDL_PREFETCH_BYTES and t < bm == 16
+        and gate_up_config["BLOCK_M"] == bm and gate_up_config["SPLIT_K"] == 1
+    )  # fmt: skip
+    y_rows, out_rows = (bm, t) if pad else (None, None)
     if not pdl:
-        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, times=t_gate_up)
-        return _decode_gemm(y, w_down, False, activation, down_config, times=t_down), y
+        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, times=t_gate_up, rows=y_rows)
+        out = _decode_gemm(y, w_down, False, activation, down_config, times=t_down, rows=out_rows)
+        return out, (y[:t] if pad else y)
     with _holding_scratch():  # the two kernels overlap: their descriptor scratch must not alias
-        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger", t_gate_up)
-        return _decode_gemm(y, w_down, False, activation, down_config, "wait", t_down), y
+        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger", t_gate_up, y_rows)
+        out = _decode_gemm(y, w_down, False, activation, down_config, "wait", t_down, out_rows)
+        return out, (y[:t] if pad else y)
 
 
 # Programmatic dependent launch between the two decode GEMMs: on. Run 53 (H200, 2026-12-01, sweep
@@ -793,6 +809,11 @@ PDL_PREFETCH_BYTES = 0
 # T 32 97.9 / 94.9, T 64 99.3 / 98.9 (84.6, 87.6, 87.1, 83.6% of the clean copy ceiling). Without
 # scratch, the PDL launches need no scratch hold either (``_holding_scratch`` stays for the other form).
 DECODE_HOST_DESC = True
+# y written padded to the down GEMM's BLOCK_M rows (zeros past T), so that the down GEMM's x tiles
+# have no out-of-bounds rows. Runs 60-66 (sweep mlp_decode_timeline): the down GEMM alone with the
+# same config ran 35.4 us at T 1, 32.9 at T 2, 30.8 at T 8 (one row block of 16 each time): fewer
+# valid rows in its x boxes, slower.
+DECODE_PAD_Y = True
 
 
 @functools.cache

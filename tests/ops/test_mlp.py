@@ -320,6 +320,25 @@ def test_decode_host_descriptors(t, device, monkeypatch):
     _check_decode(t, 96, 352, torch.float32, device, gapped=True)
 
 
+@pytest.mark.parametrize("pad", [True, False])
+def test_decode_padded_y(pad, device, monkeypatch):
+    """DECODE_PAD_Y: y written to the down GEMM's 16 rows at T 3 (the rows past T zeros, written by
+    the gate-up kernel into a poisoned buffer), the down GEMM reading all 16 and storing T; the
+    result the same either way. T 16 and T 33 fill or pass the row block: no padding."""
+    monkeypatch.setattr(M, "DECODE_HOST_DESC", True)
+    monkeypatch.setattr(M, "DECODE_PAD_Y", pad)
+    for t in (3, 16, 33):
+        _check_decode(t, 96, 352, torch.float16, device)
+        x = torch.randn(t, 96, device=device).half()
+        wgu, wd = _weights(96, 352, torch.float16, device)
+        out, y = M.mlp_decode_fwd(x, wgu, wd, "silu")
+        assert y.shape == (t, 352) and out.shape == (t, 96)
+        padded = pad and t < 16
+        assert (y._base is not None) == padded
+        if padded:
+            assert y._base.shape == (16, 352) and not y._base[t:].any()
+
+
 def test_decode_wide_tiles_and_gapped_rows(device):
     """Tiles wider than the weights (BLOCK_N 64 over I 40, BLOCK_K 64 over H 24: every box partly out
     of bounds) and x rows strided with NaN gaps between them, which the descriptors must not read."""
