@@ -812,7 +812,9 @@ DECODE_HOST_DESC = True
 # y written padded to the down GEMM's BLOCK_M rows (zeros past T), so that the down GEMM's x tiles
 # have no out-of-bounds rows. Runs 60-66 (sweep mlp_decode_timeline): the down GEMM alone with the
 # same config ran 35.4 us at T 1, 32.9 at T 2, 30.8 at T 8 (one row block of 16 each time): fewer
-# valid rows in its x boxes, slower.
+# valid rows in its x boxes, slower. Run 70 (H200, 2026-12-01): the down alone on a padded y 33.6 ->
+# 29.8 us at T 1, 32.7 -> 28.8 at T 2, level at T 8; the whole MLP with PDL from CUDA graphs 91.9 ->
+# 90.6-90.9 us at T 1 and 92.4 -> 89.0-89.3 at T 2, eager 94.0 -> 93.3 at T 1; level at T 8. On.
 DECODE_PAD_Y = True
 
 
