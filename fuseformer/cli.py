@@ -33,6 +33,9 @@ def _info(args: argparse.Namespace) -> int:
     print(
         f"TRITON_INTERPRET={'1' if backend.INTERPRET else '0'}  FUSEFORMER_BACKEND={backend.forced_backend() or 'auto'}"
     )
+    from fuseformer.runtime import native
+
+    print(f"native     {native.status()} (eager rms_norm with grad as a C++ autograd node)")
     print()
     width = max(len(op) for op in OPS)
     for dev in devices:
