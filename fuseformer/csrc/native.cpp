@@ -139,6 +139,9 @@ std::vector<py::object*> g_fallbacks;
 }
 
 void run(Plan& plan, const Program& program, std::vector<at::Tensor>& slots) {
+  if (g_driver.launch == nullptr && !program.launches.empty()) {
+    throw std::runtime_error("fuseformer native: no CUDA driver loaded (load_driver() was not called or failed)");
+  }
   const auto options = at::TensorOptions().device(plan.device);
   for (const auto& out : program.outputs) slots.push_back(at::empty(out.sizes, options.dtype(out.dtype)));
   void* stream = reinterpret_cast<void*>(plan.stream);
