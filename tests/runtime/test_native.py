@@ -299,3 +299,40 @@ def test_gpu_native_rms_norm_matches_python_path(m, n, has_r, dtype):
         assert launches >= 2 and fallbacks == 0
     finally:
         native.set_enabled(False)
+
+
+_BUILD = r"""
+import sys, warnings
+from fuseformer.runtime import native
+native.set_enabled(True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    mod = native.module(wait=True)
+print(mod is not None, native.status().split(" (")[0], len(caught))
+"""
+
+
+def _build_in(tmp_path, extra_env, n=1):
+    env = {k: v for k, v in os.environ.items() if k != "FUSEFORMER_NATIVE"}
+    env.update(FUSEFORMER_CACHE_DIR=str(tmp_path), **extra_env)
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(n)]  # fmt: skip
+    return [p.communicate(timeout=600) for p in procs]
+
+
+def test_a_failed_build_warns_once_and_leaves_the_python_path(tmp_path):
+    """A compiler that fails: module() is None, status says why, one RuntimeWarning, no crash."""
+    ((out, err),) = _build_in(tmp_path, {"CXX": "false"})
+    assert out.split()[:3] == ["False", "on,", "build"], (out, err[-500:])
+    assert out.split()[-1] == "1"
+
+
+@pytest.mark.slow
+def test_two_processes_build_one_module(tmp_path):
+    """Two processes starting at once with an empty cache: one compiles (the other waits on the lock),
+    both load the same file, and no partial file is left behind."""
+    results = _build_in(tmp_path, {}, n=2)
+    for out, err in results:
+        assert out.startswith("True on, built"), (out, err[-1000:])
+    built = list((tmp_path / "native").rglob("*.so"))
+    assert len(built) == 1 and not list((tmp_path / "native").rglob("*.tmp")), built
