@@ -451,16 +451,49 @@ def _check_gradients_taken(device, dtype, monkeypatch):
 
 
 def test_flce_one_logits_buffer_for_all_chunks(device, monkeypatch):
-    """The chunks share one (C, V) logits buffer: a fresh one per chunk would hold two at the peak."""
+    """The chunks share one allocation for their logits (a fresh one per chunk would hold two at the
+    peak): with grad_hidden to compute, one arena holding grad_hidden and the logits scratch; without
+    (the forward of "none"), one (C, V) buffer; with chunk_size given, that buffer and grad_hidden."""
     shapes = []
     real = CE.empty
     monkeypatch.setattr(CE, "empty", lambda shape, **kw: shapes.append(tuple(shape)) or real(shape, **kw))
     monkeypatch.setattr(CE, "_chunk_size", lambda n, h, v, es: 8)
-    _check_flce(29, 24, 300, torch.float32, device, "mean")  # 4 chunks, the last partial
-    assert shapes.count((8, 300)) == 1, shapes
+    arena = (29 * 24 + 8 * 300 + CE._ARENA_ALIGN,)
+    _check_flce(29, 24, 300, torch.float32, device, "mean")  # 4 chunks (9, 9, 8, 3 tokens)
+    assert shapes.count(arena) == 1 and not [s for s in shapes if len(s) == 2 and s[1] == 300], shapes
     shapes.clear()
-    _check_flce(29, 24, 300, torch.float32, device, "none")  # forward and the recomputing backward
-    assert shapes.count((8, 300)) == 2, shapes
+    _check_flce(29, 24, 300, torch.float32, device, "none")  # forward (no gradient) and the recomputing backward
+    assert shapes.count((8, 300)) == 1 and shapes.count(arena) == 1, shapes
+    shapes.clear()
+    _check_flce(29, 24, 300, torch.float32, device, "mean", chunk_tokens=8)
+    assert shapes.count((8, 300)) == 1 and shapes.count((29, 24)) == 1, shapes
+
+
+def test_flce_growing_chunks_cover_the_tokens_without_overlap():
+    """Each chunk's logits lie past the grad_hidden rows written so far and inside the arena; the chunks
+    tile the tokens in order. At the goal shape: 24 chunks (480 tokens down to 224) where fixed chunks
+    of 241 tokens take 34, in the same memory."""
+    for n, h, v, scratch_tokens in [(8192, 4096, 128256, 241), (29, 24, 300, 8), (40, 64, 80, 4), (1, 5, 7, 1),
+                                    (1000, 3, 50257, 3)]:  # fmt: skip
+        chunks = CE._growing_chunks(n, h, v, scratch_tokens * v)
+        total = n * h + scratch_tokens * v + CE._ARENA_ALIGN
+        assert chunks[0][0] == 0 and chunks[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+        for s, e, off in chunks:
+            assert e > s and off >= e * h and off + (e - s) * v <= total and off % CE._ARENA_ALIGN == 0
+        assert len(chunks) <= -(-n // scratch_tokens)
+    sizes = [e - s for s, e, _ in CE._growing_chunks(8192, 4096, 128256, 241 * 128256)]
+    assert len(sizes) == 24 and sizes[0] == 480 and sizes[-1] == 224
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_flce_growing_chunks_match_reference(reduction, device, monkeypatch):
+    """Hidden size near the vocabulary's: the chunks grow well past the scratch (4 tokens of logits: 16,
+    13, 7, 4 tokens), and every gradient still matches."""
+    monkeypatch.setattr(CE, "_chunk_size", lambda n, h, v, es: 4)
+    sizes = [e - s for s, e, _ in CE._growing_chunks(40, 64, 80, 4 * 80)]
+    assert sizes[0] > 4 and len(sizes) < 10, sizes
+    _check_flce(40, 64, 80, torch.float32, device, reduction)
 
 
 def test_flce_under_autocast_casts_fp32_weight(device):
