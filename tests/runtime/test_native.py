@@ -336,3 +336,11 @@ def test_two_processes_build_one_module(tmp_path):
         assert out.startswith("True on, built"), (out, err[-1000:])
     built = list((tmp_path / "native").rglob("*.so"))
     assert len(built) == 1 and not list((tmp_path / "native").rglob("*.tmp")), built
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter is on only without a GPU")
+def test_no_native_launches_under_the_interpreter(mod):
+    """Plans follow Triton 3.6's compiled-kernel parameter layout: under the interpreter (or another
+    Triton) cuda_module() is None and ops keep their Python path."""
+    assert not native._triton_layout_known()
+    assert native.cuda_module() is None
