@@ -786,7 +786,8 @@ def _native_plan(
     """Build the plan of this call's key (see csrc/native.cpp for the slots): the forward of
     rms_norm_fwd and the backward of rms_norm_bwd, launch for launch, as their Python forms would
     run them for an unchanging stream that is not being captured. Raises ValueError for a compiled
-    kernel a plan cannot launch."""
+    kernel a plan cannot launch. It repeats rms_norm_fwd/rms_norm_bwd's choices (config, grid, dw
+    form): a change there must come here too (the GPU test compares the two paths bit for bit)."""
     m, n = x.shape
     has_res, has_w = residual is not None, weight is not None
     dtype, device = x.dtype, x.device
