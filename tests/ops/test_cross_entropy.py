@@ -366,8 +366,9 @@ def test_custom_ops_pass_opcheck(device):
         torch.library.opcheck(CE._ce_fwd_op, (x, t, -100, 0.1, 0.0))
         torch.library.opcheck(CE._ce_bwd_op, (torch.randn(6, device=device), x.detach(), t, lse, -100, 0.1, 0.0))
         for reduction in ("mean", "none"):
-            args = (hidden, weight, t, None, -100, reduction, 0.0, 0.0, True, True, False, 4)
-            torch.library.opcheck(CE._flce_fwd_op, args)
+            for chunk in (4, 0):  # fixed chunks; the default (grad_hidden a view of the chunks' arena)
+                args = (hidden, weight, t, None, -100, reduction, 0.0, 0.0, True, True, False, chunk)
+                torch.library.opcheck(CE._flce_fwd_op, args)
 
 
 @pytest.mark.gpu
