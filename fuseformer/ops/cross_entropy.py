@@ -24,7 +24,9 @@ fused_linear_cross_entropy (hidden (N, H), weight (V, H), bias (V,)): logits = h
 never exist for all N tokens at once. The tokens are processed in chunks of C (C x V logits, about
 the size of the hidden states): per chunk the logits come from cuBLAS into one buffer reused by every
 chunk (with grad_hidden to compute, an arena shared with grad_hidden, so that chunks also use its rows
-not yet written: see ``_growing_chunks``), the kernel overwrites them with dlogits (scaled by 1/n for ``mean``), then grad_hidden[chunk] = dlogits @ weight and
+not yet written: see ``_growing_chunks``; with grad_weight to compute, the first min(N, H) tokens are
+one chunk whose logits lie, transposed, in grad_weight's memory: ``_first_chunk_in_dw``), the kernel
+overwrites them with dlogits (scaled by 1/n for ``mean``), then grad_hidden[chunk] = dlogits @ weight and
 grad_weight += dlogits.T @ hidden[chunk] (grad_bias += column sums): all in the forward, as Liger
 does, so the backward only multiplies by the incoming scalar gradient. For ``reduction="none"`` the
 incoming gradient differs per token, and grad_weight = sum_i g_i dlogits_i^T h_i cannot be formed
@@ -190,6 +192,88 @@ def _cross_entropy_kernel(
             tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _cross_entropy_cols_kernel(
+    X, T, LOSS, LSE, SCALE,
+    stride_v, stride_scale,
+    C, V, ignore_index, label_smoothing, z_loss,
+    WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    # The row kernel's math on transposed logits: X is (V, C), column t holding token t's logits
+    # (the FLCE's first chunk, laid out in grad_weight's memory; see _first_chunk_in_dw). A program
+    # takes BLOCK_T tokens, so every load is BLOCK_T contiguous elements of a vocabulary row. The
+    # gradient overwrites X in place (each tile is read before the same program writes it).
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
+    tmask = toks < C
+    target = tl.load(T + toks, mask=tmask, other=ignore_index).to(tl.int64)
+    valid = tmask & (target != ignore_index)
+    in_range = valid & (target >= 0) & (target < V)
+    m = tl.full((BLOCK_T,), -float("inf"), tl.float32)
+    s = tl.zeros((BLOCK_T,), tl.float32)
+    sum_x = tl.zeros((BLOCK_T,), tl.float32)
+    for start in range(0, V, BLOCK_V):
+        rows = start + tl.arange(0, BLOCK_V)  # (BV,)
+        mask = (rows[:, None] < V) & tmask[None, :]
+        ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :]
+        x = tl.load(ptrs, mask=mask, other=-float("inf")).to(tl.float32)  # (BV, BT)
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        shift = tl.where(new_m == -float("inf"), 0.0, new_m)  # as in the row kernel
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[None, :]), axis=0)
+        m = new_m
+        if HAS_SMOOTHING:
+            sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
+    lse = tl.where(m == -float("inf"), m, m + tl.log(tl.where(s > 0.0, s, 1.0)))  # s >= 1 unless m is -inf
+    tl.store(LSE + toks, lse, mask=tmask)
+    if WRITE_LOSS:
+        x_t = tl.load(X + target * stride_v + toks, mask=in_range, other=0.0).to(tl.float32)
+        loss = lse - (1.0 - label_smoothing) * x_t
+        if HAS_SMOOTHING:
+            loss -= (label_smoothing / V) * sum_x
+        if HAS_Z_LOSS:
+            loss += z_loss * lse * lse
+        tl.store(LOSS + toks, tl.where(valid, loss, 0.0), mask=tmask)
+    if WRITE_GRAD:
+        scale = tl.load(SCALE + toks * stride_scale, mask=tmask, other=0.0).to(tl.float32)
+        lse_safe = tl.where(tmask, lse, 0.0)  # padding tokens (past C): no arithmetic on -inf
+        p_scale = scale
+        if HAS_Z_LOSS:
+            p_scale = scale * (1.0 + 2.0 * z_loss * lse_safe)
+        smooth = scale * (label_smoothing / V)
+        hit = scale * (1.0 - label_smoothing)
+        for start in range(0, V, BLOCK_V):
+            rows = start + tl.arange(0, BLOCK_V)
+            mask = (rows[:, None] < V) & tmask[None, :]
+            ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :]
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            dx = tl.exp(x - lse_safe[None, :]) * p_scale[None, :] - smooth[None, :]
+            dx -= tl.where(rows[:, None] == target[None, :], hit[None, :], 0.0)
+            dx = tl.where(valid[None, :], dx, 0.0)
+            tl.store(ptrs, dx.to(X.dtype.element_ty), mask=mask)
+
+
+# The transposed kernel's tiles (unmeasured guesses, 2026-12-01: 16 tokens x 512 vocabulary rows, 32
+# contiguous bytes a row in bf16; 256 programs for the 4096-token first chunk of the goal shape).
+_COLS_CONFIG = dict(BLOCK_T=16, BLOCK_V=512, num_warps=8)
+
+
+def _launch_cols(xt, target, loss, lse, scale, ignore_index, label_smoothing, z_loss, *, write_loss, write_grad):
+    """The CE kernel on transposed logits ``xt`` (V, C) (unit column stride): loss and lse per token
+    (C,), and dlogits^T in place over ``xt`` when ``write_grad``."""
+    v, c = xt.shape
+    if c == 0:
+        return
+    assert xt.stride(1) == 1
+    cfg = _COLS_CONFIG
+    _cross_entropy_cols_kernel[(triton.cdiv(c, cfg["BLOCK_T"]),)](
+        xt, target, loss if loss is not None else lse, lse, scale if scale is not None else lse,
+        xt.stride(0), (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
+        c, v, ignore_index, float(label_smoothing), float(z_loss),
+        WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, HAS_SMOOTHING=label_smoothing != 0.0,
+        HAS_Z_LOSS=z_loss != 0.0, **cfg,
+    )  # fmt: skip
+
+
 KERNEL = "cross_entropy"
 _FIELDS = ("BLOCK_V", "num_warps")
 
@@ -285,7 +369,7 @@ def _chunk_size(n: int, h: int, v: int, element_size: int) -> int:
 _ARENA_ALIGN = 64
 
 
-def _growing_chunks(n: int, h: int, v: int, scratch: int) -> list[tuple[int, int, int]]:
+def _growing_chunks(n: int, h: int, v: int, scratch: int, first: int = 0) -> list[tuple[int, int, int]]:
     """(start, end, logits offset) of each chunk when grad_hidden and the logits share one arena:
     grad_hidden's n x h elements first, then ``scratch`` (+ ``_ARENA_ALIGN``) more. Chunk [s, e) writes grad_hidden rows
     s..e-1 (at the end of the chunk); its (e - s, V) logits start at the arena's first aligned
@@ -296,10 +380,11 @@ def _growing_chunks(n: int, h: int, v: int, scratch: int) -> list[tuple[int, int
     At the goal shape (8192 tokens, H 4096, V 128256; scratch = 241 tokens of logits) the chunks
     run from 480 tokens down to 224: 24 instead of 34 (grad_weight's read and write is ~2.1 GB a
     chunk: ~0.78 ms of cuBLAS's ~1.7 ms a chunk on the H200, run 15). Sizes are multiples of 16
-    tokens (but the last), for the GEMMs."""
+    tokens (but the last), for the GEMMs. ``first``: the tokens before it are done (by
+    :func:`_first_chunk_in_dw`)."""
     total = n * h + scratch + _ARENA_ALIGN  # the arena's size: the slack absorbs the alignment
     out = []
-    s = 0
+    s = first
     while s < n:
         c = min(n - s, max(1, (total - s * h) // (v + h)))
         if c < n - s and c > 16:
@@ -315,6 +400,43 @@ def _growing_chunks(n: int, h: int, v: int, scratch: int) -> list[tuple[int, int
     return out
 
 
+def _first_chunk_in_dw(
+    hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse, dh, dw, db, spare, c
+):  # fmt: skip
+    """Tokens [0, c) (c <= H) as one chunk whose logits live in grad_weight's memory, before any of
+    grad_weight is written: transposed, (V, c), so that vocabulary row j of the logits lies inside
+    grad_weight's row j (c <= H elements of its H). Then:
+      logits^T = W @ h_c^T (+ bias), the CE kernel on columns (dlogits^T in place),
+      grad_hidden[:c] = dlogits @ W, grad_bias += row sums,
+      grad_weight = dlogits^T @ h_c in slices of vocabulary rows, each computed into ``spare`` and
+      copied into place, from the last slice to the first: grad_weight rows [j0, j1) cover logits
+      rows >= j0 only, all of them consumed by then.
+    grad_weight is written once, never read and written back: the pass over it that every chunk of
+    the growing schedule pays (~0.8 ms at the goal shape) is saved for the c tokens, at the cost of
+    one copy of it (~0.5 ms). At the goal shape c = 4096: half the tokens."""
+    v, h = dw.shape
+    h_c = hidden[:c]
+    lt = dw.view(-1)[: v * c].view(v, c)  # (V, c) logits^T in grad_weight's memory
+    torch.matmul(weight, h_c.T, out=lt)
+    if bias is not None:
+        lt += bias[:, None]
+    s_c = scale[:c] if scale.dim() else scale
+    _launch_cols(lt, target[:c], loss[:c] if loss is not None else None, lse[:c], s_c, ignore_index,
+                 label_smoothing, z_loss, write_loss=loss is not None, write_grad=True)  # fmt: skip
+    if dh is not None:
+        torch.matmul(lt.T, weight, out=dh[:c])  # (c, H)
+    if db is not None:
+        db += lt.sum(1, dtype=torch.float32)
+    if spare.numel() < h:  # tiny problems (a few tokens of a tiny vocabulary): one row's room
+        spare = torch.empty(h, dtype=dw.dtype, device=dw.device)
+    rows = spare.numel() // h
+    for j0 in reversed(range(0, v, rows)):
+        j1 = min(v, j0 + rows)
+        tmp = spare[: (j1 - j0) * h].view(j1 - j0, h)
+        torch.matmul(lt[j0:j1], h_c, out=tmp)  # (rows, H)
+        dw[j0:j1].copy_(tmp)
+
+
 def _chunks(
     hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse, want_dh, dw, db, chunk_size
 ):  # fmt: skip
@@ -322,23 +444,45 @@ def _chunks(
     gradient GEMMs. ``scale`` (N,) or a 0-dim tensor scales dlogits per row (None: no gradient).
     Returns grad_hidden (N, H) when ``want_dh`` (with a gradient to compute), else None.
 
-    Memory: one allocation for the logits of every chunk. With grad_hidden to compute (and no
-    ``chunk_size`` given), grad_hidden and the logits share one arena and the chunks grow into
-    grad_hidden's unwritten rows (:func:`_growing_chunks`); grad_hidden is then a view of the arena,
-    which stays allocated (its scratch part included: the size of one chunk of logits) while
-    grad_hidden lives. Otherwise one (C, V) buffer serves every chunk: ``logits = h_c @ W.T`` per
-    chunk would allocate the next chunk while the previous one is still bound (two chunks at the
-    peak, +63 MiB at the goal shape)."""
+    Memory: one allocation for the logits of every chunk. With a gradient to compute and no
+    ``chunk_size`` given:
+    - with grad_weight to compute, the first min(N, H) tokens are one chunk in grad_weight's memory
+      (:func:`_first_chunk_in_dw`);
+    - with grad_hidden to compute, grad_hidden and the logits scratch share one arena and the chunks
+      grow into grad_hidden's unwritten rows (:func:`_growing_chunks`); grad_hidden is then a view of
+      the arena, which stays allocated (its scratch part included: the size of one chunk of logits)
+      while grad_hidden lives.
+    Otherwise one (C, V) buffer serves every chunk: ``logits = h_c @ W.T`` per chunk would allocate
+    the next chunk while the previous one is still bound (two chunks at the peak, +63 MiB at the goal
+    shape)."""
     n, h = hidden.shape
     v = weight.shape[0]
     dtype, device = hidden.dtype, hidden.device
     c = chunk_size or _chunk_size(n, h, v, hidden.element_size())
     write_grad = scale is not None
     dh = None
-    if want_dh and write_grad and chunk_size is None and n:
-        arena = empty((n * h + c * v + _ARENA_ALIGN,), dtype=dtype, device=device)
-        dh = arena[: n * h].view(n, h)
-        plan = [(s, e, arena[off : off + (e - s) * v].view(e - s, v)) for s, e, off in _growing_chunks(n, h, v, c * v)]
+    first = 0
+    if write_grad and chunk_size is None and n:
+        arena = empty((n * h + c * v + _ARENA_ALIGN,), dtype=dtype, device=device) if want_dh else None
+        buf = None
+        if arena is not None:
+            dh = arena[: n * h].view(n, h)
+        if dw is not None:
+            first = min(n, h)
+            if arena is not None:
+                spare = arena[first * h :]  # grad_hidden's rows past the first chunk, and the scratch
+            else:
+                buf = empty((min(c, n), v), dtype=dtype, device=device)
+                spare = buf.view(-1)
+            _first_chunk_in_dw(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss,
+                               lse, dh, dw, db, spare, first)  # fmt: skip
+        if arena is not None:
+            plan = [(s, e, arena[off : off + (e - s) * v].view(e - s, v))
+                    for s, e, off in _growing_chunks(n, h, v, c * v, first)]  # fmt: skip
+        else:
+            if buf is None and first < n:
+                buf = empty((min(c, n - first), v), dtype=dtype, device=device)
+            plan = [(s, min(n, s + c), buf[: min(n, s + c) - s]) for s in range(first, n, c)]
     else:
         if want_dh and write_grad:
             dh = empty((n, h), dtype=dtype, device=device)
@@ -736,9 +880,10 @@ def fused_linear_cross_entropy(
         target: (...) int64 or int32, hidden's leading shape, class indices or ``ignore_index``.
         bias: (V,) hidden's dtype, or None.
         ignore_index, reduction, label_smoothing, z_loss: as in :func:`cross_entropy`.
-        chunk_size: tokens per chunk; None picks logits of about the hidden states' size (the
-            memory-lean default), and chunks that grow into grad_hidden's rows not yet written
-            (in the same memory, fewer chunks: 24 instead of 34 at 8192 tokens, H 4096, V 128256).
+        chunk_size: tokens per chunk; None picks the memory-lean default: logits of about the
+            hidden states' size, the first min(N, H) tokens as one chunk in grad_weight's memory
+            (before it is written), and chunks that grow into grad_hidden's rows not yet written.
+            In the same memory, 16 chunks instead of 34 at 8192 tokens, H 4096, V 128256.
             Larger chunks cost C x V logits of memory and save passes over grad_weight (one read
             and write of it per chunk).
 

@@ -180,7 +180,8 @@ def small_chunks(monkeypatch):
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("n, h, v", [(1, 40, 1000), (23, 40, 1000), (7, 96, 5003)])
+@pytest.mark.parametrize("n, h, v", [(1, 40, 1000), (23, 40, 1000), (7, 96, 5003), (61, 24, 1000), (1, 64, 7),
+                                     (3, 32, 2)])  # fmt: skip
 def test_flce_matches_reference(n, h, v, reduction, device, small_chunks):
     _check_flce(n, h, v, torch.float16, device, reduction)
 
@@ -460,7 +461,7 @@ def test_flce_one_logits_buffer_for_all_chunks(device, monkeypatch):
     monkeypatch.setattr(CE, "empty", lambda shape, **kw: shapes.append(tuple(shape)) or real(shape, **kw))
     monkeypatch.setattr(CE, "_chunk_size", lambda n, h, v, es: 8)
     arena = (29 * 24 + 8 * 300 + CE._ARENA_ALIGN,)
-    _check_flce(29, 24, 300, torch.float32, device, "mean")  # 4 chunks (9, 9, 8, 3 tokens)
+    _check_flce(29, 24, 300, torch.float32, device, "mean")  # 24 tokens in grad_weight's memory, then 5
     assert shapes.count(arena) == 1 and not [s for s in shapes if len(s) == 2 and s[1] == 300], shapes
     shapes.clear()
     _check_flce(29, 24, 300, torch.float32, device, "none")  # forward (no gradient) and the recomputing backward
@@ -488,13 +489,40 @@ def test_flce_growing_chunks_cover_the_tokens_without_overlap():
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_flce_growing_chunks_match_reference(reduction, device, monkeypatch):
-    """Hidden size near the vocabulary's: the chunks grow well past the scratch (4 tokens of logits: 16,
-    13, 7, 4 tokens), and every gradient still matches."""
+@pytest.mark.parametrize("grads", ["all", "weight only", "hidden only"])
+def test_flce_first_chunk_and_growing_chunks_match_reference(reduction, grads, device, monkeypatch):
+    """With the default chunking the first min(N, H) tokens are one chunk in grad_weight's memory
+    (transposed logits, the column CE kernel, grad_weight in slices from the last) and the rest grow
+    into grad_hidden's unwritten rows (hidden size near the vocabulary's: well past the 4-token
+    scratch). Every gradient matches, with or without grad_hidden and grad_weight."""
     monkeypatch.setattr(CE, "_chunk_size", lambda n, h, v, es: 4)
-    sizes = [e - s for s, e, _ in CE._growing_chunks(40, 64, 80, 4 * 80)]
-    assert sizes[0] > 4 and len(sizes) < 10, sizes
-    _check_flce(40, 64, 80, torch.float32, device, reduction)
+    n, h, v = 120, 16, 40
+    sizes = [e - s for s, e, _ in CE._growing_chunks(n, h, v, 4 * v, first=h)]
+    assert sizes[0] > 4 and sum(sizes) == n - h, sizes
+    firsts, growing = [], []
+    real_first, real_grow = CE._first_chunk_in_dw, CE._growing_chunks
+    monkeypatch.setattr(CE, "_first_chunk_in_dw", lambda *a: firsts.append(a[-1]) or real_first(*a))
+    monkeypatch.setattr(CE, "_growing_chunks", lambda *a: growing.append(a) or real_grow(*a))
+    hidden = torch.randn(n, h, device=device)
+    weight = torch.randn(v, h, device=device) / h**0.5
+    bias = torch.randn(v, device=device)
+    t = _targets(n, v, device, 0.2)
+    want = {"all": (True, True), "weight only": (False, True), "hidden only": (True, False)}[grads]
+    leaves = [hidden.clone().requires_grad_(want[0]), weight.clone().requires_grad_(want[1]),
+              bias.clone().requires_grad_()]  # fmt: skip
+    refs = [a.detach().double().requires_grad_(a.requires_grad) for a in leaves]
+    with fuseformer.use_backend("triton"):
+        out = F.fused_linear_cross_entropy(*leaves[:2], t, leaves[2], reduction=reduction)
+    ref = CE.fused_linear_cross_entropy_ref(*refs[:2], t, refs[2], reduction=reduction, upcast=True)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    g = _grad_for(out)
+    out.backward(g)
+    ref.backward(g.double())
+    for a, r in zip(leaves, refs):
+        if a.requires_grad:
+            torch.testing.assert_close(a.grad.double(), r.grad, rtol=1e-4, atol=1e-5)
+    assert firsts == ([h] if want[1] else []), firsts
+    assert bool(growing) == want[0], growing
 
 
 def test_flce_under_autocast_casts_fp32_weight(device):
@@ -531,3 +559,16 @@ def test_flce_second_backward_through_the_same_graph_raises(device):
 def test_cross_entropy_large_vocab_blocks(reduction, device):
     """V >= 32768 takes the 8192-wide steps (5 of them here, the last partial)."""
     _check_ce(3, 40000, torch.float16, device, reduction, label_smoothing=0.1, z_loss=1e-4)
+
+
+def test_flce_first_chunk_tiny_vocabulary_weight_only(device):
+    """grad_weight only, 2 tokens of a 3-word vocabulary, H 64: the logits buffer (6 elements) is
+    smaller than one grad_weight row, and the first chunk's slices get a row of their own."""
+    hidden = torch.randn(2, 64, device=device)
+    weight = (torch.randn(3, 64, device=device) / 8).requires_grad_()
+    t = torch.tensor([0, 2], device=device)
+    with fuseformer.use_backend("triton"):
+        F.fused_linear_cross_entropy(hidden, weight, t).backward()
+    w = weight.detach().clone().requires_grad_()
+    torch.nn.functional.cross_entropy(hidden @ w.T, t).backward()
+    torch.testing.assert_close(weight.grad, w.grad, rtol=1e-4, atol=1e-5)
