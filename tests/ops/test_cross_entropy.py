@@ -383,8 +383,9 @@ def test_cross_entropy_gpu(v, dtype, reduction):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("n, h, v", [(1024, 2048, 128256), (999, 4096, 50257), (1, 1024, 32000)])
+@pytest.mark.parametrize("n, h, v", [(1024, 2048, 128256), (999, 4096, 50257), (1, 1024, 32000), (3000, 1024, 50257)])
 def test_flce_gpu(n, h, v, dtype, reduction):
+    # N <= H: every token in the first chunk (grad_weight's memory); (3000, 1024): then growing chunks.
     _check_flce(n, h, v, dtype, "cuda", reduction)
 
 
