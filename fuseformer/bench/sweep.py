@@ -373,7 +373,8 @@ def sweep_flce() -> list[dict]:
                 hidden, weight, target, None, -100, "mean", 0.0, 0.0, True, True, False, chunk_size=chunk
             )
 
-        rec = dict(kind="flce", chunk=chunk or ce._chunk_size(n, h, v, 2))
+        rec = dict(kind="flce", chunk=chunk or ce._chunk_size(n, h, v, 2), schedule="default" if chunk is None
+                   else "fixed chunks")  # fmt: skip
         try:
             step()
             rec["peak_gib_above_inputs"] = peak_gib_above(step)
@@ -384,6 +385,24 @@ def sweep_flce() -> list[dict]:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out.append(rec)
         torch.cuda.empty_cache()
+    # The default schedule's first chunk runs the column CE kernel, whose tile was a guess (2026-12-01):
+    # the whole FLCE with each candidate tile.
+    shipped = dict(ce._COLS_CONFIG)
+    for bt, bv, warps in ((16, 512, 8), (8, 1024, 8), (16, 256, 4), (32, 256, 8), (16, 1024, 16), (32, 128, 4)):
+        ce._COLS_CONFIG = dict(BLOCK_T=bt, BLOCK_V=bv, num_warps=warps)
+        rec = dict(kind="flce_cols_config", BLOCK_T=bt, BLOCK_V=bv, num_warps=warps)
+        try:
+            step = lambda: ce.fused_linear_cross_entropy_fwd(  # noqa: E731
+                hidden, weight, target, None, -100, "mean", 0.0, 0.0, True, True, False
+            )
+            step()
+            rec["ms"] = bench_ms(step, rep=100)
+            kernels = gpu_kernels(step)
+            rec["cols_kernel_us"] = 1e3 * sum(k["ms_per_call"] for k in kernels if "cross_entropy_cols" in k["name"])
+        except Exception as exc:
+            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        out.append(rec)
+    ce._COLS_CONFIG = shipped
     return out
 
 
