@@ -388,7 +388,8 @@ def sweep_flce() -> list[dict]:
     # The default schedule's first chunk runs the column CE kernel, whose tile was a guess (2026-12-01):
     # the whole FLCE with each candidate tile.
     shipped = dict(ce._COLS_CONFIG)
-    for bt, bv, warps in ((16, 512, 8), (8, 1024, 8), (16, 256, 4), (32, 256, 8), (16, 1024, 16), (32, 128, 4)):
+    for bt, bv, warps in ((16, 512, 4), (16, 512, 8), (8, 1024, 8), (16, 256, 4), (32, 256, 8), (16, 1024, 16),
+                          (16, 1024, 8), (32, 128, 4)):  # fmt: skip
         ce._COLS_CONFIG = dict(BLOCK_T=bt, BLOCK_V=bv, num_warps=warps)
         rec = dict(kind="flce_cols_config", BLOCK_T=bt, BLOCK_V=bv, num_warps=warps)
         try:
