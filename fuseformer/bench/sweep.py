@@ -590,13 +590,6 @@ def sweep_mlp_decode(
         case("mlp", "decode rule (fused_mlp)", lambda: F.fused_mlp(x, w_gate_up, w_down))
         case("mlp", "decode rule (launcher)", decode)
         case("mlp", "decode rule, no PDL", _with_pdl(mlp, decode, enabled=False))
-        if pdl_only and t == 1:  # the rule before run 66 (the down GEMM at 6 stages)
-            down6 = dict(mlp._decode_plan(mlp.DOWN_DECODE, 1, h, i, dtype, x.device), num_stages=6)
-            case(
-                "mlp",
-                "decode rule, down at 6 stages",
-                lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", None, down6),
-            )
         if pdl_only:
             case("mlp", "decode rule, PDL, host descriptors", _with_pdl(mlp, decode, host_desc=True))
             case("mlp", "decode rule, no PDL, host descriptors", _with_pdl(mlp, decode, enabled=False, host_desc=True))
@@ -705,28 +698,22 @@ def _graph_us(fn: Callable[[], object], calls: int = 10, replays: int = 20) -> f
     return statistics.median(times)
 
 
-# Timeline variants (sweep mlp_decode_timeline): (BLOCK_N, BLOCK_K, num_stages) of the down GEMM and of
-# the gate-up GEMM by BLOCK_M (16: T <= 16, mma.sync, num_stages - 1 buffers; 64: wgmma, num_stages
-# buffers), beside the rule's. Runs 60-64 timed deeper pipelines (the down 1-1.5 us faster alone,
-# nothing in the whole MLP) and a stream-K kernel (every program the same bytes, one per SM: its
-# gate-up 1-2.6 us faster alone, nothing in the whole MLP; its down 16-row tiles 1.6-4x slower);
-# both left out of the library (perf-notes, session 10).
-_TIMELINE_DOWN: dict[int, list] = {16: [], 64: []}
-_TIMELINE_GATE_UP: dict[int, list] = {16: [], 64: []}
-
-
 def sweep_mlp_decode_timeline(
     h: int = 4096, i: int = 14336, tokens: tuple[int, ...] = (1, 2, 8), iters: int = 15
 ) -> list[dict]:
     """Where the decode MLP's time goes (GPU only): each program of the two decode GEMMs stamps
     %globaltimer at its start, after its PDL wait and at its end (ops/mlp.py ``_mlp_decode_kernel``'s
-    TIMES), for the whole MLP with and without PDL and each GEMM alone, at the rule's configs and at
-    the ``_TIMELINE_DOWN`` / ``_TIMELINE_GATE_UP`` variants. Each call: a GPU sleep (so the host's
+    TIMES), for the whole MLP with and without PDL and each GEMM alone, at the rule's configs. Each call: a GPU sleep (so the host's
     launches are queued before the GPU reaches them), the L2 flush by reading (as
     ``bench_stream_ms``), then the call between CUDA events. Per case, the medians over ``iters``
     calls of: the event time, the span from the first program's start to the last one's end, and
     each GEMM's start spread, PDL release and end quantiles (``_timeline_summary``). The whole-MLP
-    cases are also timed by ``bench_stream_ms`` (3 interleaved rounds, median: ``stream_us``)."""
+    cases are also timed by ``bench_stream_ms`` (3 interleaved rounds, median: ``stream_us``).
+
+    Cases: the rule's configs (the whole MLP with and without PDL, with and without DECODE_PAD_Y, each
+    GEMM alone). Runs 60-66 also timed other pipelines, a stream-K kernel and the down GEMM with M
+    unspecialized; none helped the whole MLP and they were taken out (perf-notes, session 10): add a
+    variant here with ``mlp_case``/``alone_case`` and a config built from the rule's."""
     from fuseformer.bench._timing import _stream_flush_buffer
     from fuseformer.bench.mlp_ce import _heat
 
@@ -738,28 +725,16 @@ def sweep_mlp_decode_timeline(
     w_gate_up = torch.randn(2 * i, h, device=dev).to(dtype) / h**0.5
     w_down = torch.randn(h, i, device=dev).to(dtype) / i**0.5
     mlp_bytes = 3 * h * i * 2
-    import triton
-
-    from fuseformer.ops._utils import DescLauncher
-
-    nospec_launcher = DescLauncher(triton.jit(do_not_specialize=["M"])(mlp._mlp_decode_kernel.fn))
     for t in tokens:
         x = torch.randn(t, h, device=dev).to(dtype)
         y = mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0]
         tb = mlp.next_pow2(t)
-        bm = max(16, tb)
         gcfg = mlp._decode_plan(mlp.GATE_UP_DECODE, tb, i, h, dtype, x.device)
         dcfg = mlp._decode_plan(mlp.DOWN_DECODE, tb, h, i, dtype, x.device)
 
         def stamps(cfg, n):
             programs = -(-n // cfg["BLOCK_N"]) * -(-t // cfg["BLOCK_M"]) * cfg["SPLIT_K"]
             return torch.zeros(programs, 4, dtype=torch.int64, device=dev)
-
-        def variant(base, bn, bk, stages):
-            return dict(base, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages, SPLIT_K=1)
-
-        def label(bn, bk, stages):
-            return f"{bn}x{bk}/{stages}"
 
         # name -> (fn, gate-up stamps or None, down stamps or None, gate-up config, down config)
         cases: dict[str, tuple] = {}
@@ -787,19 +762,6 @@ def sweep_mlp_decode_timeline(
         mlp_case("mlp, no PDL", gcfg, dcfg, pdl=False)
         alone_case("gate_up alone", True, gcfg)
         alone_case("down alone", False, dcfg)
-        # Run 64: T 1's down GEMM ran ~4 us slower than T 8's with the same config. T 1 makes M == 1,
-        # which Triton specializes (a constexpr): the same kernel with M left unspecialized.
-        ts_nospec = stamps(dcfg, h)
-
-        def down_m_unspecialized(ts=ts_nospec):
-            saved = mlp._decode_launcher
-            mlp._decode_launcher = nospec_launcher
-            try:
-                return mlp._decode_gemm(y, w_down, False, "silu", dcfg, times=ts)
-            finally:
-                mlp._decode_launcher = saved
-
-        cases["down alone, M unspecialized"] = (down_m_unspecialized, None, ts_nospec, None, dcfg)
         # y padded to the row block (DECODE_PAD_Y): the down GEMM's x boxes without out-of-bounds rows.
         if t < dcfg["BLOCK_M"]:
             y_pad = torch.zeros(dcfg["BLOCK_M"], i, device=dev, dtype=dtype)
@@ -810,14 +772,6 @@ def sweep_mlp_decode_timeline(
                 None, ts_pad, None, dcfg,
             )  # fmt: skip
             mlp_case("mlp, PDL, y not padded", gcfg, dcfg, pad=False)
-        for v in _TIMELINE_DOWN[min(bm, 64)]:
-            cfg = variant(dcfg, *v)
-            alone_case(f"down alone {label(*v)}", False, cfg)
-            mlp_case(f"mlp, PDL, down {label(*v)}", gcfg, cfg)
-        for v in _TIMELINE_GATE_UP[min(bm, 64)]:
-            cfg = variant(gcfg, *v)
-            alone_case(f"gate_up alone {label(*v)}", True, cfg)
-            mlp_case(f"mlp, PDL, gate_up {label(*v)}", cfg, dcfg)
         mlp_case("mlp, PDL (again)", gcfg, dcfg)
         failed = {}
         for name, (fn, *_) in cases.items():

@@ -356,19 +356,6 @@ variable_list apply(int64_t plan, const std::optional<at::Tensor>& a, const std:
   return NativeFunction::apply(plan, a, b, c);
 }
 
-// The forward program alone, with no autograd node (inference): the returned outputs.
-variable_list run_forward(int64_t plan_address, const std::optional<at::Tensor>& a,
-                          const std::optional<at::Tensor>& b, const std::optional<at::Tensor>& c) {
-  Plan& plan = *reinterpret_cast<Plan*>(plan_address);
-  std::vector<at::Tensor> slots;
-  for (const auto* t : {&a, &b, &c}) slots.push_back(t->has_value() ? **t : at::Tensor());
-  slots.insert(slots.end(), plan.held.begin(), plan.held.end());
-  run(plan, plan.forward, slots);
-  variable_list out;
-  for (int64_t s : plan.returned) out.push_back(slots[s]);
-  return out;
-}
-
 py::tuple plan_counts(int64_t plan_address) {
   const Plan& plan = *reinterpret_cast<Plan*>(plan_address);
   return py::make_tuple(plan.launches.load(), plan.fallbacks.load());
@@ -383,6 +370,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_plan", &n::make_plan);
   m.def("register_fallback", &n::register_fallback);
   m.def("apply", &n::apply, "Run a plan's forward as an autograd node (its backward runs the plan's backward).");
-  m.def("run_forward", &n::run_forward);
   m.def("plan_counts", &n::plan_counts, "(launches, fallback backward calls) of a plan so far.");
 }

@@ -401,6 +401,24 @@ def _int_key(ints: tuple[int, ...]) -> tuple[int, ...]:
     return key
 
 
+def triton_launch_layout_known() -> bool:
+    """Whether Triton's compiled kernels take their launch arguments as this module's direct paths
+    (and the native node's plans, runtime/native.py) lay them out: Triton 3.6's C launcher (runtime
+    arguments in order, ints specialized to 1 left out, then the global and profile scratch pointers),
+    not the interpreter."""
+    try:
+        import triton
+        from triton import knobs
+        from triton.backends.nvidia import driver as nvidia_driver
+    except Exception:
+        return False
+    return (
+        triton.__version__.startswith("3.6.")
+        and getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO"
+        and not knobs.runtime.interpret
+    )
+
+
 # Resolved at the first direct launch: a CPU build of torch has no _cuda_* functions.
 _cuda_get_device: Callable[[], int] | None = None
 _cuda_current_stream: Callable[[int], int] | None = None
@@ -460,10 +478,7 @@ class Launcher:
                 key = (config, device, runtime.debug, _triton_knobs.compilation.instrumentation_mode, spec)
                 entry = self._cache.get(key)
                 if entry is not None and not self.kernel.pre_run_hooks:
-                    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
-                    if (enter is None or (type(enter) is _HookChain and not enter.calls)) and (
-                        exit_ is None or (type(exit_) is _HookChain and not exit_.calls)
-                    ):
+                    if self._hooks_clear(runtime):
                         launch, function, packed_metadata, cooperative, pdl, constexprs = entry
                         n = len(grid)
                         launch(
@@ -493,17 +508,14 @@ class Launcher:
         """Triton 3.6 (the runtime this was written against: launcher argument layout, knobs,
         CompiledKernel fields), a compiled (not interpreted) kernel, and CUDA."""
         global _cuda_get_device, _cuda_current_stream, _triton_knobs, _HookChain
+        if not triton_launch_layout_known():
+            return False
         try:
-            import triton
             from triton import knobs
-            from triton.backends.nvidia import driver as nvidia_driver
             from triton.runtime.jit import JITFunction
 
             ok = (
-                triton.__version__.startswith("3.6.")
-                and getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO"
-                and isinstance(self.kernel, JITFunction)
-                and not knobs.runtime.interpret
+                isinstance(self.kernel, JITFunction)
                 and isinstance(knobs.compilation.instrumentation_mode, str)
                 and isinstance(knobs.runtime.launch_enter_hook, knobs.HookChain)
                 and torch.cuda.is_available()

@@ -463,34 +463,26 @@ def _chunks(
     dtype, device = hidden.dtype, hidden.device
     c = chunk_size or _chunk_size(n, h, v, hidden.element_size())
     write_grad = scale is not None
+    default = write_grad and chunk_size is None and n > 0  # the first chunk and growing chunks apply
+    arena = empty((n * h + c * v + _ARENA_ALIGN,), dtype=dtype, device=device) if default and want_dh else None
     dh = None
-    first = 0
-    if write_grad and chunk_size is None and n:
-        arena = empty((n * h + c * v + _ARENA_ALIGN,), dtype=dtype, device=device) if want_dh else None
-        buf = None
-        if arena is not None:
-            dh = arena[: n * h].view(n, h)
-        if dw is not None:
-            first = min(n, h)
-            if arena is not None:
-                spare = arena[first * h :]  # grad_hidden's rows past the first chunk, and the scratch
-            else:
-                buf = empty((min(c, n), v), dtype=dtype, device=device)
-                spare = buf.view(-1)
-            _first_chunk_in_dw(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss,
-                               lse, dh, dw, db, spare, first)  # fmt: skip
-        if arena is not None:
-            plan = [(s, e, arena[off : off + (e - s) * v].view(e - s, v))
-                    for s, e, off in _growing_chunks(n, h, v, c * v, first)]  # fmt: skip
-        else:
-            if buf is None and first < n:
-                buf = empty((min(c, n - first), v), dtype=dtype, device=device)
-            plan = [(s, min(n, s + c), buf[: min(n, s + c) - s]) for s in range(first, n, c)]
+    if arena is not None:
+        dh = arena[: n * h].view(n, h)
+    elif want_dh and write_grad:
+        dh = empty((n, h), dtype=dtype, device=device)
+    buf = empty((min(c, n), v), dtype=dtype, device=device) if arena is None and n else None
+    first = min(n, h) if default and dw is not None else 0
+    if first:
+        # Room for _first_chunk_in_dw's grad_weight slices: grad_hidden's rows past the first chunk and
+        # the scratch, or the logits buffer.
+        spare = arena[first * h :] if arena is not None else buf.view(-1)
+        _first_chunk_in_dw(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse,
+                           dh, dw, db, spare, first)  # fmt: skip
+    if arena is not None:
+        plan = [(s, e, arena[off : off + (e - s) * v].view(e - s, v))
+                for s, e, off in _growing_chunks(n, h, v, c * v, first)]  # fmt: skip
     else:
-        if want_dh and write_grad:
-            dh = empty((n, h), dtype=dtype, device=device)
-        buf = empty((min(c, n), v), dtype=dtype, device=device) if n else None
-        plan = [(s, min(n, s + c), buf[: min(n, s + c) - s]) for s in range(0, n, c)]
+        plan = [(s, min(n, s + c), buf[: min(n, s + c) - s]) for s in range(first, n, c)]
     for start, end, out in plan:
         h_c = hidden[start:end]
         logits = torch.matmul(h_c, weight.T, out=out)  # (C, V)

@@ -184,22 +184,6 @@ def module(wait: bool = False) -> Any:
     return _module
 
 
-def _triton_layout_known() -> bool:
-    """Whether this Triton lays out kernel parameters as plans do: Triton 3.6 (runtime arguments in
-    order, ints specialized to 1 left out, then two scratch pointers), not interpreted."""
-    try:
-        import triton
-        from triton import knobs
-        from triton.backends.nvidia import driver as nvidia_driver
-    except Exception:
-        return False
-    return (
-        triton.__version__.startswith("3.6.")
-        and getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO"
-        and not knobs.runtime.interpret
-    )
-
-
 def cuda_module() -> Any:
     """:func:`module` (not waiting) with the CUDA driver's entry points found and a Triton whose
     parameter layout plans know, else None."""
@@ -208,7 +192,9 @@ def cuda_module() -> Any:
     if mod is None:
         return None
     if _driver_ok is None:
-        _driver_ok = _triton_layout_known() and bool(mod.load_driver())
+        from fuseformer.ops._utils import triton_launch_layout_known
+
+        _driver_ok = triton_launch_layout_known() and bool(mod.load_driver())
     return mod if _driver_ok else None
 
 

@@ -342,5 +342,7 @@ def test_two_processes_build_one_module(tmp_path):
 def test_no_native_launches_under_the_interpreter(mod):
     """Plans follow Triton 3.6's compiled-kernel parameter layout: under the interpreter (or another
     Triton) cuda_module() is None and ops keep their Python path."""
-    assert not native._triton_layout_known()
+    from fuseformer.ops._utils import triton_launch_layout_known
+
+    assert not triton_launch_layout_known()
     assert native.cuda_module() is None
