@@ -87,11 +87,12 @@ class FakeDriver:
 
 @pytest.fixture(scope="module")
 def mod():
+    was = native.enabled()
     native.set_enabled(True)
     m = native.module(wait=True)
     assert m is not None, native.status()
     yield m
-    native.set_enabled(False)
+    native.set_enabled(was)
 
 
 @pytest.fixture
@@ -212,11 +213,14 @@ def test_a_plan_without_a_driver_raises(mod, fake):
         mod.apply(plan, x, w, None)
 
 
-def test_native_is_off_by_default_and_reports_status():
+@pytest.mark.parametrize("value, expected", [(None, "True on"), ("0", "False off"), ("1", "True on")])
+def test_native_is_on_by_default_and_FUSEFORMER_NATIVE_0_turns_it_off(value, expected):
     code = "import fuseformer.runtime.native as n; print(n.enabled(), n.status())"
     env = {k: v for k, v in os.environ.items() if k != "FUSEFORMER_NATIVE"}
+    if value is not None:
+        env["FUSEFORMER_NATIVE"] = value
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.startswith("False off"), out.stderr[-500:]
+    assert out.stdout.startswith(expected), (out.stdout, out.stderr[-500:])
 
 
 _OFFLINE = r"""
@@ -274,6 +278,7 @@ def test_gpu_native_rms_norm_matches_python_path(m, n, has_r, dtype):
     two-launch backward; the others the single-launch one."""
     import fuseformer.ops as F
 
+    was = native.enabled()
     native.set_enabled(True)
     try:
         assert native.module(wait=True) is not None and native.cuda_module() is not None, native.status()
@@ -298,7 +303,7 @@ def test_gpu_native_rms_norm_matches_python_path(m, n, has_r, dtype):
         launches, fallbacks = native.module().plan_counts(plans[0])
         assert launches >= 2 and fallbacks == 0
     finally:
-        native.set_enabled(False)
+        native.set_enabled(was)
 
 
 _BUILD = r"""
