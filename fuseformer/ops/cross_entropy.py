@@ -52,9 +52,10 @@ from fuseformer.ops._utils import (
     empty,
     float_dtype_of,
     next_pow2,
+    sm_count,
 )
 from fuseformer.runtime import autotune
-from fuseformer.runtime.backend import choose_backend
+from fuseformer.runtime.backend import INTERPRET, choose_backend
 
 REDUCTIONS = ("mean", "sum", "none")
 _TARGET_DTYPES = (torch.int64, torch.int32)
@@ -193,28 +194,29 @@ def _cross_entropy_kernel(
 
 
 @triton.jit
-def _cross_entropy_cols_kernel(
-    X, T, LOSS, LSE, SCALE,
-    stride_v, stride_scale,
-    C, V, ignore_index, label_smoothing, z_loss,
-    WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+def _cross_entropy_cols_stats_kernel(
+    X, T, PART,
+    stride_v, C, V, V_SPLIT,
+    HAS_SMOOTHING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    # The row kernel's math on transposed logits: X is (V, C), column t holding token t's logits
-    # (the FLCE's first chunk, laid out in grad_weight's memory; see _first_chunk_in_dw). A program
-    # takes BLOCK_T tokens, so every load is BLOCK_T contiguous elements of a vocabulary row. The
-    # gradient overwrites X in place (each tile is read before the same program writes it).
+    # The row kernel's first pass on transposed logits: X is (V, C), column t holding token t's logits
+    # (the FLCE's first chunk, laid out in grad_weight's memory; see _first_chunk_in_dw). Program
+    # (i, k) takes BLOCK_T tokens (every load is BLOCK_T contiguous elements of a vocabulary row) and
+    # vocabulary rows [k V_SPLIT, (k + 1) V_SPLIT): the vocabulary is split so that a chunk of a few
+    # thousand tokens still makes ~1000 programs. Each writes its partial max, sum of exponentials,
+    # sum of logits (label smoothing) and the target's logit (0 unless the target lies in its rows)
+    # to PART (splits, 4, C) for _cross_entropy_cols_grad_kernel.
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
+    split = tl.program_id(1)
     tmask = toks < C
-    target = tl.load(T + toks, mask=tmask, other=ignore_index).to(tl.int64)
-    valid = tmask & (target != ignore_index)
-    in_range = valid & (target >= 0) & (target < V)
+    v0 = split * V_SPLIT
+    v1 = tl.minimum(V, v0 + V_SPLIT)
     m = tl.full((BLOCK_T,), -float("inf"), tl.float32)
     s = tl.zeros((BLOCK_T,), tl.float32)
     sum_x = tl.zeros((BLOCK_T,), tl.float32)
-    for start in range(0, V, BLOCK_V):
+    for start in range(v0, v1, BLOCK_V):
         rows = start + tl.arange(0, BLOCK_V)  # (BV,)
-        mask = (rows[:, None] < V) & tmask[None, :]
+        mask = (rows[:, None] < v1) & tmask[None, :]
         ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :]
         x = tl.load(ptrs, mask=mask, other=-float("inf")).to(tl.float32)  # (BV, BT)
         new_m = tl.maximum(m, tl.max(x, axis=0))
@@ -223,16 +225,57 @@ def _cross_entropy_cols_kernel(
         m = new_m
         if HAS_SMOOTHING:
             sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
-    lse = tl.where(m == -float("inf"), m, m + tl.log(tl.where(s > 0.0, s, 1.0)))  # s >= 1 unless m is -inf
-    tl.store(LSE + toks, lse, mask=tmask)
-    if WRITE_LOSS:
-        x_t = tl.load(X + target * stride_v + toks, mask=in_range, other=0.0).to(tl.float32)
-        loss = lse - (1.0 - label_smoothing) * x_t
+    # The target's logit, read here: the gradient kernel overwrites X, one split's rows a program.
+    target = tl.load(T + toks, mask=tmask, other=-1).to(tl.int64)
+    mine = tmask & (target >= v0) & (target < v1)
+    x_t = tl.load(X + target * stride_v + toks, mask=mine, other=0.0).to(tl.float32)
+    part = PART + split.to(tl.int64) * 4 * C + toks
+    tl.store(part, m, mask=tmask)
+    tl.store(part + C, s, mask=tmask)
+    tl.store(part + 2 * C, sum_x, mask=tmask)
+    tl.store(part + 3 * C, x_t, mask=tmask)
+
+
+@triton.jit
+def _cross_entropy_cols_grad_kernel(
+    X, T, LOSS, LSE, SCALE, PART,
+    stride_v, stride_scale,
+    C, V, V_SPLIT, SPLITS, ignore_index, label_smoothing, z_loss,
+    WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    # Program (i, k): combine the SPLITS partials of its tokens (in split order: every program of a
+    # token gets the same lse), write lse and the loss (split 0), then dlogits^T in place over its
+    # vocabulary rows [k V_SPLIT, (k + 1) V_SPLIT) (each tile read before this program writes it).
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
+    tmask = toks < C
+    target = tl.load(T + toks, mask=tmask, other=ignore_index).to(tl.int64)
+    valid = tmask & (target != ignore_index)
+    m = tl.full((BLOCK_T,), -float("inf"), tl.float32)
+    s = tl.zeros((BLOCK_T,), tl.float32)
+    sum_x = tl.zeros((BLOCK_T,), tl.float32)
+    x_t = tl.zeros((BLOCK_T,), tl.float32)
+    for k in range(0, SPLITS):
+        part = PART + k * 4 * C + toks
+        m_k = tl.load(part, mask=tmask, other=-float("inf"))
+        new_m = tl.maximum(m, m_k)
+        shift = tl.where(new_m == -float("inf"), 0.0, new_m)
+        s = s * tl.exp(m - shift) + tl.load(part + C, mask=tmask, other=0.0) * tl.exp(m_k - shift)
+        m = new_m
         if HAS_SMOOTHING:
-            loss -= (label_smoothing / V) * sum_x
-        if HAS_Z_LOSS:
-            loss += z_loss * lse * lse
-        tl.store(LOSS + toks, tl.where(valid, loss, 0.0), mask=tmask)
+            sum_x += tl.load(part + 2 * C, mask=tmask, other=0.0)
+        x_t += tl.load(part + 3 * C, mask=tmask, other=0.0)
+    lse = tl.where(m == -float("inf"), m, m + tl.log(tl.where(s > 0.0, s, 1.0)))  # s >= 1 unless m is -inf
+    if split == 0:
+        tl.store(LSE + toks, lse, mask=tmask)
+        if WRITE_LOSS:
+            loss = lse - (1.0 - label_smoothing) * x_t
+            if HAS_SMOOTHING:
+                loss -= (label_smoothing / V) * sum_x
+            if HAS_Z_LOSS:
+                loss += z_loss * lse * lse
+            tl.store(LOSS + toks, tl.where(valid, loss, 0.0), mask=tmask)
     if WRITE_GRAD:
         scale = tl.load(SCALE + toks * stride_scale, mask=tmask, other=0.0).to(tl.float32)
         lse_safe = tl.where(tmask, lse, 0.0)  # padding tokens (past C): no arithmetic on -inf
@@ -241,9 +284,11 @@ def _cross_entropy_cols_kernel(
             p_scale = scale * (1.0 + 2.0 * z_loss * lse_safe)
         smooth = scale * (label_smoothing / V)
         hit = scale * (1.0 - label_smoothing)
-        for start in range(0, V, BLOCK_V):
+        v0 = split * V_SPLIT
+        v1 = tl.minimum(V, v0 + V_SPLIT)
+        for start in range(v0, v1, BLOCK_V):
             rows = start + tl.arange(0, BLOCK_V)
-            mask = (rows[:, None] < V) & tmask[None, :]
+            mask = (rows[:, None] < v1) & tmask[None, :]
             ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :]
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             dx = tl.exp(x - lse_safe[None, :]) * p_scale[None, :] - smooth[None, :]
@@ -252,27 +297,53 @@ def _cross_entropy_cols_kernel(
             tl.store(ptrs, dx.to(X.dtype.element_ty), mask=mask)
 
 
-# The transposed kernel's tile, unmeasured (2026-12-01): 16 tokens (32 contiguous bytes a vocabulary
-# row in bf16) x 512 rows at 4 warps. Offline for sm_90 it takes 255 registers and no local memory: two
-# CTAs an SM, so the 256 programs of the goal shape's 4096-token first chunk run in one wave with 32 KB
-# of loads a SM an iteration (16 x 512 at 8 warps: 202 registers, one CTA, 16 KB). Sweep `flce` times
-# the candidates.
-_COLS_CONFIG = dict(BLOCK_T=16, BLOCK_V=512, num_warps=4)
+# The transposed kernels' tile and how many programs to aim for (the vocabulary is split to get
+# them). Run 72 (H200, 2026-12-01), one program a 16-token column over the whole vocabulary (256
+# programs at the goal shape): the kernel took 1.96-2.4 ms for its 3 x 1.05 GB (~1.5 TB/s) at every
+# tile tried; split 8 ways, ~1000 programs keep more loads in flight. Unmeasured as shipped.
+_COLS_CONFIG = dict(BLOCK_T=32, BLOCK_V=256, num_warps=4, PROGRAMS=1024)
 
 
-def _launch_cols(xt, target, loss, lse, scale, ignore_index, label_smoothing, z_loss, *, write_loss, write_grad):
-    """The CE kernel on transposed logits ``xt`` (V, C) (unit column stride): loss and lse per token
-    (C,), and dlogits^T in place over ``xt`` when ``write_grad``."""
+def _cols_splits(c: int, v: int, block_t: int, block_v: int, programs: int) -> tuple[int, int]:
+    """(splits, rows a split) of the vocabulary: about ``programs`` programs in all, every split a
+    multiple of ``block_v`` rows and none empty."""
+    blocks = triton.cdiv(c, block_t)
+    splits = max(1, min(triton.cdiv(v, block_v), triton.cdiv(programs, blocks)))
+    rows = triton.cdiv(triton.cdiv(v, splits), block_v) * block_v
+    return triton.cdiv(v, rows), rows
+
+
+def _launch_cols(
+    xt, target, loss, lse, scale, ignore_index, label_smoothing, z_loss, *, write_loss, write_grad, scratch=None
+):  # fmt: skip
+    """The CE kernels on transposed logits ``xt`` (V, C) (unit column stride): loss and lse per token
+    (C,), and dlogits^T in place over ``xt`` when ``write_grad``. ``scratch``: free memory of any
+    dtype for the per-split partials (4 x splits x C fp32), else they are allocated."""
     v, c = xt.shape
     if c == 0:
         return
     assert xt.stride(1) == 1
-    cfg = _COLS_CONFIG
-    _cross_entropy_cols_kernel[(triton.cdiv(c, cfg["BLOCK_T"]),)](
-        xt, target, loss if loss is not None else lse, lse, scale if scale is not None else lse,
+    cfg = dict(_COLS_CONFIG)
+    bt, bv = cfg["BLOCK_T"], cfg["BLOCK_V"]
+    splits, rows = _cols_splits(c, v, bt, bv, cfg.pop("PROGRAMS"))
+    floats = 4 * splits * c
+    nbytes = 4 * floats
+    if scratch is not None and scratch.numel() * scratch.element_size() >= nbytes + 16:
+        raw = scratch.view(-1).view(torch.uint8)
+        off = (-raw.data_ptr()) % 16
+        part = raw[off : off + nbytes].view(torch.float32)
+    else:
+        part = empty((floats,), dtype=torch.float32, device=xt.device)
+    grid = (triton.cdiv(c, bt), splits)
+    has_smoothing = label_smoothing != 0.0
+    _cross_entropy_cols_stats_kernel[grid](
+        xt, target, part, xt.stride(0), c, v, rows, HAS_SMOOTHING=has_smoothing, **cfg
+    )  # fmt: skip
+    _cross_entropy_cols_grad_kernel[grid](
+        xt, target, loss if loss is not None else lse, lse, scale if scale is not None else lse, part,
         xt.stride(0), (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
-        c, v, ignore_index, float(label_smoothing), float(z_loss),
-        WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, HAS_SMOOTHING=label_smoothing != 0.0,
+        c, v, rows, splits, ignore_index, float(label_smoothing), float(z_loss),
+        WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, HAS_SMOOTHING=has_smoothing,
         HAS_Z_LOSS=z_loss != 0.0, **cfg,
     )  # fmt: skip
 
@@ -424,8 +495,9 @@ def _first_chunk_in_dw(
     if bias is not None:
         lt += bias[:, None]
     s_c = scale[:c] if scale.dim() else scale
+    # The spare room is free until the grad_weight slices: the CE kernels' partials go there.
     _launch_cols(lt, target[:c], loss[:c] if loss is not None else None, lse[:c], s_c, ignore_index,
-                 label_smoothing, z_loss, write_loss=loss is not None, write_grad=True)  # fmt: skip
+                 label_smoothing, z_loss, write_loss=loss is not None, write_grad=True, scratch=spare)  # fmt: skip
     if dh is not None:
         torch.matmul(lt.T, weight, out=dh[:c])  # (c, H)
     if db is not None:
@@ -703,15 +775,48 @@ def _flce_bwd_impl(
     return tuple(t if t is not None else hidden.new_empty(0) for t in grads)
 
 
+@triton.jit
+def _scale_unless_one_kernel(X, G, N, BLOCK: tl.constexpr):
+    # X *= g in place, computed in fp32, unless g == 1: then nothing is read or written. The
+    # common case (loss.backward() on the loss itself) thus costs a launch instead of a pass over
+    # grad_weight (2.1 GB read and written at V 128256, H 4096 bf16: ~0.5 ms), with no host sync.
+    g = tl.load(G).to(tl.float32)
+    if g != 1.0:
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, N, step):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < N
+            x = tl.load(X + offs, mask=mask)
+            tl.store(X + offs, (x.to(tl.float32) * g).to(x.dtype), mask=mask)
+
+
+_SCALE_BLOCK = 4096
+
+
+def _scale_unless_one_(t: torch.Tensor, g: torch.Tensor) -> None:
+    """``t *= g`` in place (``t`` contiguous, ``g`` a 0-dim fp32 tensor on its device), skipped on the
+    device when g is 1 (the kernel, on a GPU or interpreted), else torch's ``mul_``."""
+    if t.numel() == 0:
+        return
+    if not (t.is_cuda or INTERPRET) or not t.is_contiguous():
+        t.mul_(g)
+        return
+    programs = min(triton.cdiv(t.numel(), _SCALE_BLOCK), 8 * sm_count(t))
+    _scale_unless_one_kernel[(programs,)](t, g, t.numel(), BLOCK=_SCALE_BLOCK, num_warps=8)
+    # As mul_ would: autograd's check that a saved tensor was not modified sees the write.
+    torch.autograd.graph.increment_version(t)
+
+
 def _flce_bwd_inplace(dloss, hidden, weight, target, bias, dh, dw, db, ignore_index, reduction, *rest):
     """Eager backward: for mean/sum scale the saved gradients in place (grad_weight is as large as
-    the weight; a scaled copy would double the peak memory). A second backward through the same
-    graph then raises autograd's in-place error instead of returning twice-scaled gradients."""
+    the weight; a scaled copy would double the peak memory), skipping the pass on the device when
+    the incoming gradient is 1. A second backward through the same graph then raises autograd's
+    in-place error instead of returning twice-scaled gradients."""
     if reduction == "none":
         return _flce_bwd_impl(dloss, hidden, weight, target, bias, dh, dw, db, ignore_index, reduction, *rest)
     g = dloss.to(torch.float32)
     for t in (dh, dw, db):
-        t.mul_(g)
+        _scale_unless_one_(t, g)
     return dh, dw, db
 
 

@@ -582,24 +582,31 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 CE = importlib.import_module("fuseformer.ops.cross_entropy")
-sig = {"X": "*bf16", "T": "*i64", "LOSS": "*fp32", "LSE": "*fp32", "SCALE": "*fp32", "stride_v": "i32",
-       "stride_scale": "i32", "C": "i32", "V": "i32", "ignore_index": "i32", "label_smoothing": "fp32",
-       "z_loss": "fp32"}
+stats = {"X": "*bf16", "T": "*i64", "PART": "*fp32", "stride_v": "i32", "C": "i32", "V": "i32", "V_SPLIT": "i32"}
+grad = {"X": "*bf16", "T": "*i64", "LOSS": "*fp32", "LSE": "*fp32", "SCALE": "*fp32", "PART": "*fp32",
+        "stride_v": "i32", "stride_scale": "i32", "C": "i32", "V": "i32", "V_SPLIT": "i32", "SPLITS": "i32",
+        "ignore_index": "i32", "label_smoothing": "fp32", "z_loss": "fp32"}
 cfg = dict(CE._COLS_CONFIG)
 warps = cfg.pop("num_warps")
+cfg.pop("PROGRAMS")
 for wl, sm, z in [(True, False, False), (True, True, True), (False, False, False)]:
-    consts = dict(WRITE_LOSS=wl, WRITE_GRAD=True, HAS_SMOOTHING=sm, HAS_Z_LOSS=z, **cfg)
-    src = ASTSource(fn=CE._cross_entropy_cols_kernel, signature=dict(sig, **{k: "constexpr" for k in consts}),
-                    constexprs=consts)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    jobs = [(CE._cross_entropy_cols_stats_kernel, stats, dict(HAS_SMOOTHING=sm, **cfg)),
+            (CE._cross_entropy_cols_grad_kernel, grad,
+             dict(WRITE_LOSS=wl, WRITE_GRAD=True, HAS_SMOOTHING=sm, HAS_Z_LOSS=z, **cfg))]
+    for fn, sig, consts in jobs:
+        src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts)
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+src = ASTSource(fn=CE._scale_unless_one_kernel, signature={"X": "*bf16", "G": "*fp32", "N": "i64",
+                "BLOCK": "constexpr"}, constexprs={"BLOCK": CE._SCALE_BLOCK})
+triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
 print("ok")
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile it for real")
-def test_column_kernel_compiles_for_sm90_offline():
-    """The FLCE's column CE kernel (first chunk) compiles for sm_90 with its shipped tile (the
-    interpreter runs it on the CPU but does not compile it)."""
+def test_column_kernels_compile_for_sm90_offline():
+    """The FLCE's column CE kernels (first chunk) and the backward's scaling kernel compile for sm_90
+    with their shipped tiles (the interpreter runs them on the CPU but does not compile them)."""
     import os
     import subprocess
     import sys
@@ -609,3 +616,45 @@ def test_column_kernel_compiles_for_sm90_offline():
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("no ptxas")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_scale_unless_one_scales_in_fp32_and_skips_one(dtype, device):
+    """The eager FLCE backward's in-place scaling: t * g computed in fp32 and rounded once, and nothing
+    written when g == 1 (its contents kept bit for bit, NaN included). bf16 runs on the GPU test below
+    (the interpreter rounds bf16 stores differently)."""
+    if device == "cpu" and not CE.INTERPRET:
+        pytest.skip("the kernel runs on a GPU or under TRITON_INTERPRET=1")
+    t = torch.randn(3 * CE._SCALE_BLOCK + 5, device=device).to(dtype)
+    t[7] = float("nan")
+    t0 = t.clone()
+    CE._scale_unless_one_(t, torch.tensor(1.0, device=device))
+    assert torch.equal(t.view(torch.uint8), t0.view(torch.uint8))
+    CE._scale_unless_one_(t, torch.tensor(0.37, device=device))
+    assert torch.equal(t[8:], (t0[8:].float() * 0.37).to(dtype)) and t[7].isnan()
+
+
+@pytest.mark.gpu
+def test_scale_unless_one_bf16_gpu():
+    t = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)
+    t0 = t.clone()
+    CE._scale_unless_one_(t, torch.tensor(1.0, device="cuda"))
+    assert torch.equal(t, t0)
+    CE._scale_unless_one_(t, torch.tensor(0.37, device="cuda"))
+    assert torch.equal(t, (t0.float() * 0.37).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("g", [1.0, 2.5])
+def test_flce_backward_of_the_loss_itself_and_of_a_scaled_loss(g, device):
+    """loss.backward() (incoming gradient 1: the scaling pass is skipped on the device) and a scaled
+    loss (gradient accumulation's loss / k) both give the reference's gradients."""
+    hidden = torch.randn(37, 24, device=device)
+    weight = torch.randn(300, 24, device=device) / 5
+    t = _targets(37, 300, device)
+    leaves = [a.clone().requires_grad_() for a in (hidden, weight)]
+    refs = [a.double().requires_grad_() for a in (hidden, weight)]
+    with fuseformer.use_backend("triton"):
+        (F.fused_linear_cross_entropy(*leaves, t) * g).backward()
+    (CE.fused_linear_cross_entropy_ref(*refs, t, upcast=True) * g).backward()
+    for a, r in zip(leaves, refs):
+        torch.testing.assert_close(a.grad.double(), r.grad, rtol=1e-4, atol=1e-6)
