@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -426,8 +427,10 @@ def sweep_flce() -> list[dict]:
     # The default schedule's first chunk runs the column CE kernels (the vocabulary split to make about
     # PROGRAMS programs): the whole FLCE with each candidate tile.
     shipped = dict(ce._COLS_CONFIG)
-    for bt, bv, warps, programs in ((32, 256, 4, 1024), (16, 512, 4, 1024), (32, 256, 8, 1024), (64, 128, 4, 1024),
-                                    (32, 256, 4, 2048), (32, 256, 4, 512), (16, 256, 4, 2048), (64, 256, 8, 1024)):  # fmt: skip
+    # Run 73: 64 x 128 / 4 best (1.39 ms for both kernels; 32-token tiles 1.67-2.06): wider token
+    # segments (DRAM rows 8 KB apart) next.
+    for bt, bv, warps, programs in ((64, 128, 4, 1024), (128, 64, 4, 1024), (128, 64, 8, 1024), (256, 32, 8, 1024),
+                                    (256, 64, 8, 1024), (128, 128, 8, 1024), (64, 128, 4, 2048), (128, 64, 4, 512)):  # fmt: skip
         ce._COLS_CONFIG = dict(BLOCK_T=bt, BLOCK_V=bv, num_warps=warps, PROGRAMS=programs)
         rec = dict(kind="flce_cols_config", **ce._COLS_CONFIG)
         try:
@@ -442,6 +445,55 @@ def sweep_flce() -> list[dict]:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out.append(rec)
     ce._COLS_CONFIG = shipped
+    return out
+
+
+def sweep_flce_dw_update() -> list[dict]:
+    """The FLCE's grad_weight update alone at the goal shape (grad_weight (128256, 4096) bf16 +=
+    dlogits^T (K tokens) @ hidden): cuBLAS's addmm_ against the Triton kernel's candidate configs
+    (ops/cross_entropy.py _dw_update_kernel), checked against cuBLAS, with the read-modify-write of
+    grad_weight alone (mul_ by 1) as the traffic floor."""
+    ce = importlib.import_module("fuseformer.ops.cross_entropy")
+    v, h = 128256, 4096
+    dw = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * 1e-3
+    rmw_bytes = 2 * dw.numel() * dw.element_size()
+    out = [dict(kind="flce_dw_update", impl="grad_weight mul_(1) (traffic floor)", ms=bench_ms(lambda: dw.mul_(1.0)))]
+    out[-1]["tb_s"] = rmw_bytes / out[-1]["ms"] / 1e9
+    candidates = [
+        (128, 256, 64, 8, 3, False, False, 1), (128, 256, 64, 8, 3, True, False, 1),
+        (128, 128, 64, 4, 3, False, False, 1), (128, 128, 64, 4, 2, True, False, 1),
+        (128, 128, 64, 8, 3, True, False, 1), (256, 128, 64, 8, 3, False, False, 1),
+        (128, 256, 64, 8, 3, False, True, 1), (128, 128, 64, 4, 3, False, True, 2),
+        (64, 256, 64, 4, 3, True, False, 1), (128, 256, 32, 8, 4, True, False, 1),
+        (128, 128, 64, 4, 4, True, False, 1), (128, 256, 64, 8, 2, True, False, 1),
+    ]  # fmt: skip
+    for k in (240, 368):
+        a = torch.randn(k, v, device="cuda", dtype=torch.bfloat16) * 1e-4
+        b = torch.randn(k, h, device="cuda", dtype=torch.bfloat16)
+        nbytes = rmw_bytes + a.numel() * 2 + b.numel() * 2
+        flops = 2 * k * v * h
+        ref = dw.clone().addmm_(a.T, b)
+        scale = float(ref.abs().max())
+        rec = dict(kind="flce_dw_update", impl="cuBLAS addmm_", K=k, ms=bench_ms(lambda: dw.addmm_(a.T, b)))
+        rec.update(tb_s=nbytes / rec["ms"] / 1e9, tflops=flops / rec["ms"] / 1e9)
+        out.append(rec)
+        for bm, bn, bk, warps, stages, c_first, persistent, per_sm in candidates:
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, C_FIRST=c_first, PERSISTENT=persistent, num_warps=warps,
+                       num_stages=stages, programs_per_sm=per_sm)  # fmt: skip
+            rec = dict(kind="flce_dw_update", impl="triton", K=k, **cfg)
+            try:
+                test = dw.clone()
+                ce._dw_update(test, a, b, cfg)
+                rec["max_err_rel"] = float((test.float() - ref.float()).abs().max()) / scale
+                del test
+                rec["ms"] = bench_ms(lambda cfg=cfg: ce._dw_update(dw, a, b, cfg))
+                rec.update(tb_s=nbytes / rec["ms"] / 1e9, tflops=flops / rec["ms"] / 1e9)
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            out.append(rec)
+            print(json.dumps(rec), flush=True)
+        del ref
+        torch.cuda.empty_cache()
     return out
 
 
@@ -936,6 +988,7 @@ SWEEPS = {
     "small_rows_rounds": sweep_small_rows_rounds,
     "train_profile": sweep_train_profile,
     "flce": sweep_flce,
+    "flce_dw_update": sweep_flce_dw_update,
     "mlp_decode": sweep_mlp_decode,
     "mlp_decode_timeline": sweep_mlp_decode_timeline,
     # The same sweep timed with L2 flushed by reading (bench_stream_ms), against the copy ceiling

@@ -299,9 +299,10 @@ def _cross_entropy_cols_grad_kernel(
 
 # The transposed kernels' tile and how many programs to aim for (the vocabulary is split to get
 # them). Run 72 (H200, 2026-12-01), one program a 16-token column over the whole vocabulary (256
-# programs at the goal shape): the kernel took 1.96-2.4 ms for its 3 x 1.05 GB (~1.5 TB/s) at every
-# tile tried; split 8 ways, ~1000 programs keep more loads in flight. Unmeasured as shipped.
-_COLS_CONFIG = dict(BLOCK_T=32, BLOCK_V=256, num_warps=4, PROGRAMS=1024)
+# programs at the goal shape): 1.96-2.4 ms for its 3 x 1.05 GB (~1.5 TB/s) at every tile tried. Run 73,
+# split to ~1000 programs: 32 x 256 / 4 1.69 ms, 64 x 128 / 4 1.39 (the best of 8; 16-token tiles
+# 1.93-2.03): the longer a contiguous segment of a vocabulary row, the better.
+_COLS_CONFIG = dict(BLOCK_T=64, BLOCK_V=128, num_warps=4, PROGRAMS=1024)
 
 
 def _cols_splits(c: int, v: int, block_t: int, block_v: int, programs: int) -> tuple[int, int]:
@@ -426,6 +427,64 @@ def cross_entropy_bwd(
 # --------------------------------------------------------------------------------------------
 # Launchers: fused_linear_cross_entropy (no autograd)
 # --------------------------------------------------------------------------------------------
+@triton.jit
+def _dw_update_kernel(
+    a_desc, b_desc, c_desc, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, C_FIRST: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):  # fmt: skip
+    # C (M, N) += A^T B with A (K, M), B (K, N), all row-major (TMA descriptors), accumulated in fp32
+    # and rounded once: an FLCE chunk's grad_weight update, C = grad_weight (V, H), A = the chunk's
+    # dlogits (C, V), B = its hidden states (C, H). K (the chunk's tokens) is a few hundred, so the
+    # update is bound by the pass over C (read and written): C_FIRST issues C's load before the K loop.
+    # Tiles in row order (N fastest): a row block of A is read from DRAM once while its N tiles run,
+    # B (a few MB) stays in L2.
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.cdiv(M, BLOCK_M) * num_n
+    step = tl.num_programs(0) if PERSISTENT else num_tiles
+    for tile in tl.range(tl.program_id(0), num_tiles, step, flatten=PERSISTENT):
+        off_m = (tile // num_n) * BLOCK_M
+        off_n = (tile % num_n) * BLOCK_N
+        if C_FIRST:
+            c_old = c_desc.load([off_m, off_n])
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            acc = tl.dot(a_desc.load([k, off_m]).T, b_desc.load([k, off_n]), acc)
+        if not C_FIRST:
+            c_old = c_desc.load([off_m, off_n])
+        acc += c_old.to(tl.float32)
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
+# The grad_weight update's launch config, unmeasured: sweep `flce_dw_update` times candidates against
+# cuBLAS's addmm_ (0.82 ms a chunk at the goal shape, 61% of copy for the 2.1 GB it must move).
+_DW_UPDATE_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, C_FIRST=False, PERSISTENT=False, num_warps=8,
+                         num_stages=3)  # fmt: skip
+
+
+def _dw_update_ok(dw: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the Triton update can take these operands: row-major, 16-byte aligned bases and rows."""
+    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in (dw, a, b))  # fmt: skip
+
+
+def _dw_update(dw: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: dict | None = None) -> None:
+    """dw (M, N) += a.T @ b in place, a (K, M), b (K, N): the Triton kernel (see _dw_update_ok)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cfg = dict(config or _DW_UPDATE_CONFIG)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    (k, m), n = a.shape, b.shape[1]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    programs = min(tiles, sm_count(dw) * cfg.pop("programs_per_sm", 1)) if cfg["PERSISTENT"] else tiles
+    _dw_update_kernel[(programs,)](
+        TensorDescriptor(a, [k, m], [a.stride(0), 1], [bk, bm]),
+        TensorDescriptor(b, [k, n], [b.stride(0), 1], [bk, bn]),
+        TensorDescriptor(dw, [m, n], [dw.stride(0), 1], [bm, bn]),
+        m, n, k, **cfg,
+    )  # fmt: skip
+
+
 def _chunk_size(n: int, h: int, v: int, element_size: int) -> int:
     """Tokens per chunk: C x V logits of at most 15/16 of the hidden states' size (or of
     _MIN_CHUNK_BYTES, if larger), in chunks of equal size. At the goal shape (8192 tokens, H 4096,
