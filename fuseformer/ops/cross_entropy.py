@@ -476,7 +476,8 @@ def _dw_update(dw: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: dict 
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     (k, m), n = a.shape, b.shape[1]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    programs = min(tiles, sm_count(dw) * cfg.pop("programs_per_sm", 1)) if cfg["PERSISTENT"] else tiles
+    per_sm = cfg.pop("programs_per_sm", 1)
+    programs = min(tiles, sm_count(dw) * per_sm) if cfg["PERSISTENT"] else tiles
     _dw_update_kernel[(programs,)](
         TensorDescriptor(a, [k, m], [a.stride(0), 1], [bk, bm]),
         TensorDescriptor(b, [k, n], [b.stride(0), 1], [bk, bn]),
