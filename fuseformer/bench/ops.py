@@ -9,6 +9,7 @@ a percentage of the device-to-device copy bandwidth measured in the same run.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -57,6 +58,34 @@ def _time(op: str, shape, dtype, pass_: str, impl: str, fn: Callable[[], object]
         except Exception as exc:
             rec.update(graph_error=f"{type(exc).__name__}: {exc}"[:200])
     return rec
+
+
+_HOST_BOUND_ELEMENTS = 1 << 23  # 4096 x 1024 and below: a call's host time exceeds its GPU time
+_HOST_BOUND_ROUNDS = 5
+
+
+def _median_of_rounds(runs: list[list[Record]]) -> list[Record]:
+    """Records of the same cases timed in several rounds -> one record a case: the median ms (and
+    graph ms), the rounds' values kept as ``rounds_ms``."""
+    if len(runs) == 1:
+        return runs[0]
+    out = []
+    for recs in zip(*runs):
+        timed = [r for r in recs if "ms" in r]
+        rec = dict(timed[0] if timed else recs[0])
+        times = [r["ms"] for r in timed]
+        if times:
+            ms = statistics.median(times)
+            tb = tb_per_s(rec["bytes"], ms)
+            rec.update(ms=ms, tb_s=tb, pct_copy=100 * tb / copy_ceiling_tb_s(), rounds_ms=times)
+            rec.pop("error", None)
+        graph = [r["graph_ms"] for r in recs if "graph_ms" in r]
+        if graph:
+            gms = statistics.median(graph)
+            gtb = tb_per_s(rec["bytes"], gms)
+            rec.update(graph_ms=gms, graph_tb_s=gtb, graph_pct_copy=100 * gtb / copy_ceiling_tb_s())
+        out.append(rec)
+    return out
 
 
 def _fwd_bwd_records(op, shape, dtype, impls: dict, inputs, nbytes_fwd, nbytes_bwd, grad_inputs) -> list[Record]:
@@ -142,9 +171,14 @@ def bench_rms_norm(quick: bool) -> list[Record]:
 
             # Liger's defaults (casting_mode "llama", in-place dy in backward), as LigerRMSNorm uses.
             impls["liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6)
-        records += _fwd_bwd_records(
-            "rms_norm", (m, n), dtype, impls, (x, w), 2 * m * n * es + n * es, 3 * m * n * es + 2 * n * es, (x, w)
-        )
+        # Host-bound sizes: 5 rounds over every impl, each row the median (its rounds kept): one
+        # do_bench of a ~50 us eager call moves by 10-30 us with what the host does (runs 72-73).
+        rounds = _HOST_BOUND_ROUNDS if m * n <= _HOST_BOUND_ELEMENTS else 1
+        records += _median_of_rounds([
+            _fwd_bwd_records("rms_norm", (m, n), dtype, impls, (x, w), 2 * m * n * es + n * es,
+                             3 * m * n * es + 2 * n * es, (x, w))
+            for _ in range(rounds)
+        ])  # fmt: skip
         del x, w
     # Residual add + rms_norm: fused against add followed by the compiled norm (and all compiled).
     m, n = 32768, 4096

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -445,56 +444,6 @@ def sweep_flce() -> list[dict]:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out.append(rec)
     ce._COLS_CONFIG = shipped
-    return out
-
-
-def sweep_flce_dw_update() -> list[dict]:
-    """The FLCE's grad_weight update alone at the goal shape (grad_weight (128256, 4096) bf16 +=
-    dlogits^T (K tokens) @ hidden): cuBLAS's addmm_ against the Triton kernel's candidate configs
-    (ops/cross_entropy.py _dw_update_kernel), checked against cuBLAS, with the read-modify-write of
-    grad_weight alone (mul_ by 1) as the traffic floor."""
-    ce = importlib.import_module("fuseformer.ops.cross_entropy")
-    v, h = 128256, 4096
-    dw = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * 1e-3
-    rmw_bytes = 2 * dw.numel() * dw.element_size()
-    out = [dict(kind="flce_dw_update", impl="grad_weight mul_(1) (traffic floor)", ms=bench_ms(lambda: dw.mul_(1.0)))]
-    out[-1]["tb_s"] = rmw_bytes / out[-1]["ms"] / 1e9
-    candidates = [
-        (128, 256, 64, 8, 3, False, False, 1), (128, 256, 64, 8, 3, True, False, 1),
-        (128, 128, 64, 4, 3, False, False, 1), (128, 128, 64, 4, 2, True, False, 1),
-        (128, 128, 64, 8, 3, True, False, 1), (256, 128, 64, 8, 3, False, False, 1),
-        (128, 256, 64, 8, 3, False, True, 1), (128, 128, 64, 4, 3, False, True, 2),
-        (64, 256, 64, 4, 3, True, False, 1), (128, 256, 32, 8, 4, True, False, 1),
-        (128, 128, 64, 4, 4, True, False, 1), (128, 256, 64, 8, 2, True, False, 1),
-        (128, 128, 32, 4, 3, True, False, 1), (64, 128, 64, 4, 3, True, False, 1),
-    ]  # fmt: skip
-    for k in (240, 368):
-        a = torch.randn(k, v, device="cuda", dtype=torch.bfloat16) * 1e-4
-        b = torch.randn(k, h, device="cuda", dtype=torch.bfloat16)
-        nbytes = rmw_bytes + a.numel() * 2 + b.numel() * 2
-        flops = 2 * k * v * h
-        rec = dict(kind="flce_dw_update", impl="cuBLAS addmm_", K=k, ms=bench_ms(lambda: dw.addmm_(a.T, b)))
-        ref = dw.clone().addmm_(a.T, b)  # after the timing, which updates dw in place
-        scale = float(ref.abs().max())
-        rec.update(tb_s=nbytes / rec["ms"] / 1e9, tflops=flops / rec["ms"] / 1e9)
-        out.append(rec)
-        for bm, bn, bk, warps, stages, c_first, persistent, per_sm in candidates:
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, C_FIRST=c_first, PERSISTENT=persistent, num_warps=warps,
-                       num_stages=stages, programs_per_sm=per_sm)  # fmt: skip
-            rec = dict(kind="flce_dw_update", impl="triton", K=k, **cfg)
-            try:
-                test = dw.clone()
-                ce._dw_update(test, a, b, cfg)
-                rec["max_err_rel"] = float((test.float() - ref.float()).abs().max()) / scale
-                del test
-                rec["ms"] = bench_ms(lambda cfg=cfg: ce._dw_update(dw, a, b, cfg))
-                rec.update(tb_s=nbytes / rec["ms"] / 1e9, tflops=flops / rec["ms"] / 1e9)
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            out.append(rec)
-            print(json.dumps(rec), flush=True)
-        del ref
-        torch.cuda.empty_cache()
     return out
 
 
@@ -989,7 +938,6 @@ SWEEPS = {
     "small_rows_rounds": sweep_small_rows_rounds,
     "train_profile": sweep_train_profile,
     "flce": sweep_flce,
-    "flce_dw_update": sweep_flce_dw_update,
     "mlp_decode": sweep_mlp_decode,
     "mlp_decode_timeline": sweep_mlp_decode_timeline,
     # The same sweep timed with L2 flushed by reading (bench_stream_ms), against the copy ceiling

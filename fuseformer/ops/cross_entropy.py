@@ -427,65 +427,6 @@ def cross_entropy_bwd(
 # --------------------------------------------------------------------------------------------
 # Launchers: fused_linear_cross_entropy (no autograd)
 # --------------------------------------------------------------------------------------------
-@triton.jit
-def _dw_update_kernel(
-    a_desc, b_desc, c_desc, M, N, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, C_FIRST: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-):  # fmt: skip
-    # C (M, N) += A^T B with A (K, M), B (K, N), all row-major (TMA descriptors), accumulated in fp32
-    # and rounded once: an FLCE chunk's grad_weight update, C = grad_weight (V, H), A = the chunk's
-    # dlogits (C, V), B = its hidden states (C, H). K (the chunk's tokens) is a few hundred, so the
-    # update is bound by the pass over C (read and written): C_FIRST issues C's load before the K loop.
-    # Tiles in row order (N fastest): a row block of A is read from DRAM once while its N tiles run,
-    # B (a few MB) stays in L2.
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = tl.cdiv(M, BLOCK_M) * num_n
-    step = tl.num_programs(0) if PERSISTENT else num_tiles
-    for tile in tl.range(tl.program_id(0), num_tiles, step, flatten=PERSISTENT):
-        off_m = (tile // num_n) * BLOCK_M
-        off_n = (tile % num_n) * BLOCK_N
-        if C_FIRST:
-            c_old = c_desc.load([off_m, off_n])
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            acc = tl.dot(a_desc.load([k, off_m]).T, b_desc.load([k, off_n]), acc)
-        if not C_FIRST:
-            c_old = c_desc.load([off_m, off_n])
-        acc += c_old.to(tl.float32)
-        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
-
-
-# The grad_weight update's launch config, unmeasured: sweep `flce_dw_update` times candidates against
-# cuBLAS's addmm_ (0.82 ms a chunk at the goal shape, 61% of copy for the 2.1 GB it must move).
-_DW_UPDATE_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, C_FIRST=False, PERSISTENT=False, num_warps=8,
-                         num_stages=3)  # fmt: skip
-
-
-def _dw_update_ok(dw: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the Triton update can take these operands: row-major, 16-byte aligned bases and rows."""
-    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-               for t in (dw, a, b))  # fmt: skip
-
-
-def _dw_update(dw: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: dict | None = None) -> None:
-    """dw (M, N) += a.T @ b in place, a (K, M), b (K, N): the Triton kernel (see _dw_update_ok)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    cfg = dict(config or _DW_UPDATE_CONFIG)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    (k, m), n = a.shape, b.shape[1]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    per_sm = cfg.pop("programs_per_sm", 1)
-    programs = min(tiles, sm_count(dw) * per_sm) if cfg["PERSISTENT"] else tiles
-    _dw_update_kernel[(programs,)](
-        TensorDescriptor(a, [k, m], [a.stride(0), 1], [bk, bm]),
-        TensorDescriptor(b, [k, n], [b.stride(0), 1], [bk, bn]),
-        TensorDescriptor(dw, [m, n], [dw.stride(0), 1], [bm, bn]),
-        m, n, k, **cfg,
-    )  # fmt: skip
-
-
 def _chunk_size(n: int, h: int, v: int, element_size: int) -> int:
     """Tokens per chunk: C x V logits of at most 15/16 of the hidden states' size (or of
     _MIN_CHUNK_BYTES, if larger), in chunks of equal size. At the goal shape (8192 tokens, H 4096,
@@ -631,8 +572,9 @@ def _chunks(
         if dh is not None:
             torch.matmul(logits, weight, out=dh[start:end])  # (C, H)
         if dw is not None:
-            # A Triton kernel for this update (old dW tile loaded before the K loop, pointer loads)
-            # ran at 1.38 ms a chunk against cuBLAS's 0.82 (H200, 2026-11-30): cuBLAS it is.
+            # Triton kernels for this update ran slower than cuBLAS's 0.81-0.84 ms a chunk: pointer
+            # loads 1.38 ms (2026-11-30); TMA descriptors, 14 tiles / stage counts / persistent or not,
+            # C loaded before or after the K loop, 0.94-1.50 ms (run 75, 2026-12-01): cuBLAS it is.
             if start == 0:
                 torch.matmul(logits.T, h_c, out=dw)  # (V, H)
             else:
