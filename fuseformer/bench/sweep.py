@@ -327,42 +327,6 @@ def sweep_small_rows() -> list[dict]:
     return out
 
 
-def sweep_small_rows_rounds() -> list[dict]:
-    """rms_norm 4096x1024 bf16 forward and backward (autograd.grad on a kept graph), do_bench medians in
-    5 interleaved rounds: ours (the native node, the default; and the Python autograd.Function),
-    F.rms_norm, Liger. Host-bound calls vary between machines and over a process's life; rounds in
-    one process show the spread that one `bench ops` row hides."""
-    import fuseformer.ops as F
-    from fuseformer.bench.ops import _with_native
-
-    m, n = 4096, 1024
-    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (1 + 0.1 * torch.randn(n, device="cuda", dtype=torch.bfloat16)).requires_grad_()
-    impls = {"ours native": _with_native(lambda x, w: F.rms_norm(x, w), True),
-             "ours Python": _with_native(lambda x, w: F.rms_norm(x, w), False),
-             "F.rms_norm": lambda x, w: torch.nn.functional.rms_norm(x, (n,), w, 1e-6)}  # fmt: skip
-    try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-        impls["liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6)
-    except Exception:
-        pass
-    calls = {}
-    for name, fn in impls.items():
-        if fn is None:
-            continue
-        y = fn(x, w)
-        dy = torch.randn_like(y)
-        calls[f"{name} fwd"] = lambda fn=fn: fn(x, w)
-        calls[f"{name} bwd"] = lambda y=y, dy=dy: torch.autograd.grad(y, (x, w), dy, retain_graph=True)
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    for _ in range(5):
-        for name, fn in calls.items():
-            times[name].append(1e3 * bench_ms(fn))
-    return [dict(kind="small_rows_rounds", impl=k, shape=[m, n], do_bench_us=v, median_us=sorted(v)[2])
-            for k, v in times.items()]  # fmt: skip
-
-
 def sweep_train_profile() -> list[dict]:
     """Where one forward + backward of the training case (Llama 1B shape, B 4 x S 4096, every layer
     checkpointed) spends its GPU time, ours and HF + Liger's (when installed) in the same run: the
@@ -935,7 +899,6 @@ SWEEPS = {
     "rms_norm_residual": sweep_rms_norm_residual,
     "add_rms_norm": sweep_add_rms_norm,
     "small_rows": sweep_small_rows,
-    "small_rows_rounds": sweep_small_rows_rounds,
     "train_profile": sweep_train_profile,
     "flce": sweep_flce,
     "mlp_decode": sweep_mlp_decode,

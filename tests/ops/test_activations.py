@@ -208,6 +208,13 @@ def test_glu_empty(shape, device):
     assert gate.grad.shape == shape and up.grad.shape == shape
 
 
+def _same_specials(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: both NaN, or the same infinity, or both finite."""
+    both_nan = a.isnan() & b.isnan()
+    same_inf = a.isinf() & b.isinf() & (a == b)
+    return both_nan | same_inf | (a.isfinite() & b.isfinite())
+
+
 @pytest.mark.parametrize("activation", list(VARIANTS))
 def test_glu_nan_inf_propagate_like_torch(activation, device):
     op, kwargs, ref_fn = VARIANTS[activation]
@@ -223,7 +230,9 @@ def test_glu_nan_inf_propagate_like_torch(activation, device):
         y = op(*args, **kwargs)
         dy = torch.randn_like(y)
         y.backward(dy)
-    # Torch itself (fp32 eager, the formula users run) decides where NaN and Inf land.
+    # Torch itself decides where NaN and Inf land: its fp32 eager formula (what users run), or, where
+    # torch's own paths disagree (its vectorized CPU gelu(inf) is NaN on some machines and inf on
+    # others, and inf in fp64), its fp64 result.
     torch_args = [t.clone().requires_grad_() for t in (gate, up)]
     act = TF.silu if activation == "silu" else lambda g: TF.gelu(g, **kwargs)
     expected = act(torch_args[0]) * torch_args[1]
@@ -234,8 +243,9 @@ def test_glu_nan_inf_propagate_like_torch(activation, device):
     for name, o, e, r in [("y", y, expected, ref)] + [
         (n, a.grad, t.grad, rr.grad) for n, a, t, rr in zip(("dgate", "dup"), args, torch_args, ref_args)
     ]:
-        assert torch.equal(torch.isnan(o), torch.isnan(e)), name
-        assert torch.equal(torch.isinf(o), torch.isinf(e)) and torch.equal(o[o.isinf()], e[e.isinf()]), name
+        like_fp32, like_fp64 = _same_specials(o, e), _same_specials(o.double(), r)
+        agree = _same_specials(e.double(), r)
+        assert bool((like_fp32 | (~agree & like_fp64)).all()), (name, o[~like_fp32], e[~like_fp32], r[~like_fp32])
         if name == "y":  # the cases above do produce both
             assert torch.isnan(o).any() and torch.isinf(o).any()
         finite = torch.isfinite(e) & torch.isfinite(r)
