@@ -75,9 +75,17 @@ def test_leaving_a_stream_or_abort_frees_blocks_at_once(engine):
         engine.abort("b")  # abort from outside
         outs = [out async for out in b]
         assert outs[-1].finished and outs[-1].outputs[-1].finish_reason == "abort"
-        task = asyncio.ensure_future(collect_stream(c))
-        await asyncio.sleep(0.05)
-        task.cancel()  # a cancelled consumer aborts too
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in c:
+                started.set()
+
+        # A consumer cancelled mid-stream aborts too: cancelled once it has taken an output, not after
+        # a fixed sleep (on an idle machine the tiny model streams all 50 tokens in 50 ms).
+        task = asyncio.ensure_future(consume())
+        await started.wait()
+        task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.wait_for(wait_idle(), 5)
