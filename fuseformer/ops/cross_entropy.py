@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuseformer.ops import _dw_update
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
@@ -616,6 +617,8 @@ def _chunks(
             # C loaded before or after the K loop, 0.94-1.50 ms (run 75, 2026-12-01): cuBLAS it is.
             if start == 0:
                 torch.matmul(logits.T, h_c, out=dw)  # (V, H)
+            elif _GLUON_DW_UPDATE and _dw_update.usable(dw, logits, h_c):
+                _dw_update.dw_update(dw, logits, h_c)
             else:
                 dw.addmm_(logits.T, h_c)
         if db is not None:
@@ -627,6 +630,9 @@ def _chunks(
 
 # grad_weight's per-chunk update on a side stream (see _chunks). Off until measured to pay.
 _DW_SIDE_STREAM = False
+# grad_weight's per-chunk update by the Gluon kernel of ops/_dw_update.py where it runs (sm_90), else
+# cuBLAS's addmm_. Off until measured.
+_GLUON_DW_UPDATE = False
 # _first_chunk_in_dw's slice copies on a side stream, under the next slice's GEMM. Off until measured.
 _COPY_SIDE_STREAM = False
 _SIDE_STREAMS: dict = {}
