@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -369,8 +368,7 @@ def sweep_flce() -> list[dict]:
     weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5
     target = torch.randint(0, v, (n,), device="cuda")
     out = []
-    base = ce.fused_linear_cross_entropy_fwd(hidden, weight, target, None, -100, "mean", 0.0, 0.0, True, True, False)
-    for chunk in (None, 512):
+    for chunk in (None, 256, 512, 1024):
 
         def step(chunk=chunk):
             return ce.fused_linear_cross_entropy_fwd(
@@ -389,81 +387,27 @@ def sweep_flce() -> list[dict]:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out.append(rec)
         torch.cuda.empty_cache()
-    # Second-stream variants of the default schedule (run 78): grad_weight's update beside grad_hidden's
-    # GEMM, and the first chunk's slice copies under the next slice's GEMM.
-    shipped = (ce._DW_SIDE_STREAM, ce._COPY_SIDE_STREAM, ce._GLUON_DW_UPDATE)
-    for dw_side, copy_side, gluon_dw in ((False, False, True), (False, True, True), (False, False, False),
-                                         (False, False, True)):  # fmt: skip
-        ce._DW_SIDE_STREAM, ce._COPY_SIDE_STREAM, ce._GLUON_DW_UPDATE = dw_side, copy_side, gluon_dw
-        rec = dict(kind="flce_streams", dw_side=dw_side, copy_side=copy_side, gluon_dw=gluon_dw)
+    # The default schedule's first chunk runs the column CE kernels (the vocabulary split to make about
+    # PROGRAMS programs): the whole FLCE with each candidate tile.
+    shipped = dict(ce._COLS_CONFIG)
+    # Run 73: 64 x 128 / 4 best (1.39 ms for both kernels; 32-token tiles 1.67-2.06): wider token
+    # segments (DRAM rows 8 KB apart) next.
+    for bt, bv, warps, programs in ((64, 128, 4, 1024), (128, 64, 4, 1024), (128, 64, 8, 1024), (256, 32, 8, 1024),
+                                    (256, 64, 8, 1024), (128, 128, 8, 1024), (64, 128, 4, 2048), (128, 64, 4, 512)):  # fmt: skip
+        ce._COLS_CONFIG = dict(BLOCK_T=bt, BLOCK_V=bv, num_warps=warps, PROGRAMS=programs)
+        rec = dict(kind="flce_cols_config", **ce._COLS_CONFIG)
         try:
             step = lambda: ce.fused_linear_cross_entropy_fwd(  # noqa: E731
                 hidden, weight, target, None, -100, "mean", 0.0, 0.0, True, True, False
             )
-            ref = step()
-            torch.cuda.synchronize()
-            rec["peak_gib_above_inputs"] = peak_gib_above(step)
-            rec["ms"] = bench_ms(step, rep=200)
-            if gluon_dw and not copy_side:
-                rec["kernels"] = gpu_kernels(step)
-            rec["max_abs_err_dh_dw_vs_serial"] = [float((a - b).abs().max()) for a, b in zip(ref[1:3], base[1:3])]
+            step()
+            rec["ms"] = bench_ms(step, rep=100)
+            kernels = gpu_kernels(step)
+            rec["cols_kernel_us"] = 1e3 * sum(k["ms_per_call"] for k in kernels if "cross_entropy_cols" in k["name"])
         except Exception as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out.append(rec)
-    ce._DW_SIDE_STREAM, ce._COPY_SIDE_STREAM, ce._GLUON_DW_UPDATE = shipped
-    return out
-
-
-def sweep_flce_dw_update() -> list[dict]:
-    """The FLCE's grad_weight update alone at the goal shape (grad_weight (128256, 4096) bf16 +=
-    dlogits^T (K tokens) @ hidden): cuBLAS's addmm_ against the Gluon kernel's configs
-    (ops/_dw_update.py), each checked against cuBLAS's result on the same inputs, with the
-    read-modify-write of grad_weight alone (mul_ by 1) as the traffic floor."""
-    from fuseformer.ops import _dw_update as du
-
-    v, h = 128256, 4096
-    dw = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * 1e-3
-    rmw_bytes = 2 * dw.numel() * dw.element_size()
-    out = [dict(kind="flce_dw_update", impl="grad_weight mul_(1) (traffic floor)", ms=bench_ms(lambda: dw.mul_(1.0)))]
-    out[-1]["tb_s"] = rmw_bytes / out[-1]["ms"] / 1e9
-    configs = [
-        dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=32, STAGES=4, num_warps=8),
-        dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, STAGES=2, num_warps=8),
-        dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=32, STAGES=3, num_warps=8),
-        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=3, num_warps=4),
-        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=3, num_warps=8),
-    ]
-    for k in (240, 273, 368):
-        a = torch.randn(k, v, device="cuda", dtype=torch.bfloat16) * 1e-4
-        b = torch.randn(k, h, device="cuda", dtype=torch.bfloat16)
-        nbytes = rmw_bytes + a.numel() * 2 + b.numel() * 2
-        flops = 2 * k * v * h
-        rec = dict(kind="flce_dw_update", impl="cuBLAS addmm_", K=k, ms=bench_ms(lambda: dw.addmm_(a.T, b)))
-        rec.update(tb_s=nbytes / rec["ms"] / 1e9, tflops=flops / rec["ms"] / 1e9)
-        out.append(rec)
-        print(json.dumps(rec), flush=True)
-        base = dw.clone()
-        ref = base.clone().addmm_(a.T, b)
-        scale = float((ref.float() - base.float()).abs().max())
-        for cfg in configs:
-            rec = dict(kind="flce_dw_update", impl="gluon", K=k, **cfg)
-            try:
-                test = base.clone()
-                du.dw_update(test, a, b, cfg)
-                torch.cuda.synchronize()
-                # Relative to the largest update (bf16 rounding of C itself is ~4e-3 of C).
-                rec["max_err_rel_update"] = float((test.float() - ref.float()).abs().max()) / scale
-                rec["mismatch_frac_2ulp"] = float(((test.float() - ref.float()).abs() > 2 * 2**-8 * ref.float().abs()
-                                                   + 1e-6).float().mean())  # fmt: skip
-                del test
-                rec["ms"] = bench_ms(lambda cfg=cfg: du.dw_update(dw, a, b, cfg))
-                rec.update(tb_s=nbytes / rec["ms"] / 1e9, tflops=flops / rec["ms"] / 1e9)
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:600]
-            out.append(rec)
-            print(json.dumps(rec), flush=True)
-        del ref, base
-        torch.cuda.empty_cache()
+    ce._COLS_CONFIG = shipped
     return out
 
 
@@ -957,7 +901,6 @@ SWEEPS = {
     "small_rows": sweep_small_rows,
     "train_profile": sweep_train_profile,
     "flce": sweep_flce,
-    "flce_dw_update": sweep_flce_dw_update,
     "mlp_decode": sweep_mlp_decode,
     "mlp_decode_timeline": sweep_mlp_decode_timeline,
     # The same sweep timed with L2 flushed by reading (bench_stream_ms), against the copy ceiling

@@ -41,7 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseformer.ops import _dw_update
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
@@ -507,26 +506,6 @@ def _first_chunk_in_dw(
     if spare.numel() < h:  # tiny problems (a few tokens of a tiny vocabulary): one row's room
         spare = torch.empty(h, dtype=dw.dtype, device=dw.device)
     rows = spare.numel() // h
-    if _COPY_SIDE_STREAM and dw.device.type == "cuda" and rows >= 2 * 128:
-        # Two halves of the spare room: one slice's GEMM into one half while the previous slice is
-        # copied out of the other on a side stream. A copy overwrites grad_weight rows [j0, j1), i.e.
-        # logits^T rows >= j0 only; the slices still to compute read rows < j0.
-        main, side = torch.cuda.current_stream(dw.device), _side_stream(dw.device)
-        rows //= 2
-        done: list = [None, None]
-        for i, j0 in enumerate(reversed(range(0, v, rows))):
-            j1 = min(v, j0 + rows)
-            half = spare[(i % 2) * rows * h :][: (j1 - j0) * h].view(j1 - j0, h)
-            if done[i % 2] is not None:
-                main.wait_event(done[i % 2])
-            torch.matmul(lt[j0:j1], h_c, out=half)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                dw[j0:j1].copy_(half)
-                done[i % 2] = torch.cuda.Event()
-                done[i % 2].record(side)
-        main.wait_stream(side)
-        return
     for j0 in reversed(range(0, v, rows)):
         j1 = min(v, j0 + rows)
         tmp = spare[: (j1 - j0) * h].view(j1 - j0, h)
@@ -577,16 +556,8 @@ def _chunks(
                 for s, e, off in _growing_chunks(n, h, v, c * v, first)]  # fmt: skip
     else:
         plan = [(s, min(n, s + c), buf[: min(n, s + c) - s]) for s in range(first, n, c)]
-    main = side = None
-    if _DW_SIDE_STREAM and dw is not None and dh is not None and write_grad and device.type == "cuda" and plan:
-        # grad_weight's update (memory-bound at these K) on a second stream beside grad_hidden's
-        # GEMM (compute-bound, few output tiles): both only read the chunk's dlogits. The next chunk's
-        # logits overwrite them, so each chunk starts by waiting for the previous update.
-        main, side = torch.cuda.current_stream(device), _side_stream(device)
     for start, end, out in plan:
         h_c = hidden[start:end]
-        if side is not None:
-            main.wait_stream(side)
         logits = torch.matmul(h_c, weight.T, out=out)  # (C, V)
         if bias is not None:
             logits += bias
@@ -598,17 +569,6 @@ def _chunks(
                 lse_given=False, write_loss=loss is not None, write_grad=write_grad)  # fmt: skip
         if not write_grad:
             continue
-        if side is not None:
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                if start == 0:
-                    torch.matmul(logits.T, h_c, out=dw)
-                else:
-                    dw.addmm_(logits.T, h_c)
-            torch.matmul(logits, weight, out=dh[start:end])
-            if db is not None:
-                db += logits.sum(0, dtype=torch.float32)
-            continue
         if dh is not None:
             torch.matmul(logits, weight, out=dh[start:end])  # (C, H)
         if dw is not None:
@@ -617,32 +577,11 @@ def _chunks(
             # C loaded before or after the K loop, 0.94-1.50 ms (run 75, 2026-12-01): cuBLAS it is.
             if start == 0:
                 torch.matmul(logits.T, h_c, out=dw)  # (V, H)
-            elif _GLUON_DW_UPDATE and _dw_update.usable(dw, logits, h_c):
-                _dw_update.dw_update(dw, logits, h_c)
             else:
                 dw.addmm_(logits.T, h_c)
         if db is not None:
             db += logits.sum(0, dtype=torch.float32)
-    if side is not None:
-        main.wait_stream(side)
     return dh
-
-
-# grad_weight's per-chunk update on a side stream (see _chunks). Off until measured to pay.
-_DW_SIDE_STREAM = False
-# grad_weight's per-chunk update by the Gluon kernel of ops/_dw_update.py where it runs (sm_90), else
-# cuBLAS's addmm_. Off until measured.
-_GLUON_DW_UPDATE = False
-# _first_chunk_in_dw's slice copies on a side stream, under the next slice's GEMM. Off until measured.
-_COPY_SIDE_STREAM = False
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE_STREAMS:
-        _SIDE_STREAMS[idx] = torch.cuda.Stream(idx)
-    return _SIDE_STREAMS[idx]
 
 
 def fused_linear_cross_entropy_fwd(
