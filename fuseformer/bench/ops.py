@@ -175,7 +175,7 @@ def bench_rms_norm(quick: bool) -> list[Record]:
             **({"fuseformer Python autograd": ours_python} if ours is not None else {}),
             "eager": _rms_norm_eager,
             "torch.compile": compiled,
-            "F.rms_norm": lambda x, w: TF.rms_norm(x, (n,), w, 1e-6),
+            "F.rms_norm": lambda x, w, n=n: TF.rms_norm(x, (n,), w, 1e-6),
         }
         if _liger():
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
