@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -442,6 +443,48 @@ def sweep_attention_fold() -> list[dict]:
             attn.FOLD_SCALE = previous
         cudnn = ba._impls(seqlen, causal)["sdpa_cudnn"]
         out.append(ba._record(case, "sdpa_cudnn", "fwd", flops, lambda q=q, k=k, v=v: cudnn(q, k, v)))
+        torch.cuda.empty_cache()
+    return out
+
+
+def sweep_attention_gluon() -> list[dict]:
+    """The Gluon forward (ops/attention_hopper.py) against the Triton forward and SDPA's cuDNN kernel
+    on the goal shapes (hd 128, 16384 tokens, H 32: causal S4096, full S16384) and two more, each with
+    its largest difference from the Triton forward's output; then its stage / register variants."""
+    from fuseformer.bench import attention as ba
+    from fuseformer.ops import attention_hopper as hopper
+
+    attn = importlib.import_module("fuseformer.ops.attention")
+    out = []
+    shipped = attn._GLUON_FWD
+    for seqlen, causal in ((4096, True), (16384, False), (4096, False), (16384, True)):
+        batch = ba.TOKENS // seqlen
+        d = 128
+        case = dict(kind="attention_gluon", batch=batch, seqlen=seqlen, heads=ba.HEADS, head_dim=d, causal=causal)
+        flops = ba.attention_flops(batch, seqlen, ba.HEADS, d, causal)
+        q, k, v = (t.detach() for t in ba._inputs(batch, seqlen, d))
+        args = (q, k, v, None, None, seqlen, seqlen, d**-0.5, -1, 0 if causal else -1)
+        try:
+            attn._GLUON_FWD = False
+            ref_out, ref_lse = attn.flash_attention_fwd(*args)
+            out.append(ba._record(case, "fuseformer triton", "fwd", flops, lambda a=args: attn.flash_attention_fwd(*a)))
+            for cfg in (dict(STAGES=2), dict(STAGES=3), dict(STAGES=2, CONSUMER_REGS=232, PRODUCER_REGS=40)):
+                rec = dict(case, **cfg)
+                try:
+                    o, lse = hopper.forward(q, k, v, d**-0.5, causal, cfg)
+                    torch.cuda.synchronize()
+                    rec["max_abs_diff_out"] = float((o.float() - ref_out.float()).abs().max())
+                    rec["max_abs_diff_lse"] = float((lse - ref_lse).abs().max())
+                    fn = lambda cfg=cfg: hopper.forward(q, k, v, d**-0.5, causal, cfg)  # noqa: E731
+                    out.append(ba._record(rec, "fuseformer gluon", "fwd", flops, fn))
+                except Exception as exc:
+                    out.append(dict(rec, impl="fuseformer gluon", error=f"{type(exc).__name__}: {exc}"[:500]))
+                print(json.dumps(out[-1]), flush=True)
+        finally:
+            attn._GLUON_FWD = shipped
+        cudnn = ba._impls(seqlen, causal)["sdpa_cudnn"]
+        out.append(ba._record(case, "sdpa_cudnn", "fwd", flops, lambda q=q, k=k, v=v: cudnn(q, k, v)))
+        print(json.dumps(out[-1]), flush=True)
         torch.cuda.empty_cache()
     return out
 
@@ -894,6 +937,7 @@ SWEEPS = {
     "attention64": sweep_attention64,
     "attention_fold": sweep_attention_fold,
     "attention_layouts": sweep_attention_layouts,
+    "attention_gluon": sweep_attention_gluon,
     "rms_norm": sweep_rms_norm,
     "rms_norm_long": sweep_rms_norm_long,
     "rms_norm_residual": sweep_rms_norm_residual,

@@ -45,6 +45,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fuseformer.ops import attention_hopper
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     autograd_function,
@@ -586,6 +587,11 @@ def _descriptor(view: torch.Tensor, block_rows: int, block_d: int) -> TensorDesc
     return TensorDescriptor(view, list(view.shape), [view.stride(0), 1], [block_rows, block_d])
 
 
+# The Gluon forward (ops/attention_hopper.py) for the cases it takes (sm_90, hd 128, batched, equal
+# lengths a multiple of 128, causal or full). Off until measured against this module's kernel.
+_GLUON_FWD = False
+
+
 def flash_attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -621,6 +627,8 @@ def flash_attention_fwd(
     # Varlen rows after cu_seqlens_q[-1] belong to no sequence; no program writes them (as flash-attn).
     if q.numel() == 0 or batch == 0 or seqlen_q == 0:
         return out, lse
+    if _GLUON_FWD and attention_hopper.usable(q, k, v, varlen, window_left, window_right):
+        return attention_hopper.forward(q, k, v, softmax_scale, causal=window_right == 0)
     block_d = max(16, next_pow2(d))
     cfg = kernel_config("fwd", block_d, window_left >= 0 or window_right >= 0, q.dtype, q.device)
     cu_q = cu_seqlens_q if varlen else lse  # unused pointer when not varlen

@@ -413,3 +413,35 @@ def test_flash_attention_gpu_large_offsets():
     ref = F.flash_attention_ref(tail[None].double(), tail[None].double(), tail[None].double(), causal=True)[0]
     base = F.flash_attention_ref(tail[None], tail[None], tail[None], causal=True, upcast=False)[0]
     assert_close("out", out[lens[0] :], ref, base)
+
+
+GLUON_CASES = [  # (b, s, hq, hkv, causal): hd 128, equal lengths, multiples of 128
+    (2, 256, 8, 2, True),
+    (2, 256, 8, 2, False),
+    (1, 1024, 4, 4, True),
+    (1, 128, 2, 1, False),
+    (3, 384, 4, 1, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b, s, hq, hkv, causal", GLUON_CASES)
+def test_flash_attention_gluon_forward_gpu(b, s, hq, hkv, causal, dtype, monkeypatch):
+    """The Gluon forward (ops/attention_hopper.py) where it applies: out and lse against the fp64
+    reference, and the Triton backward's gradients from its out and lse. It must have run."""
+    from fuseformer.ops import attention_hopper as hopper
+
+    if torch.cuda.get_device_capability() != (9, 0) or not hopper.HAVE_GLUON:
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    calls = []
+    real = hopper.forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("causal"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attn_mod, "_GLUON_FWD", True)
+    monkeypatch.setattr(hopper, "forward", spy)
+    _check(b, s, s, hq, hkv, 128, "cuda", causal=causal, dtype=dtype)
+    assert calls == [causal]

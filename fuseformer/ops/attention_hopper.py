@@ -1,0 +1,219 @@
+"""The flash-attention forward for Hopper in Gluon: two consumer warpgroups that never meet at a CTA
+barrier, and a producer warp that streams K and V by TMA.
+
+Why: the Triton forward (ops/attention.py) runs a 128-row q tile on 8 warps, and its two warpgroups
+meet at a CTA barrier every key block (Nsight Compute, run 46: barrier stalls 36% of the cycles
+between issues, tensor pipe ~50% busy), so neither warpgroup's softmax runs under the other's MMAs.
+Here each consumer warpgroup owns 64 of the tile's 128 q rows and only waits on mbarriers: the K/V
+stage it needs has landed, and (the producer) a stage both consumers have released. The warp
+scheduler then runs one warpgroup's exp2s while the other's wgmmas run, as FlashAttention-3 does.
+
+Scope (everything else takes the Triton kernel): sm_90, fp16/bf16, head dim 128, batched (B, S, H, D)
+with unit-stride rows, seqlen_q == seqlen_k a multiple of 128, no window or causal (aligned, which
+is the same for equal lengths), GQA/MQA through the head index. Gluon has no interpreter: the GPU
+tests compare it with the Triton kernel and the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+except Exception:  # pragma: no cover - older Triton
+    HAVE_GLUON = False
+
+BLOCK_M = 128  # q rows a program: 64 a consumer warpgroup
+BLOCK_N = 128  # keys a stage
+HEAD_DIM = 128
+# (stages, registers of each consumer warpgroup, of the producer); the kernel's maxnreg budget
+# follows: 12 warps (3 warpgroups) share 64K registers.
+CONFIG = dict(STAGES=2, CONSUMER_REGS=240, PRODUCER_REGS=24)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty,
+                  q_row, q_col, kv_row, kv_col, n_blocks, STAGES: gl.constexpr):  # fmt: skip
+        HALF: gl.constexpr = q_desc.block_type.shape[0]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_row + HALF, q_col], q_bar, q_smem.index(1))
+        for j in range(n_blocks):
+            s = j % STAGES
+            # A fresh barrier passes a wait on parity 1: the first round finds every stage free.
+            mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+            bar = kv_ready.index(s)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BN, kv_col], bar, k_bufs.index(s))
+            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BN, kv_col], bar, v_bufs.index(s))
+
+    @gluon.jit
+    def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr,
+                  q_row, q_col, q_pos, lse_off, n_blocks, qk_scale,
+                  WG: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        HALF: gl.constexpr = o_desc.block_type.shape[0]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        D: gl.constexpr = k_bufs.type.shape[2]
+        dtype: gl.constexpr = o_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BN, 16])  # fmt: skip
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])  # fmt: skip
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        rows_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        cols_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        orows_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        q = q_smem.index(WG)
+        rows = q_pos + WG * HALF + gl.arange(0, HALF, layout=rows_l)  # query positions
+        m_i = gl.full([HALF], float("-inf"), gl.float32, rows_l)
+        l_i = gl.full([HALF], 0.0, gl.float32, rows_l)
+        acc = gl.zeros([HALF, D], gl.float32, o_layout)
+        s_zero = gl.zeros([HALF, BN], gl.float32, s_layout)
+        mbarrier.wait(q_bar, 0)
+        for j in range(n_blocks):
+            s = j % STAGES
+            mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+            sc = warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=(sc,))
+            sc = sc * qk_scale  # log2 units
+            if CAUSAL:
+                if j == n_blocks - 1:  # the diagonal block: keys after the query are masked
+                    cols = j * BN + gl.arange(0, BN, layout=cols_l)
+                    sc = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), sc, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+            p = gl.exp2(sc - gl.expand_dims(m_new, 1))
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orows_l), 1)
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p16, v_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(kv_empty.index(s), count=1)  # this warpgroup is done with the stage
+            m_i = m_new
+        # Every row has at least its own key: l_i > 0.
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        gl.store(lse_ptr + lse_off + WG * HALF + gl.arange(0, HALF, layout=rows_l), lse)
+        out = acc / gl.expand_dims(gl.convert_layout(l_i, orows_l), 1)
+        q.store(out.to(dtype))  # this warpgroup's q rows are no longer needed: stage the output there
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [q_row + WG * HALF, q_col], q)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, hq, group, qk_scale,
+                              CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              PRODUCER_REGS: gl.constexpr):  # fmt: skip
+        HALF: gl.constexpr = q_desc.block_type.shape[0]
+        BM: gl.constexpr = 2 * HALF
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        D: gl.constexpr = k_desc.block_type.shape[1]
+        dtype: gl.constexpr = q_desc.dtype
+        n_m = seqlen // BM
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        m_tile = n_m - 1 - pid_m if CAUSAL else pid_m  # causal: the longest rows first
+        b = bh // hq
+        h = bh % hq
+        q_pos = m_tile * BM
+        q_row = b * seqlen + q_pos
+        q_col = h * D
+        kv_row = b * seqlen
+        kv_col = (h // group) * D
+        n_blocks = (q_pos + BM) // BN if CAUSAL else seqlen // BN
+        lse_off = bh * seqlen + q_pos
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # one arrive a consumer warpgroup
+        fence_async_shared()
+        gl.warp_specialize(
+            [
+                (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, q_row, q_col, q_pos,
+                             lse_off, n_blocks, qk_scale, 0, CAUSAL, STAGES)),
+                (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, q_row, q_col, q_pos,
+                             lse_off, n_blocks, qk_scale, 1, CAUSAL, STAGES)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, q_row, q_col,
+                             kv_row, kv_col, n_blocks, STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def usable(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool, window_left: int, window_right: int
+) -> bool:
+    """Whether this kernel takes the forward (see the module's scope); else the Triton kernel does."""
+    if not HAVE_GLUON or varlen or q.device.type != "cuda" or window_left >= 0 or window_right not in (-1, 0):
+        return False
+    if not _sm90(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
+        return False
+    if q.dim() != 4 or q.shape[-1] != HEAD_DIM or k.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
+        return False
+    b, s, hq, _ = q.shape
+    if k.shape[:2] != (b, s) or v.shape != k.shape or s == 0 or s % BLOCK_M or hq % k.shape[2]:
+        return False
+    # Rows of (B * S, H * D) with unit stride: what the TMA descriptors read.
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
+            config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """out (B, S, Hq, D) like q and lse (B, Hq, S) fp32 (natural log), for inputs :func:`usable` took."""
+    cfg = dict(CONFIG, **(config or {}))
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty((b, hq, s), dtype=torch.float32, device=q.device)
+    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    half = BLOCK_M // 2
+    q_layout = gl.NVMMASharedLayout.get_default_for([half, d], dt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dt)
+    q_desc = TensorDescriptor.from_tensor(q.view(b * s, hq * d), [half, d], q_layout)
+    o_desc = TensorDescriptor.from_tensor(out.view(b * s, hq * d), [half, d], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k.view(b * s, hkv * d), [BLOCK_N, d], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v.view(b * s, hkv * d), [BLOCK_N, d], kv_layout)
+    consumer_regs, producer_regs = cfg["CONSUMER_REGS"], cfg["PRODUCER_REGS"]
+    # 12 warps: the default partition's 4, the second consumer's 4, the producer's 1 (a warpgroup's 4 of
+    # registers). maxnreg is the kernel's budget a thread, shared out by setmaxnreg.
+    maxnreg = (2 * consumer_regs + producer_regs) // 3
+    _attention_fwd_kernel[(s // BLOCK_M, b * hq)](
+        q_desc, k_desc, v_desc, o_desc, lse, s, hq, hq // hkv, softmax_scale * 1.4426950408889634,
+        CAUSAL=causal, STAGES=cfg["STAGES"], CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        num_warps=4, maxnreg=maxnreg,
+    )  # fmt: skip
+    return out, lse
+
+
+__all__ = ["CONFIG", "HAVE_GLUON", "forward", "usable"]
