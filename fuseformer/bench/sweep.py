@@ -450,7 +450,8 @@ def sweep_attention_fold() -> list[dict]:
 def sweep_attention_gluon() -> list[dict]:
     """The Gluon forward (ops/attention_hopper.py) against the Triton forward and SDPA's cuDNN kernel
     on the goal shapes (hd 128, 16384 tokens, H 32: causal S4096, full S16384) and two more, each with
-    its largest difference from the Triton forward's output; then its stage / register variants."""
+    its largest difference from the Triton forward's output, at 2 or 3 stages, with and without the
+    next block's q k^T issued before this block's PV MMA."""
     from fuseformer.bench import attention as ba
     from fuseformer.ops import attention_hopper as hopper
 
@@ -468,7 +469,8 @@ def sweep_attention_gluon() -> list[dict]:
             attn._GLUON_FWD = False
             ref_out, ref_lse = attn.flash_attention_fwd(*args)
             out.append(ba._record(case, "fuseformer triton", "fwd", flops, lambda a=args: attn.flash_attention_fwd(*a)))
-            for cfg in (dict(STAGES=2), dict(STAGES=3), dict(STAGES=2, CONSUMER_REGS=232, PRODUCER_REGS=40)):
+            for cfg in (dict(STAGES=2, PIPELINE=False), dict(STAGES=2, PIPELINE=True), dict(STAGES=3, PIPELINE=True),
+                        dict(STAGES=3, PIPELINE=False)):  # fmt: skip
                 rec = dict(case, **cfg)
                 try:
                     o, lse = hopper.forward(q, k, v, d**-0.5, causal, cfg)

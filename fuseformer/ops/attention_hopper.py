@@ -41,7 +41,7 @@ BLOCK_N = 128  # keys a stage
 HEAD_DIM = 128
 # (stages, registers of each consumer warpgroup, of the producer); the kernel's maxnreg budget
 # follows: 12 warps (3 warpgroups) share 64K registers.
-CONFIG = dict(STAGES=2, CONSUMER_REGS=240, PRODUCER_REGS=24)
+CONFIG = dict(STAGES=2, CONSUMER_REGS=240, PRODUCER_REGS=24, PIPELINE=False)
 
 
 if HAVE_GLUON:
@@ -77,7 +77,6 @@ if HAVE_GLUON:
                                                            instr_shape=[16, D, 16])  # fmt: skip
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         rows_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        cols_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         orows_l: gl.constexpr = gl.SliceLayout(1, o_layout)
 
         q = q_smem.index(WG)
@@ -92,21 +91,11 @@ if HAVE_GLUON:
             mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
             sc = warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma_wait(0, deps=(sc,))
-            sc = sc * qk_scale  # log2 units
-            if CAUSAL:
-                if j == n_blocks - 1:  # the diagonal block: keys after the query are masked
-                    cols = j * BN + gl.arange(0, BN, layout=cols_l)
-                    sc = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), sc, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-            p = gl.exp2(sc - gl.expand_dims(m_new, 1))
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i, l_i, p16, alpha = _softmax_step(sc, m_i, l_i, rows, j, n_blocks, qk_scale, CAUSAL, p_layout, dtype)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orows_l), 1)
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p16, v_bufs.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(kv_empty.index(s), count=1)  # this warpgroup is done with the stage
-            m_i = m_new
         # Every row has at least its own key: l_i > 0.
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
         gl.store(lse_ptr + lse_off + WG * HALF + gl.arange(0, HALF, layout=rows_l), lse)
@@ -117,9 +106,81 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
+    def _softmax_step(sc, m_i, l_i, rows, j, n_blocks, qk_scale, CAUSAL: gl.constexpr, p_layout: gl.constexpr,
+                      dtype: gl.constexpr):  # fmt: skip
+        # Key block j's scores (raw q k^T) -> its probabilities as the PV MMA's A operand, the running max
+        # and sum, and the factor the output accumulated so far is rescaled by. The scale is folded into
+        # the exponent's FMA (qk_scale > 0: the max of raw scores is the max of scaled ones).
+        BN: gl.constexpr = sc.type.shape[1]
+        if CAUSAL:
+            if j == n_blocks - 1:  # the diagonal block: keys after the query are masked
+                cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, sc.type.layout))
+                sc = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
+        p = gl.exp2(gl.fma(sc, qk_scale, -gl.expand_dims(m_new, 1)))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return m_new, l_i, gl.convert_layout(p.to(dtype), p_layout), alpha
+
+    @gluon.jit
+    def _consumer_pipelined(o_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr,
+                            q_row, q_col, q_pos, lse_off, n_blocks, qk_scale,
+                            WG: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        # As _consumer, with the next block's q k^T issued before this block's PV MMA: the softmax of
+        # block j + 1 runs while block j's PV MMA does (FlashAttention-3's in-warpgroup overlap).
+        HALF: gl.constexpr = o_desc.block_type.shape[0]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        D: gl.constexpr = k_bufs.type.shape[2]
+        dtype: gl.constexpr = o_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BN, 16])  # fmt: skip
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])  # fmt: skip
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        rows_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        orows_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        q = q_smem.index(WG)
+        rows = q_pos + WG * HALF + gl.arange(0, HALF, layout=rows_l)
+        acc = gl.zeros([HALF, D], gl.float32, o_layout)
+        s_zero = gl.zeros([HALF, BN], gl.float32, s_layout)
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(kv_ready.index(0), 0)
+        sc = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(0, deps=(sc,))
+        m_i, l_i, p16, alpha = _softmax_step(sc, gl.full([HALF], float("-inf"), gl.float32, rows_l),
+                                             gl.full([HALF], 0.0, gl.float32, rows_l), rows, 0, n_blocks,
+                                             qk_scale, CAUSAL, p_layout, dtype)  # fmt: skip
+        for j in range(n_blocks - 1):
+            s = j % STAGES
+            s1 = (j + 1) % STAGES
+            mbarrier.wait(kv_ready.index(s1), ((j + 1) // STAGES) & 1)
+            sc = warpgroup_mma(q, k_bufs.index(s1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p16, v_bufs.index(s), acc, is_async=True)
+            sc = warpgroup_mma_wait(1, deps=(sc,))  # q k^T of block j + 1 done; block j's PV may run on
+            m_i, l_i, p_next, alpha = _softmax_step(sc, m_i, l_i, rows, j + 1, n_blocks, qk_scale, CAUSAL,
+                                                    p_layout, dtype)  # fmt: skip
+            # p16 stays live until its MMA is done: an in-flight wgmma reads its A registers.
+            acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+            mbarrier.arrive(kv_empty.index(s), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orows_l), 1)
+            p16 = p_next
+        last = (n_blocks - 1) % STAGES
+        acc = warpgroup_mma(p16, v_bufs.index(last), acc, is_async=True)
+        acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+        mbarrier.arrive(kv_empty.index(last), count=1)
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        gl.store(lse_ptr + lse_off + WG * HALF + gl.arange(0, HALF, layout=rows_l), lse)
+        out = acc / gl.expand_dims(gl.convert_layout(l_i, orows_l), 1)
+        q.store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [q_row + WG * HALF, q_col], q)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
     def _attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, hq, group, qk_scale,
                               CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                              PRODUCER_REGS: gl.constexpr):  # fmt: skip
+                              PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr):  # fmt: skip
         HALF: gl.constexpr = q_desc.block_type.shape[0]
         BM: gl.constexpr = 2 * HALF
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -150,18 +211,18 @@ if HAVE_GLUON:
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # one arrive a consumer warpgroup
         fence_async_shared()
-        gl.warp_specialize(
-            [
-                (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, q_row, q_col, q_pos,
-                             lse_off, n_blocks, qk_scale, 0, CAUSAL, STAGES)),
-                (_consumer, (o_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, q_row, q_col, q_pos,
-                             lse_off, n_blocks, qk_scale, 1, CAUSAL, STAGES)),
-                (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, q_row, q_col,
-                             kv_row, kv_col, n_blocks, STAGES)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
+        c_args0 = (o_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, q_row, q_col, q_pos, lse_off,
+                   n_blocks, qk_scale, 0, CAUSAL, STAGES)  # fmt: skip
+        c_args1 = (o_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, q_row, q_col, q_pos, lse_off,
+                   n_blocks, qk_scale, 1, CAUSAL, STAGES)  # fmt: skip
+        p_args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, q_row, q_col, kv_row,
+                  kv_col, n_blocks, STAGES)  # fmt: skip
+        if PIPELINE:
+            gl.warp_specialize([(_consumer_pipelined, c_args0), (_consumer_pipelined, c_args1), (_producer, p_args)],
+                               [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+        else:
+            gl.warp_specialize([(_consumer, c_args0), (_consumer, c_args1), (_producer, p_args)],
+                               [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
 @functools.cache
@@ -170,10 +231,18 @@ def _sm90(index: int) -> bool:
 
 
 def usable(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool, window_left: int, window_right: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    varlen: bool,
+    window_left: int,
+    window_right: int,
+    softmax_scale: float,
 ) -> bool:
     """Whether this kernel takes the forward (see the module's scope); else the Triton kernel does."""
     if not HAVE_GLUON or varlen or q.device.type != "cuda" or window_left >= 0 or window_right not in (-1, 0):
+        return False
+    if not softmax_scale > 0:  # the scale is folded into the exponent's FMA after the row max
         return False
     if not _sm90(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return False
@@ -211,7 +280,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     _attention_fwd_kernel[(s // BLOCK_M, b * hq)](
         q_desc, k_desc, v_desc, o_desc, lse, s, hq, hq // hkv, softmax_scale * 1.4426950408889634,
         CAUSAL=causal, STAGES=cfg["STAGES"], CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        num_warps=4, maxnreg=maxnreg,
+        PIPELINE=cfg["PIPELINE"], num_warps=4, maxnreg=maxnreg,
     )  # fmt: skip
     return out, lse
 

@@ -425,15 +425,18 @@ GLUON_CASES = [  # (b, s, hq, hkv, causal): hd 128, equal lengths, multiples of 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b, s, hq, hkv, causal", GLUON_CASES)
-def test_flash_attention_gluon_forward_gpu(b, s, hq, hkv, causal, dtype, monkeypatch):
-    """The Gluon forward (ops/attention_hopper.py) where it applies: out and lse against the fp64
-    reference, and the Triton backward's gradients from its out and lse. It must have run."""
+def test_flash_attention_gluon_forward_gpu(b, s, hq, hkv, causal, dtype, pipeline, monkeypatch):
+    """The Gluon forward (ops/attention_hopper.py) where it applies, with and without the next block's
+    q k^T issued before this block's PV: out and lse against the fp64 reference, and the Triton
+    backward's gradients from its out and lse. It must have run."""
     from fuseformer.ops import attention_hopper as hopper
 
     if torch.cuda.get_device_capability() != (9, 0) or not hopper.HAVE_GLUON:
         pytest.skip("needs an sm_90 GPU and Gluon")
+    monkeypatch.setattr(hopper, "CONFIG", dict(hopper.CONFIG, PIPELINE=pipeline))
     calls = []
     real = hopper.forward
 
@@ -445,3 +448,22 @@ def test_flash_attention_gluon_forward_gpu(b, s, hq, hkv, causal, dtype, monkeyp
     monkeypatch.setattr(hopper, "forward", spy)
     _check(b, s, s, hq, hkv, 128, "cuda", causal=causal, dtype=dtype)
     assert calls == [causal]
+
+
+def test_gluon_forward_declines_what_it_does_not_take():
+    """CPU tensors, varlen, windows, other head dims, lengths not a multiple of 128, non-positive
+    scales: the Triton kernel (or the reference) takes them."""
+    from fuseformer.ops import attention_hopper as hopper
+
+    q = torch.randn(1, 128, 2, 128)
+    assert not hopper.usable(q, q, q, False, -1, 0, 0.1)  # CPU
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and hopper.HAVE_GLUON:
+        g = q.cuda().half()
+        assert hopper.usable(g, g, g, False, -1, 0, 0.1) and hopper.usable(g, g, g, False, -1, -1, 0.1)
+        assert not hopper.usable(g, g, g, True, -1, 0, 0.1)
+        assert not hopper.usable(g, g, g, False, 8, 0, 0.1)
+        assert not hopper.usable(g, g, g, False, -1, 0, 0.0)
+        assert not hopper.usable(g[:, :, :, :64].contiguous(), g[:, :, :, :64].contiguous(),
+                                 g[:, :, :, :64].contiguous(), False, -1, 0, 0.1)  # fmt: skip
+        h = torch.randn(1, 200, 2, 128, device="cuda", dtype=torch.half)
+        assert not hopper.usable(h, h, h, False, -1, 0, 0.1)
