@@ -491,6 +491,65 @@ def sweep_attention_gluon() -> list[dict]:
     return out
 
 
+def sweep_attention_gluon_bwd() -> list[dict]:
+    """The backward with the Gluon dK/dV kernel (ops/attention_hopper.py; dq from the Triton kernel)
+    against the all-Triton backward, SDPA's flash and cuDNN backwards, on the goal shapes (hd 128, 16384
+    tokens, H 32: causal S4096, full S16384), at 2, 3 and 4 stages, each with its largest dk / dv
+    difference from the Triton backward's; and each variant's kernels by profiler (the first case)."""
+    from fuseformer.bench import attention as ba
+    from fuseformer.ops import attention_bwd as bwd
+
+    attn = importlib.import_module("fuseformer.ops.attention")
+    out = []
+    shipped = (bwd._GLUON_BWD, dict(bwd.attention_hopper.BWD_CONFIG))
+    for seqlen, causal in ((4096, True), (16384, False)):
+        batch = ba.TOKENS // seqlen
+        d = 128
+        case = dict(kind="attention_gluon_bwd", batch=batch, seqlen=seqlen, heads=ba.HEADS, head_dim=d, causal=causal)
+        flops = 2.5 * ba.attention_flops(batch, seqlen, ba.HEADS, d, causal)
+        q, k, v = (t.detach() for t in ba._inputs(batch, seqlen, d))
+        right = 0 if causal else -1
+        o, lse = attn.flash_attention_fwd(q, k, v, None, None, seqlen, seqlen, d**-0.5, -1, right)
+        do = torch.randn_like(o)
+        args = (do, q, k, v, o, lse, None, None, None, seqlen, seqlen, d**-0.5, -1, right)
+        try:
+            bwd._GLUON_BWD = False
+            ref = bwd.flash_attention_bwd(*args)
+            rec = ba._record(case, "fuseformer triton", "bwd", flops, lambda: bwd.flash_attention_bwd(*args))
+            if seqlen == 4096:
+                rec["kernels"] = gpu_kernels(lambda: bwd.flash_attention_bwd(*args))[:6]
+            out.append(rec)
+            print(json.dumps(out[-1])[:600], flush=True)
+            bwd._GLUON_BWD = True
+            for stages in (2, 3, 4):
+                bwd.attention_hopper.BWD_CONFIG = dict(shipped[1], STAGES=stages)
+                rec = dict(case, STAGES=stages)
+                try:
+                    got = bwd.flash_attention_bwd(*args)
+                    torch.cuda.synchronize()
+                    rec["max_abs_diff"] = {n: float((a.float() - r.float()).abs().max())
+                                           for n, a, r in zip(("dq", "dk", "dv"), got, ref)}  # fmt: skip
+                    rec = ba._record(rec, "fuseformer gluon dkdv", "bwd", flops, lambda: bwd.flash_attention_bwd(*args))
+                    if seqlen == 4096:
+                        rec["kernels"] = gpu_kernels(lambda: bwd.flash_attention_bwd(*args))[:6]
+                except Exception as exc:
+                    rec.update(impl="fuseformer gluon dkdv", error=f"{type(exc).__name__}: {exc}"[:500])
+                out.append(rec)
+                print(json.dumps(out[-1])[:600], flush=True)
+        finally:
+            bwd._GLUON_BWD, bwd.attention_hopper.BWD_CONFIG = shipped
+        impls = ba._impls(seqlen, causal)
+        for name in ("sdpa_flash", "sdpa_cudnn"):
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            y = impls[name](qg, kg, vg)
+            dy = torch.randn_like(y)
+            fn = lambda y=y, dy=dy, qg=qg, kg=kg, vg=vg: torch.autograd.grad(y, (qg, kg, vg), dy, retain_graph=True)  # noqa: E731
+            out.append(ba._record(case, name, "bwd", flops, fn))
+            print(json.dumps(out[-1])[:600], flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
 def sweep_attention_layouts() -> list[dict]:
     """Why the training step's attention backward (Llama 1B: hd 64, Hq 32 / Hkv 8, 4 packed
     sequences of 4096) is slower than the MHA sweep's at the same B*S, H, D: the forward and the
@@ -940,6 +999,7 @@ SWEEPS = {
     "attention_fold": sweep_attention_fold,
     "attention_layouts": sweep_attention_layouts,
     "attention_gluon": sweep_attention_gluon,
+    "attention_gluon_bwd": sweep_attention_gluon_bwd,
     "rms_norm": sweep_rms_norm,
     "rms_norm_long": sweep_rms_norm_long,
     "rms_norm_residual": sweep_rms_norm_residual,

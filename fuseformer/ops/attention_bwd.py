@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuseformer.ops import attention_hopper
 from fuseformer.ops._utils import empty, next_pow2
 from fuseformer.ops.attention import (
     KERNELS,
@@ -49,6 +50,8 @@ from fuseformer.runtime import autotune
 
 # "separate" (dq kernel) or "atomic" (fp32 atomics in the dk/dv kernel); the lead's sweep decides.
 DQ_MODE = "separate"
+# The Gluon dK/dV kernel (ops/attention_hopper.py) for what the Gluon forward takes. Off until measured.
+_GLUON_BWD = False
 # Force the deterministic path (same as FUSEFORMER_DETERMINISTIC=1).
 DETERMINISTIC = False
 # Varlen dk/dv reads lse and delta from padded, 16-aligned copies (False: a sweep's baseline).
@@ -477,7 +480,9 @@ def flash_attention_bwd(
     mode = dq_mode or DQ_MODE
     if mode not in ("separate", "atomic"):
         raise ValueError(f"flash_attention_bwd: dq_mode must be 'separate' or 'atomic', got {mode!r}")
-    atomic = mode == "atomic" and not deterministic()
+    # The Gluon dK/dV kernel where the Gluon forward applies (dq then from the separate dq kernel).
+    gluon = _GLUON_BWD and attention_hopper.usable(q, k, v, varlen, window_left, window_right, softmax_scale)
+    atomic = mode == "atomic" and not deterministic() and not gluon
     # The atomic path accumulates dq in fp32 (zeroed workspace, not an output), cast at the end.
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
     qk_scale = softmax_scale * 1.4426950408889634
@@ -512,14 +517,17 @@ def flash_attention_bwd(
             return (_descriptor(q_view, c.BLOCK_M, block_d), k, v, _descriptor(do_view, c.BLOCK_M, block_d), *dkdv_rest)
         return (q, k, v, dout, *dkdv_rest)
 
-    launch(
-        _flash_attention_bwd_dkdv_kernel,
-        lambda c: (triton.cdiv(seqlen_k, c.BLOCK_N), hkv, batch),
-        kernel_config("bwd_dkdv", block_d, bounded, q.dtype, q.device),
-        dkdv_args,
-        dict(**flags, **window, DQ_ATOMIC=atomic, QD_DESC=qd_desc, PAD_STATS=pad_stats),
-        key=(q.dtype, d, varlen, atomic, qd_desc, pad_stats, tuple(window.items())),
-    )
+    if gluon:
+        dk, dv = attention_hopper.backward_dkdv(q, k, v, dout, lse, delta, softmax_scale, window_right == 0)
+    else:
+        launch(
+            _flash_attention_bwd_dkdv_kernel,
+            lambda c: (triton.cdiv(seqlen_k, c.BLOCK_N), hkv, batch),
+            kernel_config("bwd_dkdv", block_d, bounded, q.dtype, q.device),
+            dkdv_args,
+            dict(**flags, **window, DQ_ATOMIC=atomic, QD_DESC=qd_desc, PAD_STATS=pad_stats),
+            key=(q.dtype, d, varlen, atomic, qd_desc, pad_stats, tuple(window.items())),
+        )
     if atomic:
         dq.copy_(dq_acc)
         return dq, dk, dv

@@ -233,6 +233,141 @@ if HAVE_GLUON:
                                [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
+# The backward's dK/dV kernel: one program a 128-key block of one KV head, each consumer warpgroup 64
+# of its keys; q tiles of BWD_BLOCK_M rows streamed with their dO, lse (log2 units) and delta.
+BWD_BLOCK_M = 64
+BWD_CONFIG = dict(STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                      k_smem, v_smem, kv_bar, ready, empty, kv_row, kv_col, q_row0, stat_row0, seqlen, group,
+                      first_tile, n_tiles, STAGES: gl.constexpr):  # fmt: skip
+        HALF: gl.constexpr = k_desc.block_type.shape[0]
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+        for w in gl.static_range(2):
+            tma.async_copy_global_to_shared(k_desc, [kv_row + w * HALF, kv_col], kv_bar, k_smem.index(w))
+            tma.async_copy_global_to_shared(v_desc, [kv_row + w * HALF, kv_col], kv_bar, v_smem.index(w))
+        nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                                + delta_desc.block_type.nbytes)  # fmt: skip
+        for t in range(group * n_tiles):
+            g = t // n_tiles
+            q0 = (first_tile + t % n_tiles) * BM
+            s = t % STAGES
+            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            col = (kv_col // D * group + g) * D  # q head kv_h * group + g
+            tma.async_copy_global_to_shared(q_desc, [q_row0 + q0, col], bar, q_bufs.index(s))
+            tma.async_copy_global_to_shared(do_desc, [q_row0 + q0, col], bar, do_bufs.index(s))
+            stat = (stat_row0 + col // D) * seqlen + q0
+            tma.async_copy_global_to_shared(lse_desc, [stat], bar, lse_bufs.index(s))
+            tma.async_copy_global_to_shared(delta_desc, [stat], bar, delta_bufs.index(s))
+
+    @gluon.jit
+    def _bwd_consumer(dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
+                      kv_row, kv_col, key0, first_tile, n_tiles, group, qk_scale, sm_scale,
+                      WG: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        HALF: gl.constexpr = k_smem.type.shape[1]  # keys of this warpgroup
+        D: gl.constexpr = k_smem.type.shape[2]
+        BM: gl.constexpr = q_bufs.type.shape[1]
+        dtype: gl.constexpr = dk_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BM, 16])  # fmt: skip
+        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])  # fmt: skip
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+        qcols_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        keys_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        k = k_smem.index(WG)
+        v = v_smem.index(WG)
+        keys = key0 + WG * HALF + gl.arange(0, HALF, layout=keys_l)
+        dk = gl.zeros([HALF, D], gl.float32, g_layout)
+        dv = gl.zeros([HALF, D], gl.float32, g_layout)
+        s_zero = gl.zeros([HALF, BM], gl.float32, s_layout)
+        mbarrier.wait(kv_bar, 0)
+        for t in range(group * n_tiles):
+            s = t % STAGES
+            q0 = (first_tile + t % n_tiles) * BM
+            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+            q = q_bufs.index(s)
+            do = do_bufs.index(s)
+            st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # (keys, q rows)
+            dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+            lse2 = lse_bufs.index(s).load(qcols_l)
+            delta = delta_bufs.index(s).load(qcols_l)
+            pt = gl.exp2(gl.fma(st, qk_scale, -gl.expand_dims(lse2, 0)))
+            if CAUSAL:
+                if q0 < key0 + 2 * HALF:  # the q tile meets the block's diagonal: keys after the query masked
+                    rows = q0 + gl.arange(0, BM, layout=qcols_l)
+                    pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0), pt, 0.0)
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            pt16 = gl.convert_layout(pt.to(dtype), a_layout)
+            dst16 = gl.convert_layout(dst.to(dtype), a_layout)
+            dv = warpgroup_mma(pt16, do, dv, is_async=True)
+            dk = warpgroup_mma(dst16, q, dk, is_async=True)
+            dv, dk, pt16, dst16 = warpgroup_mma_wait(0, deps=(dv, dk, pt16, dst16))
+            mbarrier.arrive(empty.index(s), count=1)
+        # This warpgroup's K and V rows are no longer needed: the gradients are staged there.
+        k.store((dk * sm_scale).to(dtype))
+        v.store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [kv_row + WG * HALF, kv_col], k)
+        tma.async_copy_shared_to_global(dv_desc, [kv_row + WG * HALF, kv_col], v)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _dkdv_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dk_desc, dv_desc, seqlen, hkv, group,
+                     qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr):  # fmt: skip
+        HALF: gl.constexpr = k_desc.block_type.shape[0]
+        BN: gl.constexpr = 2 * HALF
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        dtype: gl.constexpr = q_desc.dtype
+        pid_n = gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // hkv
+        kv_h = bh % hkv
+        key0 = pid_n * BN
+        kv_row = b * seqlen + key0
+        kv_col = kv_h * D
+        q_row0 = b * seqlen
+        stat_row0 = b * hkv * group  # row b * Hq of the (B * Hq, S) statistics
+        first_tile = key0 // BM if CAUSAL else 0  # causal: q rows before the block's first key see none of it
+        n_tiles = seqlen // BM - first_tile
+
+        q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, D], do_desc.layout)
+        lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], lse_desc.layout)
+        delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], delta_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], v_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        fence_async_shared()
+        c0 = (dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, kv_row, kv_col,
+              key0, first_tile, n_tiles, group, qk_scale, sm_scale, 0, CAUSAL, STAGES)  # fmt: skip
+        c1 = (dk_desc, dv_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, kv_row, kv_col,
+              key0, first_tile, n_tiles, group, qk_scale, sm_scale, 1, CAUSAL, STAGES)  # fmt: skip
+        pr = (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem,
+              v_smem, kv_bar, ready, empty, kv_row, kv_col, q_row0, stat_row0, seqlen, group, first_tile, n_tiles,
+              STAGES)  # fmt: skip
+        gl.warp_specialize([(_bwd_consumer, c0), (_bwd_consumer, c1), (_bwd_producer, pr)], [4, 1],
+                           [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+
+
 @functools.cache
 def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
@@ -293,4 +428,46 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     return out, lse
 
 
-__all__ = ["CONFIG", "HAVE_GLUON", "forward", "usable"]
+def backward_dkdv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dk, dv (B, S, Hkv, D) of the attention :func:`usable` took, from q, k, v, dout (contiguous), the
+    forward's lse (B, Hq, S) and delta = rowsum(out * dout) (B, Hq, S), both fp32 (delta already less
+    lse's gradient). dq is the Triton dq kernel's (ops/attention_bwd.py)."""
+    cfg = dict(BWD_CONFIG, **(config or {}))
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    lse2 = (lse * 1.4426950408889634).reshape(-1)  # log2 units, as exp2 takes them
+    delta = delta.contiguous().reshape(-1)
+    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    bm, half = BWD_BLOCK_M, BLOCK_N // 2
+    q_layout = gl.NVMMASharedLayout.get_default_for([bm, d], dt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([half, d], dt)
+    stat_layout = gl.NVMMASharedLayout.get_default_for([bm], gl.float32)
+    q_desc = TensorDescriptor.from_tensor(q.view(b * s, hq * d), [bm, d], q_layout)
+    do_desc = TensorDescriptor.from_tensor(dout.view(b * s, hq * d), [bm, d], q_layout)
+    lse_desc = TensorDescriptor.from_tensor(lse2, [bm], stat_layout)
+    delta_desc = TensorDescriptor.from_tensor(delta, [bm], stat_layout)
+    k_desc, v_desc, dk_desc, dv_desc = (TensorDescriptor.from_tensor(t.view(b * s, hkv * d), [half, d], kv_layout)
+                                        for t in (k, v, dk, dv))  # fmt: skip
+    consumer_regs, producer_regs = cfg["CONSUMER_REGS"], cfg["PRODUCER_REGS"]
+    _dkdv_kernel[(s // BLOCK_N, b * hkv)](
+        q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dk_desc, dv_desc, s, hkv, hq // hkv,
+        softmax_scale * 1.4426950408889634, softmax_scale,
+        CAUSAL=causal, STAGES=cfg["STAGES"], CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        num_warps=4, maxnreg=(2 * consumer_regs + producer_regs) // 3,
+    )  # fmt: skip
+    return dk, dv
+
+
+__all__ = ["BWD_CONFIG", "CONFIG", "HAVE_GLUON", "backward_dkdv", "forward", "usable"]

@@ -467,3 +467,26 @@ def test_gluon_forward_declines_what_it_does_not_take():
                                  g[:, :, :, :64].contiguous(), False, -1, 0, 0.1)  # fmt: skip
         h = torch.randn(1, 200, 2, 128, device="cuda", dtype=torch.half)
         assert not hopper.usable(h, h, h, False, -1, 0, 0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b, s, hq, hkv, causal", GLUON_CASES)
+def test_flash_attention_gluon_dkdv_gpu(b, s, hq, hkv, causal, dtype, monkeypatch):
+    """The Gluon dK/dV kernel (with the Triton dq kernel): dq, dk, dv against the fp64 reference, GQA
+    gradients summed over the group. It must have run."""
+    from fuseformer.ops import attention_hopper as hopper
+
+    if torch.cuda.get_device_capability() != (9, 0) or not hopper.HAVE_GLUON:
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    calls = []
+    real = hopper.backward_dkdv
+
+    def spy(*args, **kwargs):
+        calls.append(args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bwd_mod, "_GLUON_BWD", True)
+    monkeypatch.setattr(hopper, "backward_dkdv", spy)
+    _check(b, s, s, hq, hkv, 128, "cuda", causal=causal, dtype=dtype)
+    assert calls == [causal]
