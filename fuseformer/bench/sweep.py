@@ -492,16 +492,16 @@ def sweep_attention_gluon() -> list[dict]:
 
 
 def sweep_attention_gluon_bwd() -> list[dict]:
-    """The backward with the Gluon dK/dV kernel (ops/attention_hopper.py; dq from the Triton kernel)
-    against the all-Triton backward, SDPA's flash and cuDNN backwards, on the goal shapes (hd 128, 16384
-    tokens, H 32: causal S4096, full S16384), at 2, 3 and 4 stages, each with its largest dk / dv
-    difference from the Triton backward's; and each variant's kernels by profiler (the first case)."""
+    """The backward with the Gluon dK/dV kernel (ops/attention_hopper.py), dq from the Triton kernel or
+    the Gluon one (2, 3, 4 stages), against the all-Triton backward and SDPA's flash and cuDNN backwards
+    on the goal shapes (hd 128, 16384 tokens, H 32: causal S4096, full S16384), each with its largest
+    dq / dk / dv difference from the Triton backward's, and its kernels by profiler (causal S4096)."""
     from fuseformer.bench import attention as ba
     from fuseformer.ops import attention_bwd as bwd
 
     attn = importlib.import_module("fuseformer.ops.attention")
     out = []
-    shipped = (bwd._GLUON_BWD, dict(bwd.attention_hopper.BWD_CONFIG))
+    shipped = (bwd._GLUON_BWD, bwd._GLUON_DQ, dict(bwd.attention_hopper.DQ_CONFIG))
     for seqlen, causal in ((4096, True), (16384, False)):
         batch = ba.TOKENS // seqlen
         d = 128
@@ -521,23 +521,26 @@ def sweep_attention_gluon_bwd() -> list[dict]:
             out.append(rec)
             print(json.dumps(out[-1])[:600], flush=True)
             bwd._GLUON_BWD = True
-            for stages in (2, 3, 4):
-                bwd.attention_hopper.BWD_CONFIG = dict(shipped[1], STAGES=stages)
-                rec = dict(case, STAGES=stages)
+            # The Gluon dK/dV kernel at its shipped stages, with the Triton dq kernel, then with the Gluon dq
+            # kernel at 2, 3 and 4 stages.
+            for dq_stages in (None, 2, 3, 4):
+                bwd._GLUON_DQ = dq_stages is not None
+                bwd.attention_hopper.DQ_CONFIG = dict(shipped[2], STAGES=dq_stages or 3)
+                rec = dict(case, dq="gluon" if dq_stages else "triton", DQ_STAGES=dq_stages)
                 try:
                     got = bwd.flash_attention_bwd(*args)
                     torch.cuda.synchronize()
                     rec["max_abs_diff"] = {n: float((a.float() - r.float()).abs().max())
                                            for n, a, r in zip(("dq", "dk", "dv"), got, ref)}  # fmt: skip
-                    rec = ba._record(rec, "fuseformer gluon dkdv", "bwd", flops, lambda: bwd.flash_attention_bwd(*args))
+                    rec = ba._record(rec, "fuseformer gluon", "bwd", flops, lambda: bwd.flash_attention_bwd(*args))
                     if seqlen == 4096:
                         rec["kernels"] = gpu_kernels(lambda: bwd.flash_attention_bwd(*args))[:6]
                 except Exception as exc:
-                    rec.update(impl="fuseformer gluon dkdv", error=f"{type(exc).__name__}: {exc}"[:500])
+                    rec.update(impl="fuseformer gluon", error=f"{type(exc).__name__}: {exc}"[:500])
                 out.append(rec)
                 print(json.dumps(out[-1])[:600], flush=True)
         finally:
-            bwd._GLUON_BWD, bwd.attention_hopper.BWD_CONFIG = shipped
+            bwd._GLUON_BWD, bwd._GLUON_DQ, bwd.attention_hopper.DQ_CONFIG = shipped[0], shipped[1], shipped[2]
         impls = ba._impls(seqlen, causal)
         for name in ("sdpa_flash", "sdpa_cudnn"):
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))

@@ -50,8 +50,12 @@ from fuseformer.runtime import autotune
 
 # "separate" (dq kernel) or "atomic" (fp32 atomics in the dk/dv kernel); the lead's sweep decides.
 DQ_MODE = "separate"
-# The Gluon dK/dV kernel (ops/attention_hopper.py) for what the Gluon forward takes. Off until measured.
-_GLUON_BWD = False
+# The Gluon dK/dV kernel (ops/attention_hopper.py) for what the Gluon forward takes: run 84, the whole
+# backward 362.7 -> 392.8 TFLOP/s (causal S4096), 397.2 -> 450.9 (full S16384). FUSEFORMER_GLUON=0
+# turns it off with the forward.
+_GLUON_BWD = os.environ.get("FUSEFORMER_GLUON", "1") != "0"
+# With it, dq from the Gluon dq kernel too (else the Triton dq kernel). Off until measured.
+_GLUON_DQ = False
 # Force the deterministic path (same as FUSEFORMER_DETERMINISTIC=1).
 DETERMINISTIC = False
 # Varlen dk/dv reads lse and delta from padded, 16-aligned copies (False: a sweep's baseline).
@@ -530,6 +534,9 @@ def flash_attention_bwd(
         )
     if atomic:
         dq.copy_(dq_acc)
+        return dq, dk, dv
+    if gluon and _GLUON_DQ:
+        dq = attention_hopper.backward_dq(q, k, v, dout, lse, delta, softmax_scale, window_right == 0)
         return dq, dk, dv
     dq_rest = (
         dout, lse, delta, dq, cu_q, cu_k,

@@ -234,9 +234,11 @@ if HAVE_GLUON:
 
 
 # The backward's dK/dV kernel: one program a 128-key block of one KV head, each consumer warpgroup 64
-# of its keys; q tiles of BWD_BLOCK_M rows streamed with their dO, lse (log2 units) and delta.
+# of its keys; q tiles of BWD_BLOCK_M rows streamed with their dO, lse (log2 units) and delta. Run 84
+# (H200, whole backward TFLOP/s, stages 2 / 3 / 4): causal S4096 386.4 / 383.4 / 392.8, full S16384
+# 447.0 / 450.9 / 445.1, against the Triton dK/dV's 362.7 / 397.2. STAGES None: 4 causal, 3 full.
 BWD_BLOCK_M = 64
-BWD_CONFIG = dict(STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24)
+BWD_CONFIG = dict(STAGES=None, CONSUMER_REGS=240, PRODUCER_REGS=24)
 
 
 if HAVE_GLUON:
@@ -368,6 +370,122 @@ if HAVE_GLUON:
                            [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
+# The backward's dq kernel: one program 128 q rows of one q head (64 a consumer warpgroup), key blocks
+# of DQ_BLOCK_N streamed with their V. Off in the backward until measured (attention_bwd._GLUON_DQ).
+DQ_BLOCK_N = 64
+DQ_CONFIG = dict(STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty,
+                     q_row, q_col, kv_row, kv_col, n_blocks, STAGES: gl.constexpr):  # fmt: skip
+        HALF: gl.constexpr = q_desc.block_type.shape[0]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+        for w in gl.static_range(2):
+            tma.async_copy_global_to_shared(q_desc, [q_row + w * HALF, q_col], q_bar, q_smem.index(w))
+            tma.async_copy_global_to_shared(do_desc, [q_row + w * HALF, q_col], q_bar, do_smem.index(w))
+        for j in range(n_blocks):
+            s = j % STAGES
+            mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+            bar = kv_ready.index(s)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BN, kv_col], bar, k_bufs.index(s))
+            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BN, kv_col], bar, v_bufs.index(s))
+
+    @gluon.jit
+    def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, delta_ptr,
+                     q_row, q_col, q_pos, stat_off, n_blocks, qk_scale, sm_scale,
+                     WG: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        HALF: gl.constexpr = q_smem.type.shape[1]
+        BN: gl.constexpr = k_bufs.type.shape[1]
+        D: gl.constexpr = k_bufs.type.shape[2]
+        dtype: gl.constexpr = dq_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BN, 16])  # fmt: skip
+        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])  # fmt: skip
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+        rows_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        cols_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+        q = q_smem.index(WG)
+        do = do_smem.index(WG)
+        offs = WG * HALF + gl.arange(0, HALF, layout=rows_l)
+        rows = q_pos + offs
+        lse2 = gl.load(lse_ptr + stat_off + offs) * 1.4426950408889634  # log2 units
+        delta = gl.load(delta_ptr + stat_off + offs)
+        dq = gl.zeros([HALF, D], gl.float32, g_layout)
+        s_zero = gl.zeros([HALF, BN], gl.float32, s_layout)
+        mbarrier.wait(q_bar, 0)
+        for j in range(n_blocks):
+            s = j % STAGES
+            mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+            k = k_bufs.index(s)
+            sc = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do, v_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc, dp = warpgroup_mma_wait(0, deps=(sc, dp))
+            p = gl.exp2(gl.fma(sc, qk_scale, -gl.expand_dims(lse2, 1)))
+            if CAUSAL:
+                if j * BN + BN > q_pos:  # blocks that reach past the tile's first row: keys after the query masked
+                    cols = j * BN + gl.arange(0, BN, layout=cols_l)
+                    p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), p, 0.0)
+            ds16 = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), a_layout)
+            dq = warpgroup_mma(ds16, k, dq, is_async=True)
+            dq, ds16 = warpgroup_mma_wait(0, deps=(dq, ds16))
+            mbarrier.arrive(kv_empty.index(s), count=1)
+        q.store((dq * sm_scale).to(dtype))  # this warpgroup's q rows are no longer needed
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dq_desc, [q_row + WG * HALF, q_col], q)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, seqlen, hq, group, qk_scale,
+                   sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                   PRODUCER_REGS: gl.constexpr):  # fmt: skip
+        HALF: gl.constexpr = q_desc.block_type.shape[0]
+        BM: gl.constexpr = 2 * HALF
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        D: gl.constexpr = k_desc.block_type.shape[1]
+        dtype: gl.constexpr = q_desc.dtype
+        n_m = seqlen // BM
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        m_tile = n_m - 1 - pid_m if CAUSAL else pid_m
+        b = bh // hq
+        h = bh % hq
+        q_pos = m_tile * BM
+        q_row = b * seqlen + q_pos
+        q_col = h * D
+        kv_row = b * seqlen
+        kv_col = (h // group) * D
+        n_blocks = (q_pos + BM) // BN if CAUSAL else seqlen // BN
+        stat_off = bh * seqlen + q_pos
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], do_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
+        fence_async_shared()
+        c0 = (dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, delta_ptr, q_row, q_col,
+              q_pos, stat_off, n_blocks, qk_scale, sm_scale, 0, CAUSAL, STAGES)  # fmt: skip
+        c1 = (dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, delta_ptr, q_row, q_col,
+              q_pos, stat_off, n_blocks, qk_scale, sm_scale, 1, CAUSAL, STAGES)  # fmt: skip
+        pr = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, q_row,
+              q_col, kv_row, kv_col, n_blocks, STAGES)  # fmt: skip
+        gl.warp_specialize([(_dq_consumer, c0), (_dq_consumer, c1), (_dq_producer, pr)], [4, 1],
+                           [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+
+
 @functools.cache
 def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
@@ -464,10 +582,43 @@ def backward_dkdv(
     _dkdv_kernel[(s // BLOCK_N, b * hkv)](
         q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dk_desc, dv_desc, s, hkv, hq // hkv,
         softmax_scale * 1.4426950408889634, softmax_scale,
-        CAUSAL=causal, STAGES=cfg["STAGES"], CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        num_warps=4, maxnreg=(2 * consumer_regs + producer_regs) // 3,
+        CAUSAL=causal, STAGES=cfg["STAGES"] or (4 if causal else 3), CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=(2 * consumer_regs + producer_regs) // 3,
     )  # fmt: skip
     return dk, dv
 
 
-__all__ = ["BWD_CONFIG", "CONFIG", "HAVE_GLUON", "backward_dkdv", "forward", "usable"]
+def backward_dq(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """dq (B, S, Hq, D) of the attention :func:`usable` took; arguments as :func:`backward_dkdv`'s."""
+    cfg = dict(DQ_CONFIG, **(config or {}))
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    dq = torch.empty_like(q)
+    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    half = BLOCK_M // 2
+    q_layout = gl.NVMMASharedLayout.get_default_for([half, d], dt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([DQ_BLOCK_N, d], dt)
+    q_desc, do_desc, dq_desc = (TensorDescriptor.from_tensor(t.view(b * s, hq * d), [half, d], q_layout)
+                                for t in (q, dout, dq))  # fmt: skip
+    k_desc, v_desc = (TensorDescriptor.from_tensor(t.view(b * s, hkv * d), [DQ_BLOCK_N, d], kv_layout) for t in (k, v))
+    consumer_regs, producer_regs = cfg["CONSUMER_REGS"], cfg["PRODUCER_REGS"]
+    _dq_kernel[(s // BLOCK_M, b * hq)](
+        q_desc, do_desc, k_desc, v_desc, dq_desc, lse.contiguous(), delta.contiguous(), s, hq, hq // hkv,
+        softmax_scale * 1.4426950408889634, softmax_scale,
+        CAUSAL=causal, STAGES=cfg["STAGES"], CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        num_warps=4, maxnreg=(2 * consumer_regs + producer_regs) // 3,
+    )  # fmt: skip
+    return dq
+
+
+__all__ = ["BWD_CONFIG", "CONFIG", "DQ_CONFIG", "HAVE_GLUON", "backward_dkdv", "backward_dq", "forward", "usable"]

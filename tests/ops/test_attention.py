@@ -490,3 +490,26 @@ def test_flash_attention_gluon_dkdv_gpu(b, s, hq, hkv, causal, dtype, monkeypatc
     monkeypatch.setattr(hopper, "backward_dkdv", spy)
     _check(b, s, s, hq, hkv, 128, "cuda", causal=causal, dtype=dtype)
     assert calls == [causal]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b, s, hq, hkv, causal", GLUON_CASES)
+def test_flash_attention_gluon_dq_gpu(b, s, hq, hkv, causal, dtype, monkeypatch):
+    """The Gluon dq kernel with the Gluon dK/dV kernel: dq, dk, dv against the fp64 reference."""
+    from fuseformer.ops import attention_hopper as hopper
+
+    if torch.cuda.get_device_capability() != (9, 0) or not hopper.HAVE_GLUON:
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    calls = []
+    real = hopper.backward_dq
+
+    def spy(*args, **kwargs):
+        calls.append(args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bwd_mod, "_GLUON_BWD", True)
+    monkeypatch.setattr(bwd_mod, "_GLUON_DQ", True)
+    monkeypatch.setattr(hopper, "backward_dq", spy)
+    _check(b, s, s, hq, hkv, 128, "cuda", causal=causal, dtype=dtype)
+    assert calls == [causal]
