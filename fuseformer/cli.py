@@ -40,7 +40,7 @@ def _info(args: argparse.Namespace) -> int:
 
     gluon = "off (FUSEFORMER_GLUON=0)" if not attention._GLUON_FWD else (
         "on" if attention_hopper.HAVE_GLUON else "off (this Triton has no Gluon)")  # fmt: skip
-    print(f"gluon      {gluon} (flash_attention forward, hd 128 batched, on sm_90 GPUs)")
+    print(f"gluon      {gluon} (flash_attention forward and backward, hd 128 batched, on sm_90 GPUs)")
     print()
     width = max(len(op) for op in OPS)
     for dev in devices:
