@@ -9,7 +9,7 @@ stage it needs has landed, and (the producer) a stage both consumers have releas
 scheduler then runs one warpgroup's exp2s while the other's wgmmas run, as FlashAttention-3 does.
 
 Each consumer issues key block j+1's q k^T before block j's PV MMA, so block j+1's softmax runs while
-block j's PV MMA does (FlashAttention-3's in-warpgroup overlap; `_consumer` is the loop without it).
+block j's PV MMA does (FlashAttention-3's in-warpgroup overlap).
 Run 82 (H200, bf16, 16384 tokens, H 32): causal S4096 534.6 TFLOP/s, full S16384 643.6, against
 cuDNN's 518.2 / 606.8 and this package's Triton kernel's 443.5 / 523.4 in the same run.
 
@@ -45,23 +45,73 @@ BLOCK_M = 128  # q rows a program: 64 a consumer warpgroup
 BLOCK_N = 128  # keys a stage
 HEAD_DIM = 128
 # Stages of the K/V ring, registers of each consumer warpgroup and of the producer (12 warps, 3
-# warpgroups, share 64K registers; the kernel's maxnreg follows), and whether the consumers issue the
-# next block's q k^T before this block's PV MMA. Run 82 (H200, TFLOP/s, causal S4096 / full S16384):
-# 3 stages pipelined 534.6 / 643.6; 2 stages pipelined 456.0 / 531.6; not pipelined 485.6–488.4 /
-# 537.2–546.1; cuDNN 518.2 / 606.8 (the pipelined loop needs the third stage to have the next K in).
-CONFIG = dict(STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24, PIPELINE=True)
+# warpgroups, share 64K registers; the kernel's maxnreg follows). Run 82 (H200, TFLOP/s, causal S4096 /
+# full S16384): 3 stages 534.6 / 643.6; 2 stages 456.0 / 531.6 (the early q k^T waits for its K);
+# without the in-warpgroup overlap (removed) 485.6–488.4 / 537.2–546.1; cuDNN 518.2 / 606.8.
+CONFIG = dict(STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24)
 
 
 if HAVE_GLUON:
 
+    @gluon.constexpr_function
+    def _mma_layout(n):
+        # A warpgroup's wgmma accumulator of 64 rows by n columns (4 warps stacked along the rows).
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty,
-                  q_row, q_col, kv_row, kv_col, n_blocks, STAGES: gl.constexpr):  # fmt: skip
+    def _q_tile(seqlen, hq, group, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr):
+        # This program's tile of BM q rows of one q head (grid: q tiles, B * Hq; causal: the longest rows
+        # first) and the key blocks it sees: (b * Hq + h, first q position, q row and column in the
+        # (B * S, Hq * D) view, K/V row and column in the (B * S, Hkv * D) view, key blocks).
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        m_tile = seqlen // BM - 1 - pid_m if CAUSAL else pid_m
+        b = bh // hq
+        h = bh % hq
+        q_pos = m_tile * BM
+        n_blocks = (q_pos + BM) // BN if CAUSAL else seqlen // BN
+        return bh, q_pos, b * seqlen + q_pos, h * D, b * seqlen, (h // group) * D, n_blocks
+
+    @gluon.jit
+    def _kv_ring(k_desc, v_desc, STAGES: gl.constexpr):
+        # K/V stages and their barriers: ready (the producer's TMA landed), empty (both consumers done),
+        # and the barrier of the q-side tiles loaded once a program.
+        dtype: gl.constexpr = k_desc.dtype
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrive a consumer warpgroup
+        fence_async_shared()
+        return k_bufs, v_bufs, q_bar, ready, empty
+
+    @gluon.jit
+    def _store_tile(desc, smem, row, col, value):
+        # value into shared memory it no longer needs, then to global memory by TMA.
+        smem.store(value)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc, [row, col], smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty,
+                  q_row, q_col, kv_row, kv_col, n_blocks, HAS_DO: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        # The forward's and the dq kernel's producer warp: the program's q rows (and dO rows) once, then K
+        # and V blocks into the ring as the consumers free its stages.
         HALF: gl.constexpr = q_desc.block_type.shape[0]
         BN: gl.constexpr = k_desc.block_type.shape[0]
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [q_row + HALF, q_col], q_bar, q_smem.index(1))
+        if HAS_DO:
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        for w in gl.static_range(2):
+            tma.async_copy_global_to_shared(q_desc, [q_row + w * HALF, q_col], q_bar, q_smem.index(w))
+            if HAS_DO:
+                tma.async_copy_global_to_shared(do_desc, [q_row + w * HALF, q_col], q_bar, do_smem.index(w))
         for j in range(n_blocks):
             s = j % STAGES
             # A fresh barrier passes a wait on parity 1: the first round finds every stage free.
@@ -70,48 +120,6 @@ if HAVE_GLUON:
             mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [kv_row + j * BN, kv_col], bar, k_bufs.index(s))
             tma.async_copy_global_to_shared(v_desc, [kv_row + j * BN, kv_col], bar, v_bufs.index(s))
-
-    @gluon.jit
-    def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr,
-                  q_row, q_col, q_pos, lse_off, n_blocks, qk_scale,
-                  WG: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        HALF: gl.constexpr = o_desc.block_type.shape[0]
-        BN: gl.constexpr = k_bufs.type.shape[1]
-        D: gl.constexpr = k_bufs.type.shape[2]
-        dtype: gl.constexpr = o_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BN, 16])  # fmt: skip
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D, 16])  # fmt: skip
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        rows_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        orows_l: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-        q = q_smem.index(WG)
-        rows = q_pos + WG * HALF + gl.arange(0, HALF, layout=rows_l)  # query positions
-        m_i = gl.full([HALF], float("-inf"), gl.float32, rows_l)
-        l_i = gl.full([HALF], 0.0, gl.float32, rows_l)
-        acc = gl.zeros([HALF, D], gl.float32, o_layout)
-        s_zero = gl.zeros([HALF, BN], gl.float32, s_layout)
-        mbarrier.wait(q_bar, 0)
-        for j in range(n_blocks):
-            s = j % STAGES
-            mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
-            sc = warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma_wait(0, deps=(sc,))
-            m_i, l_i, p16, alpha = _softmax_step(sc, m_i, l_i, rows, j, n_blocks, qk_scale, CAUSAL, p_layout, dtype)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orows_l), 1)
-            acc = warpgroup_mma(p16, v_bufs.index(s), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(kv_empty.index(s), count=1)  # this warpgroup is done with the stage
-        # Every row has at least its own key: l_i > 0.
-        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-        gl.store(lse_ptr + lse_off + WG * HALF + gl.arange(0, HALF, layout=rows_l), lse)
-        out = acc / gl.expand_dims(gl.convert_layout(l_i, orows_l), 1)
-        q.store(out.to(dtype))  # this warpgroup's q rows are no longer needed: stage the output there
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [q_row + WG * HALF, q_col], q)
-        tma.store_wait(pendings=0)
 
     @gluon.jit
     def _softmax_step(sc, m_i, l_i, rows, j, n_blocks, qk_scale, CAUSAL: gl.constexpr, p_layout: gl.constexpr,
@@ -131,19 +139,17 @@ if HAVE_GLUON:
         return m_new, l_i, gl.convert_layout(p.to(dtype), p_layout), alpha
 
     @gluon.jit
-    def _consumer_pipelined(o_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr,
-                            q_row, q_col, q_pos, lse_off, n_blocks, qk_scale,
-                            WG: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        # As _consumer, with the next block's q k^T issued before this block's PV MMA: the softmax of
-        # block j + 1 runs while block j's PV MMA does (FlashAttention-3's in-warpgroup overlap).
+    def _consumer(o_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr,
+                  q_row, q_col, q_pos, lse_off, n_blocks, qk_scale,
+                  WG: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        # 64 q rows: block j + 1's q k^T is issued before block j's PV MMA, so the softmax of block j + 1
+        # runs while block j's PV MMA does (FlashAttention-3's in-warpgroup overlap).
         HALF: gl.constexpr = o_desc.block_type.shape[0]
         BN: gl.constexpr = k_bufs.type.shape[1]
         D: gl.constexpr = k_bufs.type.shape[2]
         dtype: gl.constexpr = o_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BN, 16])  # fmt: skip
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D, 16])  # fmt: skip
+        s_layout: gl.constexpr = _mma_layout(BN)
+        o_layout: gl.constexpr = _mma_layout(D)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         rows_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         orows_l: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -180,57 +186,28 @@ if HAVE_GLUON:
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
         gl.store(lse_ptr + lse_off + WG * HALF + gl.arange(0, HALF, layout=rows_l), lse)
         out = acc / gl.expand_dims(gl.convert_layout(l_i, orows_l), 1)
-        q.store(out.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [q_row + WG * HALF, q_col], q)
-        tma.store_wait(pendings=0)
+        _store_tile(o_desc, q, q_row + WG * HALF, q_col, out.to(dtype))  # q's rows are no longer needed
 
     @gluon.jit
     def _attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, hq, group, qk_scale,
                               CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                              PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr):  # fmt: skip
+                              PRODUCER_REGS: gl.constexpr):  # fmt: skip
         HALF: gl.constexpr = q_desc.block_type.shape[0]
-        BM: gl.constexpr = 2 * HALF
-        BN: gl.constexpr = k_desc.block_type.shape[0]
         D: gl.constexpr = k_desc.block_type.shape[1]
-        dtype: gl.constexpr = q_desc.dtype
-        n_m = seqlen // BM
-        pid_m = gl.program_id(0)
-        bh = gl.program_id(1)
-        m_tile = n_m - 1 - pid_m if CAUSAL else pid_m  # causal: the longest rows first
-        b = bh // hq
-        h = bh % hq
-        q_pos = m_tile * BM
-        q_row = b * seqlen + q_pos
-        q_col = h * D
-        kv_row = b * seqlen
-        kv_col = (h // group) * D
-        n_blocks = (q_pos + BM) // BN if CAUSAL else seqlen // BN
+        bh, q_pos, q_row, q_col, kv_row, kv_col, n_blocks = _q_tile(
+            seqlen, hq, group, 2 * HALF, k_desc.block_type.shape[0], D, CAUSAL
+        )
         lse_off = bh * seqlen + q_pos
-
-        q_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(kv_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # one arrive a consumer warpgroup
-        fence_async_shared()
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, D], q_desc.layout)
+        k_bufs, v_bufs, q_bar, kv_ready, kv_empty = _kv_ring(k_desc, v_desc, STAGES)
         c_args0 = (o_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, q_row, q_col, q_pos, lse_off,
                    n_blocks, qk_scale, 0, CAUSAL, STAGES)  # fmt: skip
         c_args1 = (o_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, q_row, q_col, q_pos, lse_off,
                    n_blocks, qk_scale, 1, CAUSAL, STAGES)  # fmt: skip
-        p_args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, q_row, q_col, kv_row,
-                  kv_col, n_blocks, STAGES)  # fmt: skip
-        if PIPELINE:
-            gl.warp_specialize([(_consumer_pipelined, c_args0), (_consumer_pipelined, c_args1), (_producer, p_args)],
-                               [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
-        else:
-            gl.warp_specialize([(_consumer, c_args0), (_consumer, c_args1), (_producer, p_args)],
-                               [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+        p_args = (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, q_row,
+                  q_col, kv_row, kv_col, n_blocks, False, STAGES)  # fmt: skip
+        gl.warp_specialize([(_consumer, c_args0), (_consumer, c_args1), (_producer, p_args)], [4, 1],
+                           [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
 # The backward's dK/dV kernel: one program a 128-key block of one KV head, each consumer warpgroup 64
@@ -278,10 +255,8 @@ if HAVE_GLUON:
         D: gl.constexpr = k_smem.type.shape[2]
         BM: gl.constexpr = q_bufs.type.shape[1]
         dtype: gl.constexpr = dk_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BM, 16])  # fmt: skip
-        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D, 16])  # fmt: skip
+        s_layout: gl.constexpr = _mma_layout(BM)
+        g_layout: gl.constexpr = _mma_layout(D)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
         qcols_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         keys_l: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -380,23 +355,6 @@ DQ_CONFIG = dict(STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24)
 if HAVE_GLUON:
 
     @gluon.jit
-    def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty,
-                     q_row, q_col, kv_row, kv_col, n_blocks, STAGES: gl.constexpr):  # fmt: skip
-        HALF: gl.constexpr = q_desc.block_type.shape[0]
-        BN: gl.constexpr = k_desc.block_type.shape[0]
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
-        for w in gl.static_range(2):
-            tma.async_copy_global_to_shared(q_desc, [q_row + w * HALF, q_col], q_bar, q_smem.index(w))
-            tma.async_copy_global_to_shared(do_desc, [q_row + w * HALF, q_col], q_bar, do_smem.index(w))
-        for j in range(n_blocks):
-            s = j % STAGES
-            mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-            bar = kv_ready.index(s)
-            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BN, kv_col], bar, k_bufs.index(s))
-            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BN, kv_col], bar, v_bufs.index(s))
-
-    @gluon.jit
     def _dq_consumer(dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, delta_ptr,
                      q_row, q_col, q_pos, stat_off, n_blocks, qk_scale, sm_scale,
                      WG: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
@@ -404,10 +362,8 @@ if HAVE_GLUON:
         BN: gl.constexpr = k_bufs.type.shape[1]
         D: gl.constexpr = k_bufs.type.shape[2]
         dtype: gl.constexpr = dq_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BN, 16])  # fmt: skip
-        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D, 16])  # fmt: skip
+        s_layout: gl.constexpr = _mma_layout(BN)
+        g_layout: gl.constexpr = _mma_layout(D)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
         rows_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         cols_l: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -437,53 +393,29 @@ if HAVE_GLUON:
             dq = warpgroup_mma(ds16, k, dq, is_async=True)
             dq, ds16 = warpgroup_mma_wait(0, deps=(dq, ds16))
             mbarrier.arrive(kv_empty.index(s), count=1)
-        q.store((dq * sm_scale).to(dtype))  # this warpgroup's q rows are no longer needed
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dq_desc, [q_row + WG * HALF, q_col], q)
-        tma.store_wait(pendings=0)
+        _store_tile(dq_desc, q, q_row + WG * HALF, q_col, (dq * sm_scale).to(dtype))  # q no longer needed
 
     @gluon.jit
     def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, seqlen, hq, group, qk_scale,
                    sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr):  # fmt: skip
         HALF: gl.constexpr = q_desc.block_type.shape[0]
-        BM: gl.constexpr = 2 * HALF
-        BN: gl.constexpr = k_desc.block_type.shape[0]
         D: gl.constexpr = k_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
-        n_m = seqlen // BM
-        pid_m = gl.program_id(0)
-        bh = gl.program_id(1)
-        m_tile = n_m - 1 - pid_m if CAUSAL else pid_m
-        b = bh // hq
-        h = bh % hq
-        q_pos = m_tile * BM
-        q_row = b * seqlen + q_pos
-        q_col = h * D
-        kv_row = b * seqlen
-        kv_col = (h // group) * D
-        n_blocks = (q_pos + BM) // BN if CAUSAL else seqlen // BN
+        bh, q_pos, q_row, q_col, kv_row, kv_col, n_blocks = _q_tile(
+            seqlen, hq, group, 2 * HALF, k_desc.block_type.shape[0], D, CAUSAL
+        )
         stat_off = bh * seqlen + q_pos
-
         q_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], do_desc.layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(kv_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)
-        fence_async_shared()
+        k_bufs, v_bufs, q_bar, kv_ready, kv_empty = _kv_ring(k_desc, v_desc, STAGES)
         c0 = (dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, delta_ptr, q_row, q_col,
               q_pos, stat_off, n_blocks, qk_scale, sm_scale, 0, CAUSAL, STAGES)  # fmt: skip
         c1 = (dq_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, lse_ptr, delta_ptr, q_row, q_col,
               q_pos, stat_off, n_blocks, qk_scale, sm_scale, 1, CAUSAL, STAGES)  # fmt: skip
         pr = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, q_row,
-              q_col, kv_row, kv_col, n_blocks, STAGES)  # fmt: skip
-        gl.warp_specialize([(_dq_consumer, c0), (_dq_consumer, c1), (_dq_producer, pr)], [4, 1],
+              q_col, kv_row, kv_col, n_blocks, True, STAGES)  # fmt: skip
+        gl.warp_specialize([(_dq_consumer, c0), (_dq_consumer, c1), (_producer, pr)], [4, 1],
                            [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
@@ -542,7 +474,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     _attention_fwd_kernel[(s // BLOCK_M, b * hq)](
         q_desc, k_desc, v_desc, o_desc, lse, s, hq, hq // hkv, softmax_scale * 1.4426950408889634,
         CAUSAL=causal, STAGES=cfg["STAGES"], CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        PIPELINE=cfg["PIPELINE"], num_warps=4, maxnreg=maxnreg,
+        num_warps=4, maxnreg=maxnreg,
     )  # fmt: skip
     return out, lse
 

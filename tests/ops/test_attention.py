@@ -425,18 +425,17 @@ GLUON_CASES = [  # (b, s, hq, hkv, causal): hd 128, equal lengths, multiples of 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b, s, hq, hkv, causal", GLUON_CASES)
-def test_flash_attention_gluon_forward_gpu(b, s, hq, hkv, causal, dtype, pipeline, monkeypatch):
-    """The Gluon forward (ops/attention_hopper.py) where it applies, with and without the next block's
-    q k^T issued before this block's PV: out and lse against the fp64 reference, and the Triton
-    backward's gradients from its out and lse. It must have run."""
+def test_flash_attention_gluon_forward_gpu(b, s, hq, hkv, causal, dtype, stages, monkeypatch):
+    """The Gluon forward (ops/attention_hopper.py) where it applies, at 2 and 3 K/V stages: out and lse
+    against the fp64 reference, and the backward's gradients from its out and lse. It must have run."""
     from fuseformer.ops import attention_hopper as hopper
 
     if torch.cuda.get_device_capability() != (9, 0) or not hopper.HAVE_GLUON:
         pytest.skip("needs an sm_90 GPU and Gluon")
-    monkeypatch.setattr(hopper, "CONFIG", dict(hopper.CONFIG, PIPELINE=pipeline))
+    monkeypatch.setattr(hopper, "CONFIG", dict(hopper.CONFIG, STAGES=stages))
     calls = []
     real = hopper.forward
 
@@ -531,7 +530,7 @@ jobs = [
     (A._attention_fwd_kernel, dict(q_desc=desc([half, d]), k_desc=desc([bn, d]), v_desc=desc([bn, d]),
      o_desc=desc([half, d]), lse_ptr="*fp32", seqlen="i32", hq="i32", group="i32", qk_scale="fp32"),
      dict(CAUSAL=True, STAGES=A.CONFIG["STAGES"], CONSUMER_REGS=A.CONFIG["CONSUMER_REGS"],
-          PRODUCER_REGS=A.CONFIG["PRODUCER_REGS"], PIPELINE=A.CONFIG["PIPELINE"])),
+          PRODUCER_REGS=A.CONFIG["PRODUCER_REGS"])),
     (A._dkdv_kernel, dict(q_desc=desc([A.BWD_BLOCK_M, d]), do_desc=desc([A.BWD_BLOCK_M, d]), lse_desc=stat,
      delta_desc=stat, k_desc=desc([bn // 2, d]), v_desc=desc([bn // 2, d]), dk_desc=desc([bn // 2, d]),
      dv_desc=desc([bn // 2, d]), seqlen="i32", hkv="i32", group="i32", qk_scale="fp32", sm_scale="fp32"),
