@@ -25,6 +25,8 @@ import functools
 
 import torch
 
+from fuseformer.runtime import autotune
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -419,6 +421,24 @@ if HAVE_GLUON:
                            [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
+# The autotune cache's names for the three kernels (runtime/autotune.py): a config stored for (kernel,
+# GPU, Triton version, "causal-bfloat16" / "full-float16" ...) replaces the module's defaults above.
+KERNELS = {"fwd": "attention_gluon_fwd", "dkdv": "attention_gluon_dkdv", "dq": "attention_gluon_dq"}
+_FIELDS = ("STAGES", "CONSUMER_REGS", "PRODUCER_REGS")
+
+
+def launch_config(kind: str, causal: bool, dtype: torch.dtype, device=None, config: dict | None = None) -> dict:
+    """The launch config of kernel ``kind`` ("fwd", "dkdv", "dq"): the autotune cache's for this GPU and
+    key, else the module default; ``config`` on top (sweeps)."""
+    defaults = {"fwd": CONFIG, "dkdv": BWD_CONFIG, "dq": DQ_CONFIG}[kind]
+    key = f"{'causal' if causal else 'full'}-{autotune.dtype_name(dtype)}"
+    stored = autotune.get_config(KERNELS[kind], key, device=device, fields=_FIELDS)
+    cfg = dict(stored if stored is not None else defaults, **(config or {}))
+    if cfg["STAGES"] is None:  # the dK/dV kernel's default: 4 stages causal, 3 full (run 84)
+        cfg["STAGES"] = 4 if causal else 3
+    return cfg
+
+
 @functools.cache
 def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
@@ -454,7 +474,7 @@ def usable(
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
             config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """out (B, S, Hq, D) like q and lse (B, Hq, S) fp32 (natural log), for inputs :func:`usable` took."""
-    cfg = dict(CONFIG, **(config or {}))
+    cfg = launch_config("fwd", causal, q.dtype, q.device, config)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     out = torch.empty_like(q)
@@ -493,7 +513,7 @@ def backward_dkdv(
     """dk, dv (B, S, Hkv, D) of the attention :func:`usable` took, from q, k, v, dout (contiguous), the
     forward's lse (B, Hq, S) and delta = rowsum(out * dout) (B, Hq, S), both fp32 (delta already less
     lse's gradient). dq is the Triton dq kernel's (ops/attention_bwd.py)."""
-    cfg = dict(BWD_CONFIG, **(config or {}))
+    cfg = launch_config("dkdv", causal, q.dtype, q.device, config)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     dk = torch.empty_like(k)
@@ -515,7 +535,7 @@ def backward_dkdv(
     _dkdv_kernel[(s // BLOCK_N, b * hkv)](
         q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dk_desc, dv_desc, s, hkv, hq // hkv,
         softmax_scale * 1.4426950408889634, softmax_scale,
-        CAUSAL=causal, STAGES=cfg["STAGES"] or (4 if causal else 3), CONSUMER_REGS=consumer_regs,
+        CAUSAL=causal, STAGES=cfg["STAGES"], CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=(2 * consumer_regs + producer_regs) // 3,
     )  # fmt: skip
     return dk, dv
@@ -533,7 +553,7 @@ def backward_dq(
     config: dict | None = None,
 ) -> torch.Tensor:
     """dq (B, S, Hq, D) of the attention :func:`usable` took; arguments as :func:`backward_dkdv`'s."""
-    cfg = dict(DQ_CONFIG, **(config or {}))
+    cfg = launch_config("dq", causal, q.dtype, q.device, config)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     dq = torch.empty_like(q)
@@ -554,4 +574,15 @@ def backward_dq(
     return dq
 
 
-__all__ = ["BWD_CONFIG", "CONFIG", "DQ_CONFIG", "HAVE_GLUON", "backward_dkdv", "backward_dq", "forward", "usable"]
+__all__ = [
+    "BWD_CONFIG",
+    "CONFIG",
+    "DQ_CONFIG",
+    "HAVE_GLUON",
+    "KERNELS",
+    "backward_dkdv",
+    "backward_dq",
+    "forward",
+    "launch_config",
+    "usable",
+]

@@ -567,3 +567,25 @@ def test_gluon_attention_kernels_compile_for_sm90_offline():
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("no ptxas")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_gluon_launch_config_comes_from_the_autotune_cache(tmp_path, monkeypatch):
+    """The Gluon kernels' stages and register split: the autotune cache's entry for (kernel, GPU,
+    Triton, causal/full and dtype) where there is one, else the module defaults; a sweep's config on top."""
+    from fuseformer.ops import attention_hopper as hopper
+    from fuseformer.runtime import autotune
+
+    monkeypatch.setenv("FUSEFORMER_CACHE_DIR", str(tmp_path))
+    autotune.clear_memory()
+    try:
+        assert hopper.launch_config("fwd", True, torch.bfloat16, "cpu") == hopper.CONFIG
+        assert hopper.launch_config("dkdv", True, torch.bfloat16, "cpu")["STAGES"] == 4
+        assert hopper.launch_config("dkdv", False, torch.bfloat16, "cpu")["STAGES"] == 3
+        stored = dict(STAGES=2, CONSUMER_REGS=232, PRODUCER_REGS=40)
+        autotune.store(hopper.KERNELS["dq"], "causal-bfloat16", stored, device="cpu")
+        assert hopper.launch_config("dq", True, torch.bfloat16, "cpu") == stored
+        assert hopper.launch_config("dq", False, torch.bfloat16, "cpu") == hopper.DQ_CONFIG
+        assert hopper.launch_config("dq", True, torch.float16, "cpu") == hopper.DQ_CONFIG
+        assert hopper.launch_config("dq", True, torch.bfloat16, "cpu", dict(STAGES=4))["STAGES"] == 4
+    finally:
+        autotune.clear_memory()
