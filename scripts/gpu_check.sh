@@ -2,9 +2,13 @@
 # The GPU check: correctness at real sizes (tests marked `gpu`, bf16/fp16/fp32) and every benchmark,
 # in one go, on a CUDA machine. Writes logs, JSON and PNG plots to OUT_DIR.
 #
-#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune|serve] [bench suites...]
+#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune|serve|attention] [bench suites...]
 #
 # serve (not part of all): the serving GPU tests and `fuseformer bench serve`, in one device call.
+#
+# attention (not part of all): the hd 128 attention GPU tests (the Gluon kernels and the cases they
+# take), the attention layer's and the Llama model's, then `fuseformer bench attention --quick`, in one
+# device call (~5 min; run 83 ran the tests in 158 s).
 #
 # tune (not part of all): `fuseformer bench --tune --quick`, its autotune cache files archived in
 # OUT_DIR/tuned.tar.gz; ship them into the package's defaults afterwards, on the machine with the
@@ -33,6 +37,13 @@ fi
 if [[ "$stage" == all || "$stage" == sweep ]]; then
     python3 -m fuseformer.cli bench sweep --out "$out" > "$out/sweep.log" 2>&1 || status=1
     tail -n 3 "$out/sweep.log"
+fi
+if [[ "$stage" == attention ]]; then
+    python3 -m pytest -q -m gpu tests/ops/test_attention.py tests/layers/test_attention.py tests/models/test_llama.py \
+        -k "gluon or compiles or 128 or layers or llama" 2>&1 | tee "$out/gpu-tests-attention.log" | tail -n 15
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    python3 -m fuseformer.cli bench attention --quick --out "$out" > "$out/bench-attention.log" 2>&1 || status=1
+    tail -n 40 "$out/bench-attention.log"
 fi
 if [[ "$stage" == serve ]]; then
     # The serving checks in one device call (~7 min): the GPU tests of the engine and both serving
