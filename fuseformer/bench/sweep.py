@@ -449,7 +449,8 @@ def sweep_attention_fold() -> list[dict]:
 
 def sweep_attention_gluon() -> list[dict]:
     """The Gluon forward (ops/attention_hopper.py) against the Triton forward and SDPA's cuDNN kernel
-    on the goal shapes (hd 128, 16384 tokens, H 32: causal S4096, full S16384) and two more, each with
+    on the goal shapes (hd 128, 16384 tokens, H 32: causal S4096, full S16384), two more and hd 64
+    causal S4096 (the training shape; not shipped for hd 64 yet), each with
     its largest difference from the Triton forward's output, at 2, 3 or 4 stages. (Runs 81-82 also
     timed consumers without the in-warpgroup overlap: 9-18% slower at 3 stages, removed.)"""
     from fuseformer.bench import attention as ba
@@ -458,9 +459,9 @@ def sweep_attention_gluon() -> list[dict]:
     attn = importlib.import_module("fuseformer.ops.attention")
     out = []
     shipped = attn._GLUON_FWD
-    for seqlen, causal in ((4096, True), (16384, False), (4096, False), (16384, True)):
+    for seqlen, causal, d in ((4096, True, 128), (16384, False, 128), (4096, False, 128), (16384, True, 128),
+                              (4096, True, 64)):  # fmt: skip
         batch = ba.TOKENS // seqlen
-        d = 128
         case = dict(kind="attention_gluon", batch=batch, seqlen=seqlen, heads=ba.HEADS, head_dim=d, causal=causal)
         flops = ba.attention_flops(batch, seqlen, ba.HEADS, d, causal)
         q, k, v = (t.detach() for t in ba._inputs(batch, seqlen, d))
@@ -493,17 +494,20 @@ def sweep_attention_gluon() -> list[dict]:
 def sweep_attention_gluon_bwd() -> list[dict]:
     """The backward with the Gluon dK/dV kernel (ops/attention_hopper.py), dq from the Triton kernel or
     the Gluon one (2, 3, 4 stages), against the all-Triton backward and SDPA's flash and cuDNN backwards
-    on the goal shapes (hd 128, 16384 tokens, H 32: causal S4096, full S16384), each with its largest
-    dq / dk / dv difference from the Triton backward's, and its kernels by profiler (causal S4096)."""
+    on the goal shapes (hd 128, 16384 tokens, H 32: causal S4096, full S16384) and hd 64 causal S4096,
+    each with its largest dq / dk / dv difference from the Triton backward's, and its kernels by
+    profiler (causal S4096)."""
     from fuseformer.bench import attention as ba
     from fuseformer.ops import attention_bwd as bwd
 
     attn = importlib.import_module("fuseformer.ops.attention")
     out = []
     shipped = (bwd._GLUON_BWD, bwd._GLUON_DQ, dict(bwd.attention_hopper.DQ_CONFIG))
-    for seqlen, causal in ((4096, True), (16384, False)):
+    hopper = bwd.attention_hopper
+    head_dims = hopper.HEAD_DIMS
+    for seqlen, causal, d in ((4096, True, 128), (16384, False, 128), (4096, True, 64)):
+        hopper.HEAD_DIMS = (d,)  # hd 64 is not shipped yet: the sweep lets the Gluon kernels take it
         batch = ba.TOKENS // seqlen
-        d = 128
         case = dict(kind="attention_gluon_bwd", batch=batch, seqlen=seqlen, heads=ba.HEADS, head_dim=d, causal=causal)
         flops = 2.5 * ba.attention_flops(batch, seqlen, ba.HEADS, d, causal)
         q, k, v = (t.detach() for t in ba._inputs(batch, seqlen, d))
@@ -540,6 +544,7 @@ def sweep_attention_gluon_bwd() -> list[dict]:
                 print(json.dumps(out[-1])[:600], flush=True)
         finally:
             bwd._GLUON_BWD, bwd._GLUON_DQ, bwd.attention_hopper.DQ_CONFIG = shipped[0], shipped[1], shipped[2]
+            hopper.HEAD_DIMS = head_dims
         impls = ba._impls(seqlen, causal)
         for name in ("sdpa_flash", "sdpa_cudnn"):
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
