@@ -557,6 +557,45 @@ def sweep_attention_gluon_bwd() -> list[dict]:
     return out
 
 
+def sweep_mlp_gluon() -> list[dict]:
+    """Issue 4's prefill MLP (T 8192, H 4096, I 14336, bf16) with the Triton gate-up kernel and then the
+    Gluon one (ops/mlp_hopper.py), each beside torch.compile's MLP and cuBLAS's gate-up GEMM in the same
+    run (bench mlp_ce's records); then the Gluon gate-up alone over stages and tile grouping, each with
+    its largest difference from the Triton kernel's output."""
+    from fuseformer.bench import mlp_ce
+    from fuseformer.ops import mlp_hopper
+
+    mlp = importlib.import_module("fuseformer.ops.mlp")
+    shipped = mlp._GLUON_GATE_UP
+    out = []
+    try:
+        for gluon in (False, True):
+            mlp._GLUON_GATE_UP = gluon
+            out += [dict(r, gluon_gate_up=gluon) for r in mlp_ce._mlp_records(8192, decode=False)]
+            print(json.dumps(out[-1])[:400], flush=True)
+    finally:
+        mlp._GLUON_GATE_UP = shipped
+    t, h, i = 8192, 4096, 14336
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * i, h, device="cuda", dtype=torch.bfloat16) / h**0.5
+    ref = mlp.mlp_gate_up_fwd(x, w, "silu", config=dict(mlp.default_config(t, h, i, x.dtype, True)))[0]
+    flops = 4 * t * h * i
+    for cfg in (dict(STAGES=4, GROUP_M=8), dict(STAGES=3, GROUP_M=8), dict(STAGES=4, GROUP_M=16),
+                dict(STAGES=4, GROUP_M=4)):  # fmt: skip
+        rec = dict(kind="mlp_gluon_gate_up", T=t, H=h, I=i, **cfg)
+        try:
+            y = mlp_hopper.gate_up(x, w, "silu", cfg)
+            torch.cuda.synchronize()
+            rec["max_abs_diff_vs_triton"] = float((y.float() - ref.float()).abs().max())
+            rec["ms"] = bench_ms(lambda cfg=cfg: mlp_hopper.gate_up(x, w, "silu", cfg))
+            rec["tflop_s"] = flops / rec["ms"] / 1e9
+        except Exception as exc:
+            rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        out.append(rec)
+        print(json.dumps(rec), flush=True)
+    return out
+
+
 def sweep_attention_layouts() -> list[dict]:
     """Why the training step's attention backward (Llama 1B: hd 64, Hq 32 / Hkv 8, 4 packed
     sequences of 4096) is slower than the MHA sweep's at the same B*S, H, D: the forward and the
@@ -1007,6 +1046,7 @@ SWEEPS = {
     "attention_layouts": sweep_attention_layouts,
     "attention_gluon": sweep_attention_gluon,
     "attention_gluon_bwd": sweep_attention_gluon_bwd,
+    "mlp_gluon": sweep_mlp_gluon,
     "rms_norm": sweep_rms_norm,
     "rms_norm_long": sweep_rms_norm_long,
     "rms_norm_residual": sweep_rms_norm_residual,

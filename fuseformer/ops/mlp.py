@@ -60,6 +60,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globalti
 from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fuseformer.ops import mlp_hopper
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
@@ -574,6 +575,11 @@ def _holding_scratch():
 # --------------------------------------------------------------------------------------------
 # Launchers (no autograd; x (T, H) and the weights with unit column strides)
 # --------------------------------------------------------------------------------------------
+# The Gluon gate-up kernel (ops/mlp_hopper.py) where it applies (sm_90, no saved pre-activation).
+# Off until measured against the Triton kernel (sweep mlp_gluon).
+_GLUON_GATE_UP = False
+
+
 def mlp_gate_up_fwd(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -585,6 +591,8 @@ def mlp_gate_up_fwd(
     [g | u] (T, 2I) when ``save_pre`` (else None). ``config`` overrides the cached launch config."""
     t, h = x.shape
     i = w_gate_up.shape[0] // 2
+    if _GLUON_GATE_UP and config is None and mlp_hopper.usable(x, w_gate_up, activation, save_pre):
+        return mlp_hopper.gate_up(x, w_gate_up, activation), None
     y = empty((t, i), dtype=x.dtype, device=x.device)
     pre = empty((t, 2 * i), dtype=x.dtype, device=x.device) if save_pre else None
     if t == 0 or i == 0:
