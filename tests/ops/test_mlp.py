@@ -804,3 +804,21 @@ def test_gluon_gate_up_compiles_for_sm90_offline():
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("no ptxas")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_gluon_gate_up_declines_what_it_does_not_take():
+    """CPU tensors, a saved pre-activation, exact gelu, fp32, H not a multiple of 64 or I of 128: the
+    Triton kernel takes them (and the Gluon kernel is off until measured)."""
+    from fuseformer.ops import mlp_hopper
+
+    assert M._GLUON_GATE_UP is False
+    x, w = torch.randn(8, 64).half(), torch.randn(256, 64).half()
+    assert not mlp_hopper.usable(x, w, "silu", save_pre=False)  # CPU
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and mlp_hopper.HAVE_GLUON:
+        x, w = x.cuda(), w.cuda()
+        assert mlp_hopper.usable(x, w, "silu", save_pre=False) and mlp_hopper.usable(x, w, "gelu_tanh", False)
+        assert not mlp_hopper.usable(x, w, "silu", save_pre=True)
+        assert not mlp_hopper.usable(x, w, "gelu", save_pre=False)
+        assert not mlp_hopper.usable(x.float(), w.float(), "silu", save_pre=False)
+        assert not mlp_hopper.usable(x[:, :48].contiguous(), w[:, :48].contiguous(), "silu", save_pre=False)
+        assert not mlp_hopper.usable(x, w[:192], "silu", save_pre=False)
