@@ -560,8 +560,8 @@ def sweep_attention_gluon_bwd() -> list[dict]:
 def sweep_mlp_gluon() -> list[dict]:
     """Issue 4's prefill MLP (T 8192, H 4096, I 14336, bf16) with the Triton gate-up kernel and then the
     Gluon one (ops/mlp_hopper.py), each beside torch.compile's MLP and cuBLAS's gate-up GEMM in the same
-    run (bench mlp_ce's records); then the Gluon gate-up alone over stages and tile grouping, each with
-    its largest difference from the Triton kernel's output."""
+    run (bench mlp_ce's records); then the Gluon gate-up alone over stages, tile grouping and
+    persistence, each with its largest difference from the Triton kernel's output."""
     from fuseformer.bench import mlp_ce
     from fuseformer.ops import mlp_hopper
 
@@ -580,8 +580,8 @@ def sweep_mlp_gluon() -> list[dict]:
     w = torch.randn(2 * i, h, device="cuda", dtype=torch.bfloat16) / h**0.5
     ref = mlp.mlp_gate_up_fwd(x, w, "silu", config=dict(mlp.default_config(t, h, i, x.dtype, True)))[0]
     flops = 4 * t * h * i
-    for cfg in (dict(STAGES=4, GROUP_M=8), dict(STAGES=3, GROUP_M=8), dict(STAGES=4, GROUP_M=16),
-                dict(STAGES=4, GROUP_M=4)):  # fmt: skip
+    for cfg in (dict(STAGES=4, GROUP_M=8), dict(STAGES=4, GROUP_M=8, PERSISTENT=False), dict(STAGES=3, GROUP_M=8),
+                dict(STAGES=4, GROUP_M=16), dict(STAGES=4, GROUP_M=4)):  # fmt: skip
         rec = dict(kind="mlp_gluon_gate_up", T=t, H=h, I=i, **cfg)
         try:
             y = mlp_hopper.gate_up(x, w, "silu", cfg)

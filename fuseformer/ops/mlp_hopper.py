@@ -40,82 +40,97 @@ except Exception:  # pragma: no cover - older Triton
     HAVE_GLUON = False
 
 BLOCK_M = 128  # token rows a program: 64 a consumer warpgroup
-# Output columns a program (its gate and up boxes each), the K step, ring stages, tile grouping, and
-# the register split of the 12 warps (unmeasured; four 48 KB stages and a 32 KB output box fit in
-# 227 KB).
-CONFIG = dict(BLOCK_N=128, BLOCK_K=64, STAGES=4, GROUP_M=8, CONSUMER_REGS=240, PRODUCER_REGS=24)
+# Output columns a tile (its gate and up boxes each), the K step, ring stages, tile grouping, the
+# register split of the 12 warps, and one program a SM walking the tiles (else one a tile). Unmeasured;
+# four 48 KB stages and a 32 KB output box fit in 227 KB.
+CONFIG = dict(BLOCK_N=128, BLOCK_K=64, STAGES=4, GROUP_M=8, CONSUMER_REGS=240, PRODUCER_REGS=24, PERSISTENT=True)
 
 
 if HAVE_GLUON:
 
     @gluon.jit
-    def _tile(M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
-        # Grouped order: GROUP_M row blocks share each column block's weights while they sit in L2.
-        pid = gl.program_id(0)
+    def _tile(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+        # (first row, first column) of output tile ``tile`` in grouped order: GROUP_M row blocks share
+        # each column block's weights while they sit in L2.
         num_m = gl.cdiv(M, BM)
         width = GROUP_M * gl.cdiv(N, BN)
-        first_m = (pid // width) * GROUP_M
+        first_m = (tile // width) * GROUP_M
         size_m = gl.minimum(num_m - first_m, GROUP_M)
-        return (first_m + (pid % width) % size_m) * BM, ((pid % width) // size_m) * BN
+        return (first_m + (tile % width) % size_m) * BM, ((tile % width) // size_m) * BN
 
     @gluon.jit
-    def _producer(x_desc, w_desc, x_bufs, g_bufs, u_bufs, ready, empty, off_m, off_n, N, K,
+    def _producer(x_desc, w_desc, x_bufs, g_bufs, u_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr):  # fmt: skip
+        # Every tile of this program (tiles pid, pid + programs, ...), its K steps through one ring: the
+        # next tile's first boxes load while the consumers run this tile's epilogue.
         HALF: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
         nbytes: gl.constexpr = 2 * x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
-        for j in range(gl.cdiv(K, BK)):
-            s = j % STAGES
-            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-            bar = ready.index(s)
-            mbarrier.expect(bar, nbytes)
-            for w in gl.static_range(2):  # each consumer's 64 rows in their own box
-                tma.async_copy_global_to_shared(x_desc, [off_m + w * HALF, j * BK], bar, x_bufs.index(2 * s + w))
-            tma.async_copy_global_to_shared(w_desc, [off_n, j * BK], bar, g_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [N + off_n, j * BK], bar, u_bufs.index(s))
+        steps = gl.cdiv(K, BK)
+        num_tiles = gl.cdiv(M, 2 * HALF) * gl.cdiv(N, BN)
+        j = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            off_m, off_n = _tile(tile, M, N, 2 * HALF, BN, GROUP_M)
+            for kk in range(steps):
+                s = j % STAGES
+                mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+                bar = ready.index(s)
+                mbarrier.expect(bar, nbytes)
+                for w in gl.static_range(2):  # each consumer's 64 rows in their own box
+                    tma.async_copy_global_to_shared(x_desc, [off_m + w * HALF, kk * BK], bar,
+                                                    x_bufs.index(2 * s + w))  # fmt: skip
+                tma.async_copy_global_to_shared(w_desc, [off_n, kk * BK], bar, g_bufs.index(s))
+                tma.async_copy_global_to_shared(w_desc, [N + off_n, kk * BK], bar, u_bufs.index(s))
+                j += 1
 
     @gluon.jit
-    def _consumer(y_desc, x_bufs, g_bufs, u_bufs, y_smem, ready, empty, off_m, off_n, K,
-                  WG: gl.constexpr, GELU: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    def _consumer(y_desc, x_bufs, g_bufs, u_bufs, y_smem, ready, empty, M, N, K,
+                  WG: gl.constexpr, GELU: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
         HALF: gl.constexpr = y_desc.block_type.shape[0]
         BN: gl.constexpr = y_desc.block_type.shape[1]
         BK: gl.constexpr = x_bufs.type.shape[2]  # x_bufs (2 STAGES, 64, BK): stage s, warpgroup w at 2 s + w
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])  # fmt: skip
-        acc_g = gl.zeros([HALF, BN], gl.float32, layout)
-        acc_u = gl.zeros([HALF, BN], gl.float32, layout)
-        steps = gl.cdiv(K, BK)
-        for j in range(steps):
-            s = j % STAGES
-            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            x = x_bufs.index(2 * s + WG)  # (64, BK), this warpgroup's rows
-            acc_g = warpgroup_mma(x, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
-            acc_u = warpgroup_mma(x, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
-            # Step j - 1's two MMAs are done: its stage goes back to the producer.
-            acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))
-            if j > 0:
-                mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
-        acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
-        mbarrier.arrive(empty.index((steps - 1) % STAGES), count=1)
-        if GELU:  # gelu_tanh: g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3), as ops/activations.py
-            z2 = (2.0 * _SQRT_2_OVER_PI) * acc_g * (1.0 + _GELU_C * acc_g * acc_g)
-            act = acc_g / (1.0 + gl.exp2(-_LOG2E * z2))
-        else:  # silu: g / (1 + e^-g)
-            act = acc_g / (1.0 + gl.exp2(-_LOG2E * acc_g))
+        zero = gl.zeros([HALF, BN], gl.float32, layout)
         out = y_smem.index(WG)
-        out.store((act * acc_u).to(y_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(y_desc, [off_m + WG * HALF, off_n], out)
+        steps = gl.cdiv(K, BK)
+        num_tiles = gl.cdiv(M, 2 * HALF) * gl.cdiv(N, BN)
+        j = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            off_m, off_n = _tile(tile, M, N, 2 * HALF, BN, GROUP_M)
+            acc_g = zero
+            acc_u = zero
+            for kk in range(steps):
+                s = j % STAGES
+                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+                x = x_bufs.index(2 * s + WG)  # (64, BK), this warpgroup's rows
+                acc_g = warpgroup_mma(x, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+                acc_u = warpgroup_mma(x, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+                # The previous step's two MMAs are done: its stage goes back to the producer.
+                acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))
+                if kk > 0:
+                    mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+                j += 1
+            acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+            mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+            if GELU:  # gelu_tanh: g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3), as ops/activations.py
+                z2 = (2.0 * _SQRT_2_OVER_PI) * acc_g * (1.0 + _GELU_C * acc_g * acc_g)
+                act = acc_g / (1.0 + gl.exp2(-_LOG2E * z2))
+            else:  # silu: g / (1 + e^-g)
+                act = acc_g / (1.0 + gl.exp2(-_LOG2E * acc_g))
+            tma.store_wait(pendings=0)  # the previous tile's store has left the output box
+            out.store((act * acc_u).to(y_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(y_desc, [off_m + WG * HALF, off_n], out)
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def _gate_up_kernel(x_desc, w_desc, y_desc, M, N, K, ACTIVATION: gl.constexpr, STAGES: gl.constexpr,
                         GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):  # fmt: skip
-        # x (M, K), w (2N, K) = [gate rows; up rows], y (M, N); M tokens, N = I, K = H.
-        HALF: gl.constexpr = y_desc.block_type.shape[0]
-        BN: gl.constexpr = y_desc.block_type.shape[1]
+        # x (M, K), w (2N, K) = [gate rows; up rows], y (M, N); M tokens, N = I, K = H. Persistent: the
+        # grid's programs share the tiles (one program a tile when the grid covers them all).
         dtype: gl.constexpr = x_desc.dtype
-        off_m, off_n = _tile(M, N, 2 * HALF, BN, GROUP_M)
         x_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
         g_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         u_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -127,9 +142,9 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=2)  # one arrive a consumer warpgroup
         fence_async_shared()
         GELU: gl.constexpr = ACTIVATION == "gelu_tanh"
-        c0 = (y_desc, x_bufs, g_bufs, u_bufs, y_smem, ready, empty, off_m, off_n, K, 0, GELU, STAGES)
-        c1 = (y_desc, x_bufs, g_bufs, u_bufs, y_smem, ready, empty, off_m, off_n, K, 1, GELU, STAGES)
-        pr = (x_desc, w_desc, x_bufs, g_bufs, u_bufs, ready, empty, off_m, off_n, N, K, STAGES)
+        c0 = (y_desc, x_bufs, g_bufs, u_bufs, y_smem, ready, empty, M, N, K, 0, GELU, GROUP_M, STAGES)
+        c1 = (y_desc, x_bufs, g_bufs, u_bufs, y_smem, ready, empty, M, N, K, 1, GELU, GROUP_M, STAGES)
+        pr = (x_desc, w_desc, x_bufs, g_bufs, u_bufs, ready, empty, M, N, K, GROUP_M, STAGES)
         gl.warp_specialize([(_consumer, c0), (_consumer, c1), (_producer, pr)], [4, 1],
                            [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
@@ -166,7 +181,9 @@ def gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, config: d
     w_desc = TensorDescriptor.from_tensor(w_gate_up, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dt))
     y_desc = TensorDescriptor.from_tensor(y, [half, bn], gl.NVMMASharedLayout.get_default_for([half, bn], dt))
     consumer_regs, producer_regs = cfg["CONSUMER_REGS"], cfg["PRODUCER_REGS"]
-    grid = (triton.cdiv(t, BLOCK_M) * triton.cdiv(i, bn),)
+    tiles = triton.cdiv(t, BLOCK_M) * triton.cdiv(i, bn)
+    grid = (min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count) if cfg["PERSISTENT"]
+            else tiles,)  # fmt: skip
     _gate_up_kernel[grid](
         x_desc, w_desc, y_desc, t, i, h, ACTIVATION=activation, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
         CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4,

@@ -730,17 +730,20 @@ def test_no_warp_specialized_config_below_eight_warps(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t, h, i", [(1, 256, 128), (7, 4096, 384), (257, 1024, 1408), (1000, 4096, 14336)])
-def test_gluon_gate_up_gpu(t, h, i, dtype, activation, monkeypatch):
-    """The Gluon gate-up kernel (ops/mlp_hopper.py): y = act(x Wg^T) * (x Wu^T) against the fp64
-    reference (token tails past the 128-row tile included), and the whole MLP through it without grad."""
+def test_gluon_gate_up_gpu(t, h, i, dtype, activation, persistent, monkeypatch):
+    """The Gluon gate-up kernel (ops/mlp_hopper.py), persistent (programs walking several tiles through
+    one ring) or one program a tile: y = act(x Wg^T) * (x Wu^T) against the fp64 reference (token
+    tails past the 128-row tile included), and the whole MLP through it without grad."""
     from fuseformer.ops import mlp_hopper
     from fuseformer.ops.activations import glu_ref
 
     if torch.cuda.get_device_capability() != (9, 0) or not mlp_hopper.HAVE_GLUON:
         pytest.skip("needs an sm_90 GPU and Gluon")
+    monkeypatch.setattr(mlp_hopper, "CONFIG", dict(mlp_hopper.CONFIG, PERSISTENT=persistent))
     x = _x((t,), h, dtype, "cuda")
     wgu, wd = _weights(h, i, dtype, "cuda")
     assert mlp_hopper.usable(x, wgu, activation, save_pre=False)
