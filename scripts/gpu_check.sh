@@ -2,7 +2,10 @@
 # The GPU check: correctness at real sizes (tests marked `gpu`, bf16/fp16/fp32) and every benchmark,
 # in one go, on a CUDA machine. Writes logs, JSON and PNG plots to OUT_DIR.
 #
-#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune|serve|attention] [bench suites...]
+#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune|serve|attention|gluon] [bench suites...]
+#
+# gluon (not part of all): the Gluon kernels written but not yet shipped (attention at head dim 64, the
+# fused MLP's gate-up): their GPU tests, then sweeps attention_gluon, attention_gluon_bwd and mlp_gluon.
 #
 # serve (not part of all): the serving GPU tests and `fuseformer bench serve`, in one device call.
 #
@@ -44,6 +47,14 @@ if [[ "$stage" == attention ]]; then
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     python3 -m fuseformer.cli bench attention --quick --out "$out" > "$out/bench-attention.log" 2>&1 || status=1
     tail -n 40 "$out/bench-attention.log"
+fi
+if [[ "$stage" == gluon ]]; then
+    python3 -m pytest -q -m gpu tests/ops/test_attention.py tests/ops/test_mlp.py -k "hd64 or gluon_gate_up" \
+        2>&1 | tee "$out/gpu-tests-gluon.log" | tail -n 15
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    FUSEFORMER_SWEEPS=attention_gluon,attention_gluon_bwd,mlp_gluon \
+        python3 -m fuseformer.cli bench sweep --out "$out" > "$out/sweep-gluon.log" 2>&1 || status=1
+    tail -n 3 "$out/sweep-gluon.log"
 fi
 if [[ "$stage" == serve ]]; then
     # The serving checks in one device call (~7 min): the GPU tests of the engine and both serving
