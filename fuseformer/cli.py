@@ -36,10 +36,10 @@ def _info(args: argparse.Namespace) -> int:
     from fuseformer.runtime import native
 
     print(f"native     {native.status()} (eager rms_norm with grad as a C++ autograd node)")
-    from fuseformer.ops import attention, attention_hopper
+    from fuseformer.ops import _gluon
 
-    gluon = "off (FUSEFORMER_GLUON=0)" if not attention._GLUON_FWD else (
-        "on" if attention_hopper.HAVE_GLUON else "off (this Triton has no Gluon)")  # fmt: skip
+    gluon = "off (FUSEFORMER_GLUON=0)" if not _gluon.ENABLED else (
+        "on" if _gluon.HAVE_GLUON else "off (this Triton has no Gluon)")  # fmt: skip
     print(f"gluon      {gluon} (flash_attention forward and backward, hd 128 batched, on sm_90 GPUs)")
     print()
     width = max(len(op) for op in OPS)

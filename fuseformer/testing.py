@@ -177,3 +177,20 @@ async def collect_staggered(engine, prompts: list, params, gap_s: float) -> list
         stream = await engine.add_request(f"r{i}", prompt, params)
         tasks.append(asyncio.ensure_future(collect_stream(stream)))
     return await asyncio.gather(*tasks)
+
+
+def compile_offline(script: str, timeout: int = 600, tools: tuple[str, ...] = ("ptxas",)) -> None:
+    """Run ``script`` (a program that compiles kernels for sm_90 with Triton's bundled CUDA tools, no
+    GPU needed, and prints "ok" last) in a subprocess with the interpreter off, and fail the calling
+    test with its stderr unless it succeeds; skip the test where one of ``tools`` is missing."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and "not found" in proc.stderr and any(t in proc.stderr for t in tools):
+        pytest.skip(f"no {'/'.join(tools)} bundled with this Triton")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -45,7 +45,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fuseformer.ops import attention_hopper
+from fuseformer.ops import _gluon, attention_hopper
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     autograd_function,
@@ -590,7 +590,7 @@ def _descriptor(view: torch.Tensor, block_rows: int, block_d: int) -> TensorDesc
 # The Gluon forward (ops/attention_hopper.py) for the cases it takes (sm_90, hd 128, batched, equal
 # lengths a multiple of 128, causal or full): 1.2-1.23x this module's kernel on the goal shapes and
 # ahead of cuDNN (run 82). FUSEFORMER_GLUON=0 turns it off.
-_GLUON_FWD = os.environ.get("FUSEFORMER_GLUON", "1") != "0"
+_GLUON_FWD = _gluon.ENABLED
 
 
 def flash_attention_fwd(

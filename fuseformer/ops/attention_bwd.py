@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseformer.ops import attention_hopper
+from fuseformer.ops import _gluon, attention_hopper
 from fuseformer.ops._utils import empty, next_pow2
 from fuseformer.ops.attention import (
     KERNELS,
@@ -53,7 +53,7 @@ DQ_MODE = "separate"
 # The Gluon dK/dV kernel (ops/attention_hopper.py) for what the Gluon forward takes: run 84, the whole
 # backward 362.7 -> 392.8 TFLOP/s (causal S4096), 397.2 -> 450.9 (full S16384). FUSEFORMER_GLUON=0
 # turns it off with the forward.
-_GLUON_BWD = os.environ.get("FUSEFORMER_GLUON", "1") != "0"
+_GLUON_BWD = _gluon.ENABLED
 # With it, dq from the Gluon dq kernel too (else the Triton dq kernel): run 85, the causal S4096
 # backward 390.8 -> 418.0 TFLOP/s (dq 1547 -> 1343 µs), full S16384 450.1 -> 476.8.
 _GLUON_DQ = True

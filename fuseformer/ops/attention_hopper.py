@@ -24,27 +24,22 @@ for sm_90 offline (tests/ops/test_attention.py).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from fuseformer.ops._gluon import (
+    HAVE_GLUON,
+    TensorDescriptor,
+    fence_async_shared,
+    gl,
+    gluon,
+    maxnreg,
+    mbarrier,
+    runs_on,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from fuseformer.runtime import autotune
-
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    HAVE_GLUON = True
-except Exception:  # pragma: no cover - older Triton
-    HAVE_GLUON = False
 
 BLOCK_M = 128  # q rows a program: 64 a consumer warpgroup
 BLOCK_N = 128  # keys a stage
@@ -444,11 +439,6 @@ def launch_config(kind: str, causal: bool, dtype: torch.dtype, device=None, conf
     return cfg
 
 
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def usable(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -459,11 +449,9 @@ def usable(
     softmax_scale: float,
 ) -> bool:
     """Whether this kernel takes the forward (see the module's scope); else the Triton kernel does."""
-    if not HAVE_GLUON or varlen or q.device.type != "cuda" or window_left >= 0 or window_right not in (-1, 0):
+    if varlen or window_left >= 0 or window_right not in (-1, 0) or not runs_on(q.device):
         return False
     if not softmax_scale > 0:  # the scale is folded into the exponent's FMA after the row max
-        return False
-    if not _sm90(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
         return False
@@ -493,13 +481,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     k_desc = TensorDescriptor.from_tensor(k.view(b * s, hkv * d), [BLOCK_N, d], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v.view(b * s, hkv * d), [BLOCK_N, d], kv_layout)
     consumer_regs, producer_regs = cfg["CONSUMER_REGS"], cfg["PRODUCER_REGS"]
-    # 12 warps: the default partition's 4, the second consumer's 4, the producer's 1 (a warpgroup's 4 of
-    # registers). maxnreg is the kernel's budget a thread, shared out by setmaxnreg.
-    maxnreg = (2 * consumer_regs + producer_regs) // 3
     _attention_fwd_kernel[(s // BLOCK_M, b * hq)](
         q_desc, k_desc, v_desc, o_desc, lse, s, hq, hq // hkv, softmax_scale * 1.4426950408889634,
         CAUSAL=causal, STAGES=cfg["STAGES"], CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        num_warps=4, maxnreg=maxnreg,
+        num_warps=4, maxnreg=maxnreg(consumer_regs, producer_regs),
     )  # fmt: skip
     return out, lse
 
@@ -541,7 +526,7 @@ def backward_dkdv(
         q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, dk_desc, dv_desc, s, hkv, hq // hkv,
         softmax_scale * 1.4426950408889634, softmax_scale,
         CAUSAL=causal, STAGES=cfg["STAGES"], CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=(2 * consumer_regs + producer_regs) // 3,
+        PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=maxnreg(consumer_regs, producer_regs),
     )  # fmt: skip
     return dk, dv
 
@@ -574,7 +559,7 @@ def backward_dq(
         q_desc, do_desc, k_desc, v_desc, dq_desc, lse.contiguous(), delta.contiguous(), s, hq, hq // hkv,
         softmax_scale * 1.4426950408889634, softmax_scale,
         CAUSAL=causal, STAGES=cfg["STAGES"], CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        num_warps=4, maxnreg=(2 * consumer_regs + producer_regs) // 3,
+        num_warps=4, maxnreg=maxnreg(consumer_regs, producer_regs),
     )  # fmt: skip
     return dq
 

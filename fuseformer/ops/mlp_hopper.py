@@ -15,29 +15,24 @@ backward), H a multiple of 64 and I of 128, row-major operands on 16-byte bounda
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    HAVE_GLUON = True
-    _LOG2E = gl.constexpr(1.4426950408889634)
-    _SQRT_2_OVER_PI = gl.constexpr(0.7978845608028654)
-    _GELU_C = gl.constexpr(0.044715)
-except Exception:  # pragma: no cover - older Triton
-    HAVE_GLUON = False
+from fuseformer.ops._gluon import (
+    HAVE_GLUON,
+    TensorDescriptor,
+    fence_async_shared,
+    gl,
+    gluon,
+    maxnreg,
+    mbarrier,
+    runs_on,
+    tma,
+    tma_rows,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from fuseformer.ops._utils import sm_count
 
 BLOCK_M = 128  # token rows a program: 64 a consumer warpgroup
 # Output columns a tile (its gate and up boxes each), the K step, ring stages, tile grouping, the
@@ -47,6 +42,9 @@ CONFIG = dict(BLOCK_N=128, BLOCK_K=64, STAGES=4, GROUP_M=8, CONSUMER_REGS=240, P
 
 
 if HAVE_GLUON:
+    _LOG2E = gl.constexpr(1.4426950408889634)
+    _SQRT_2_OVER_PI = gl.constexpr(0.7978845608028654)
+    _GELU_C = gl.constexpr(0.044715)
 
     @gluon.jit
     def _tile(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
@@ -149,24 +147,16 @@ if HAVE_GLUON:
                            [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def usable(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, save_pre: bool) -> bool:
     """Whether this kernel can take the gate-up GEMM (see the module's scope); else the Triton one does."""
-    if not HAVE_GLUON or save_pre or activation not in ("silu", "gelu_tanh") or x.device.type != "cuda":
-        return False
-    if not _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+    if save_pre or activation not in ("silu", "gelu_tanh") or not runs_on(x.device):
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or w_gate_up.dtype != x.dtype or x.dim() != 2:
         return False
     (t, h), (i2, h2) = x.shape, w_gate_up.shape
     if t == 0 or h != h2 or h % 64 or i2 % 256:
         return False
-    return all(m.stride(1) == 1 and (m.stride(0) * m.element_size()) % 16 == 0 and m.data_ptr() % 16 == 0
-               for m in (x, w_gate_up))  # fmt: skip
+    return tma_rows(x) and tma_rows(w_gate_up)
 
 
 def gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, config: dict | None = None) -> torch.Tensor:
@@ -182,12 +172,11 @@ def gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, config: d
     y_desc = TensorDescriptor.from_tensor(y, [half, bn], gl.NVMMASharedLayout.get_default_for([half, bn], dt))
     consumer_regs, producer_regs = cfg["CONSUMER_REGS"], cfg["PRODUCER_REGS"]
     tiles = triton.cdiv(t, BLOCK_M) * triton.cdiv(i, bn)
-    grid = (min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count) if cfg["PERSISTENT"]
-            else tiles,)  # fmt: skip
+    grid = (min(tiles, sm_count(x)) if cfg["PERSISTENT"] else tiles,)
     _gate_up_kernel[grid](
         x_desc, w_desc, y_desc, t, i, h, ACTIVATION=activation, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
         CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4,
-        maxnreg=(2 * consumer_regs + producer_regs) // 3,
+        maxnreg=maxnreg(consumer_regs, producer_regs),
     )  # fmt: skip
     return y
 

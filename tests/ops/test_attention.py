@@ -10,9 +10,10 @@ import torch
 
 import fuseformer
 import fuseformer.ops as F
+from fuseformer.ops import _gluon
 from fuseformer.ops import attention as attn_mod
 from fuseformer.ops import attention_bwd as bwd_mod
-from fuseformer.testing import assert_close
+from fuseformer.testing import assert_close, compile_offline
 
 
 def _nan_gapped(shape, dtype, device):
@@ -433,7 +434,7 @@ def test_flash_attention_gluon_forward_gpu(b, s, hq, hkv, causal, dtype, stages,
     against the fp64 reference, and the backward's gradients from its out and lse. It must have run."""
     from fuseformer.ops import attention_hopper as hopper
 
-    if torch.cuda.get_device_capability() != (9, 0) or not hopper.HAVE_GLUON:
+    if not _gluon.runs_on("cuda"):
         pytest.skip("needs an sm_90 GPU and Gluon")
     monkeypatch.setattr(hopper, "CONFIG", dict(hopper.CONFIG, STAGES=stages))
     calls = []
@@ -456,7 +457,7 @@ def test_gluon_forward_declines_what_it_does_not_take():
 
     q = torch.randn(1, 128, 2, 128)
     assert not hopper.usable(q, q, q, False, -1, 0, 0.1)  # CPU
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and hopper.HAVE_GLUON:
+    if _gluon.runs_on("cuda"):
         g = q.cuda().half()
         assert hopper.usable(g, g, g, False, -1, 0, 0.1) and hopper.usable(g, g, g, False, -1, -1, 0.1)
         assert not hopper.usable(g, g, g, True, -1, 0, 0.1)
@@ -469,49 +470,26 @@ def test_gluon_forward_declines_what_it_does_not_take():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gluon_dq", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b, s, hq, hkv, causal", GLUON_CASES)
-def test_flash_attention_gluon_dkdv_gpu(b, s, hq, hkv, causal, dtype, monkeypatch):
-    """The Gluon dK/dV kernel (with the Triton dq kernel): dq, dk, dv against the fp64 reference, GQA
-    gradients summed over the group. It must have run."""
+def test_flash_attention_gluon_backward_gpu(b, s, hq, hkv, causal, dtype, gluon_dq, monkeypatch):
+    """The Gluon dK/dV kernel, with the Gluon dq kernel or the Triton one: dq, dk, dv against the fp64
+    reference, GQA gradients summed over the group. The Gluon kernels asked for must have run."""
     from fuseformer.ops import attention_hopper as hopper
 
-    if torch.cuda.get_device_capability() != (9, 0) or not hopper.HAVE_GLUON:
+    if not _gluon.runs_on("cuda"):
         pytest.skip("needs an sm_90 GPU and Gluon")
     calls = []
-    real = hopper.backward_dkdv
-
-    def spy(*args, **kwargs):
-        calls.append(args[-1])
-        return real(*args, **kwargs)
-
+    for name in ("backward_dkdv", "backward_dq"):
+        real = getattr(hopper, name)
+        monkeypatch.setattr(
+            hopper, name, lambda *a, real=real, name=name, **kw: calls.append((name, a[-1])) or real(*a, **kw)
+        )
     monkeypatch.setattr(bwd_mod, "_GLUON_BWD", True)
-    monkeypatch.setattr(hopper, "backward_dkdv", spy)
+    monkeypatch.setattr(bwd_mod, "_GLUON_DQ", gluon_dq)
     _check(b, s, s, hq, hkv, 128, "cuda", causal=causal, dtype=dtype)
-    assert calls == [causal]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("b, s, hq, hkv, causal", GLUON_CASES)
-def test_flash_attention_gluon_dq_gpu(b, s, hq, hkv, causal, dtype, monkeypatch):
-    """The Gluon dq kernel with the Gluon dK/dV kernel: dq, dk, dv against the fp64 reference."""
-    from fuseformer.ops import attention_hopper as hopper
-
-    if torch.cuda.get_device_capability() != (9, 0) or not hopper.HAVE_GLUON:
-        pytest.skip("needs an sm_90 GPU and Gluon")
-    calls = []
-    real = hopper.backward_dq
-
-    def spy(*args, **kwargs):
-        calls.append(args[-1])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(bwd_mod, "_GLUON_BWD", True)
-    monkeypatch.setattr(bwd_mod, "_GLUON_DQ", True)
-    monkeypatch.setattr(hopper, "backward_dq", spy)
-    _check(b, s, s, hq, hkv, 128, "cuda", causal=causal, dtype=dtype)
-    assert calls == [causal]
+    assert calls == [("backward_dkdv", causal)] + ([("backward_dq", causal)] if gluon_dq else [])
 
 
 _OFFLINE_GLUON = r"""
@@ -561,19 +539,9 @@ def test_gluon_attention_kernels_compile_for_sm90_offline():
     """The Gluon kernels (forward, dK/dV, dq) compile for sm_90 with their shipped configs and fit in
     shared memory, at head dims 128 and 64: Gluon has no interpreter, so this is what CI can check of
     them without a GPU."""
-    import os
-    import subprocess
-    import sys
-
-    from fuseformer.ops import attention_hopper as hopper
-
-    if not hopper.HAVE_GLUON:
+    if not _gluon.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _OFFLINE_GLUON], env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("no ptxas")
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    compile_offline(_OFFLINE_GLUON, timeout=600)
 
 
 def test_gluon_launch_config_comes_from_the_autotune_cache(tmp_path, monkeypatch):
@@ -605,7 +573,7 @@ def test_flash_attention_gluon_hd64_gpu(b, s, hq, hkv, causal, monkeypatch):
     sweep `attention_gluon` shows it faster): out, lse and gradients against the fp64 reference."""
     from fuseformer.ops import attention_hopper as hopper
 
-    if torch.cuda.get_device_capability() != (9, 0) or not hopper.HAVE_GLUON:
+    if not _gluon.runs_on("cuda"):
         pytest.skip("needs an sm_90 GPU and Gluon")
     calls = []
     for name in ("forward", "backward_dkdv", "backward_dq"):

@@ -9,8 +9,8 @@ import torch
 
 import fuseformer
 import fuseformer.ops as F
-from fuseformer.ops import _utils
-from fuseformer.testing import assert_close
+from fuseformer.ops import _gluon, _utils
+from fuseformer.testing import assert_close, compile_offline
 
 # The module, not the function of the same name that fuseformer.ops exports.
 M = importlib.import_module("fuseformer.ops.mlp")
@@ -690,16 +690,7 @@ def test_default_configs_compile_for_sm90_offline():
     """The shipped bf16 configs and the decode rule's (both GEMMs, the split-K epilogue) compile for
     sm_90 (Triton's bundled ptxas, no GPU needed) and fit in shared memory: a compile error or an
     overflow shows here instead of on the H200."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _OFFLINE_COMPILE], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("no ptxas bundled with this Triton")
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    compile_offline(_OFFLINE_COMPILE, timeout=300)
 
 
 def test_no_warp_specialized_config_below_eight_warps(tmp_path, monkeypatch):
@@ -741,7 +732,7 @@ def test_gluon_gate_up_gpu(t, h, i, dtype, activation, persistent, monkeypatch):
     from fuseformer.ops import mlp_hopper
     from fuseformer.ops.activations import glu_ref
 
-    if torch.cuda.get_device_capability() != (9, 0) or not mlp_hopper.HAVE_GLUON:
+    if not _gluon.runs_on("cuda"):
         pytest.skip("needs an sm_90 GPU and Gluon")
     monkeypatch.setattr(mlp_hopper, "CONFIG", dict(mlp_hopper.CONFIG, PERSISTENT=persistent))
     x = _x((t,), h, dtype, "cuda")
@@ -794,19 +785,9 @@ print("ok")
 def test_gluon_gate_up_compiles_for_sm90_offline():
     """The Gluon gate-up kernel compiles for sm_90 with its shipped config and fits in shared memory
     (Gluon has no interpreter: this is what CI can check of it without a GPU)."""
-    import os
-    import subprocess
-    import sys
-
-    from fuseformer.ops import mlp_hopper
-
-    if not mlp_hopper.HAVE_GLUON:
+    if not _gluon.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _OFFLINE_GLUON], env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("no ptxas")
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    compile_offline(_OFFLINE_GLUON, timeout=600)
 
 
 def test_gluon_gate_up_declines_what_it_does_not_take():
@@ -817,7 +798,7 @@ def test_gluon_gate_up_declines_what_it_does_not_take():
     assert M._GLUON_GATE_UP is False
     x, w = torch.randn(8, 64).half(), torch.randn(256, 64).half()
     assert not mlp_hopper.usable(x, w, "silu", save_pre=False)  # CPU
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and mlp_hopper.HAVE_GLUON:
+    if _gluon.runs_on("cuda"):
         x, w = x.cuda(), w.cuda()
         assert mlp_hopper.usable(x, w, "silu", save_pre=False) and mlp_hopper.usable(x, w, "gelu_tanh", False)
         assert not mlp_hopper.usable(x, w, "silu", save_pre=True)
