@@ -650,3 +650,95 @@ def test_flce_backward_of_the_loss_itself_and_of_a_scaled_loss(g, device):
     (CE.fused_linear_cross_entropy_ref(*refs, t, upcast=True) * g).backward()
     for a, r in zip(leaves, refs):
         torch.testing.assert_close(a.grad.double(), r.grad, rtol=1e-4, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# The Gluon grad_weight update (ops/cross_entropy_hopper.py)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("c_bufs, stages, block_k", [(2, 4, 32), (2, 2, 64), (1, 3, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k, v, h", [(1, 128, 256), (37, 1000, 512), (273, 4096, 4096), (300, 32000, 1024)])
+def test_gluon_dw_update_gpu(k, v, h, dtype, c_bufs, stages, block_k):
+    """dW += L^T h by the Gluon kernel against the fp64 sum (and cuBLAS's addmm_ as the baseline):
+    vocabulary and token tails past the tiles, one to several tiles a program, both dW buffer counts."""
+    from fuseformer.ops import _gluon, cross_entropy_hopper
+
+    if not _gluon.runs_on("cuda"):
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    dw = torch.randn(v, h, device="cuda").to(dtype)
+    dl = (torch.randn(k, v, device="cuda") / 8).to(dtype)
+    hid = torch.randn(k, h, device="cuda").to(dtype)
+    assert cross_entropy_hopper.usable(dw, dl, hid)
+    ref = dw.double() + dl.double().T @ hid.double()
+    base = dw.clone().addmm_(dl.T, hid)
+    cross_entropy_hopper.dw_update(dw, dl, hid, dict(C_BUFS=c_bufs, STAGES=stages, BLOCK_K=block_k))
+    assert_close("dw", dw, ref, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flce_gluon_dw_update_gpu(dtype, monkeypatch):
+    """The whole FLCE with the growing chunks' grad_weight updates by the Gluon kernel (N past H: the
+    first chunk in grad_weight's memory, then growing chunks), every gradient against fp64."""
+    from fuseformer.ops import _gluon, cross_entropy_hopper
+
+    if not _gluon.runs_on("cuda"):
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    calls = []
+    real = cross_entropy_hopper.dw_update
+    monkeypatch.setattr(cross_entropy_hopper, "dw_update", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    monkeypatch.setattr(CE, "_GLUON_DW", True)
+    _check_flce(3000, 1024, 32000, dtype, "cuda", "mean")
+    assert len(calls) > 1 and all(s[1] == 32000 for s in calls), calls
+
+
+def test_gluon_dw_update_declines_what_it_does_not_take():
+    """CPU tensors, fp32, rows off 16-byte boundaries (V 50257), shapes that disagree: cuBLAS takes them."""
+    from fuseformer.ops import _gluon, cross_entropy_hopper
+
+    dw, dl, h = torch.randn(64, 32).half(), torch.randn(8, 64).half(), torch.randn(8, 32).half()
+    assert not cross_entropy_hopper.usable(dw, dl, h)  # CPU
+    if _gluon.runs_on("cuda"):
+        dw, dl, h = dw.cuda(), dl.cuda(), h.cuda()
+        assert cross_entropy_hopper.usable(dw, dl, h)
+        assert not cross_entropy_hopper.usable(dw.float(), dl.float(), h.float())
+        assert not cross_entropy_hopper.usable(dw, dl[:4], h)
+        assert not cross_entropy_hopper.usable(dw[:, :31].contiguous(), dl, h[:, :31].contiguous())
+        assert not cross_entropy_hopper.usable(dw[:63], dl[:, :63].contiguous(), h)
+
+
+_OFFLINE_DW = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+import fuseformer.ops.cross_entropy_hopper as G
+
+def desc(block):
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
+
+half = G.BLOCK_M // 2
+for c in (G.CONFIG, dict(G.CONFIG, C_BUFS=1, STAGES=3, BLOCK_K=64)):
+    bn, bk = c["BLOCK_N"], c["BLOCK_K"]
+    sig = dict(a_desc=desc([bk, half]), b_desc=desc([bk, bn]), c_desc=desc([half, bn]), M="i32", N="i32", K="i32")
+    consts = dict(STAGES=c["STAGES"], C_BUFS=c["C_BUFS"], CONSUMER_REGS=c["CONSUMER_REGS"],
+                  PRODUCER_REGS=c["PRODUCER_REGS"])
+    src = GluonASTSource(fn=G._dw_update_kernel, signature=dict(sig, **{k: "constexpr" for k in consts}),
+                         constexprs=consts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=168))
+    assert k.metadata.shared <= 227 * 1024, (c, k.metadata.shared)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile it for real")
+def test_gluon_dw_update_compiles_for_sm90_offline():
+    """The Gluon grad_weight update compiles for sm_90 in its shipped config and the one-buffer one,
+    within shared memory (Gluon has no interpreter: this is what CI can check of it without a GPU)."""
+    from fuseformer.ops import _gluon
+
+    if not _gluon.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    compile_offline(_OFFLINE_DW, timeout=600)

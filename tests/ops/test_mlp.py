@@ -749,11 +749,17 @@ def test_gluon_gate_up_gpu(t, h, i, dtype, activation, persistent, monkeypatch):
     real = mlp_hopper.gate_up
     monkeypatch.setattr(mlp_hopper, "gate_up", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     monkeypatch.setattr(M, "_GLUON_GATE_UP", True)
+    monkeypatch.setattr(M, "_GLUON_MIN_TOKENS", t + 1)  # below the threshold: the Triton kernel
+    with torch.no_grad(), fuseformer.use_backend("triton"):
+        out_triton = F.fused_mlp(x, wgu, wd, activation=activation)
+    assert calls == []
+    monkeypatch.setattr(M, "_GLUON_MIN_TOKENS", t)
     with torch.no_grad(), fuseformer.use_backend("triton"):
         out = F.fused_mlp(x, wgu, wd, activation=activation)
     ref = M.fused_mlp_ref(x.double(), wgu.double(), wd.double(), activation)
     assert_close("out", out, ref, M.fused_mlp_ref(x, wgu, wd, activation, upcast=False))
     assert calls == [activation]
+    assert_close("out_triton", out_triton, ref, M.fused_mlp_ref(x, wgu, wd, activation, upcast=False))
 
 
 _OFFLINE_GLUON = r"""
@@ -792,10 +798,12 @@ def test_gluon_gate_up_compiles_for_sm90_offline():
 
 def test_gluon_gate_up_declines_what_it_does_not_take():
     """CPU tensors, a saved pre-activation, exact gelu, fp32, H not a multiple of 64 or I of 128: the
-    Triton kernel takes them (and the Gluon kernel is off until measured)."""
+    Triton kernel takes them. The Gluon kernel is on by default (FUSEFORMER_GLUON=0 turns it off) from
+    _GLUON_MIN_TOKENS tokens."""
     from fuseformer.ops import mlp_hopper
 
-    assert M._GLUON_GATE_UP is False
+    assert M._GLUON_GATE_UP is _gluon.ENABLED
+    assert 128 <= M._GLUON_MIN_TOKENS <= 8192
     x, w = torch.randn(8, 64).half(), torch.randn(256, 64).half()
     assert not mlp_hopper.usable(x, w, "silu", save_pre=False)  # CPU
     if _gluon.runs_on("cuda"):
