@@ -412,92 +412,6 @@ def sweep_flce() -> list[dict]:
     return out
 
 
-def sweep_flce_dw_gluon() -> list[dict]:
-    """The FLCE's grad_weight update dW (V, H) += L^T h at the goal shape (V 128256, H 4096) and the
-    growing chunks' token counts: cuBLAS's addmm_, the traffic floor (dW read and written by mul_),
-    and the Gluon kernel (ops/cross_entropy_hopper.py) over its configs, each with its largest
-    difference from the fp32 sum; then the whole FLCE fwd+bwd (8192 tokens) with cuBLAS's and the Gluon
-    update (the best config at 273 tokens), alternated, with peak memory and kernels."""
-    from fuseformer.ops import cross_entropy_hopper as hopper
-
-    ce = importlib.import_module("fuseformer.ops.cross_entropy")
-    v, h = 128256, 4096
-    dw = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
-    configs = (dict(C_BUFS=2, STAGES=4, BLOCK_K=32), dict(C_BUFS=2, STAGES=2, BLOCK_K=64),
-               dict(C_BUFS=1, STAGES=3, BLOCK_K=64), dict(C_BUFS=1, STAGES=6, BLOCK_K=32))  # fmt: skip
-    out = []
-    best = {}
-    for k in (240, 273, 352):
-        dl = (torch.randn(k, v, device="cuda") / 64).to(torch.bfloat16)
-        hid = torch.randn(k, h, device="cuda", dtype=torch.bfloat16)
-        case = dict(kind="flce_dw_gluon", K=k, V=v, H=h)
-        out.append(dict(case, impl="floor (mul_)", ms=bench_ms(lambda: dw.mul_(1))))
-        out.append(dict(case, impl="cublas addmm_", ms=bench_ms(lambda dl=dl, hid=hid: dw.addmm_(dl.T, hid))))
-        print(json.dumps(out[-2]), json.dumps(out[-1]), flush=True)
-        for cfg in configs:
-            rec = dict(case, impl="gluon", **cfg)
-            try:
-                before = dw.clone()
-                hopper.dw_update(dw, dl, hid, cfg)
-                exact = before.float().addmm_(dl.float().T, hid.float())
-                rec["max_abs_diff_vs_fp32"] = float((dw.float() - exact).abs().max())
-                rec["max_abs_fp32"] = float(exact.abs().max())
-                del before, exact
-                rec["ms"] = bench_ms(lambda dl=dl, hid=hid, cfg=cfg: hopper.dw_update(dw, dl, hid, cfg))
-                if k == 273 and rec["ms"] < best.get("ms", float("inf")):
-                    best = dict(cfg, ms=rec["ms"])
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            out.append(rec)
-            print(json.dumps(rec), flush=True)
-        del dl, hid
-    dw = None  # 1 GiB back before the whole FLCE
-    torch.cuda.empty_cache()
-    n = 8192
-    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5
-    target = torch.randint(0, v, (n,), device="cuda")
-    shipped = (ce._GLUON_DW, dict(hopper.CONFIG))
-    if best:
-        hopper.CONFIG.update({key: val for key, val in best.items() if key != "ms"})
-
-    def step():
-        return ce.fused_linear_cross_entropy_fwd(
-            hidden, weight, target, None, -100, "mean", 0.0, 0.0, True, True, False
-        )
-
-    try:
-        ref = None
-        for gluon in (False, True, False, True):
-            ce._GLUON_DW = gluon
-            rec = dict(kind="flce_gluon_dw", gluon_dw=gluon, config=dict(hopper.CONFIG) if gluon else None)
-            try:
-                got = step()
-                torch.cuda.synchronize()
-                if ref is None:
-                    ref = got
-                else:
-                    rec["max_abs_diff_vs_cublas"] = {
-                        name: float((a.float() - b.float()).abs().max())
-                        for name, a, b in zip(("loss", "dh", "dw"), got[:3], ref[:3])
-                        if a is not None and b is not None
-                    }
-                del got
-                rec["peak_gib_above_inputs"] = peak_gib_above(step)
-                rec["ms"] = bench_ms(step, rep=100)
-                if gluon and "kernels" not in out[-1]:
-                    rec["kernels"] = gpu_kernels(step)[:8]
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            out.append(rec)
-            print(json.dumps(rec)[:800], flush=True)
-    finally:
-        ce._GLUON_DW = shipped[0]
-        hopper.CONFIG.clear()
-        hopper.CONFIG.update(shipped[1])
-    return out
-
-
 def sweep_attention() -> list[dict]:
     from fuseformer.bench.attention import sweep_attention_configs
 
@@ -1151,7 +1065,6 @@ SWEEPS = {
     "attention_gluon": sweep_attention_gluon,
     "attention_gluon_bwd": sweep_attention_gluon_bwd,
     "mlp_gluon": sweep_mlp_gluon,
-    "flce_dw_gluon": sweep_flce_dw_gluon,
     "rms_norm": sweep_rms_norm,
     "rms_norm_long": sweep_rms_norm_long,
     "rms_norm_residual": sweep_rms_norm_residual,

@@ -41,7 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseformer.ops import cross_entropy_hopper
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
@@ -68,10 +67,6 @@ _BLOCK_V_LARGE = 8192
 # The FLCE chunk may hold up to 15/16 of this many bytes of logits even when the hidden states are
 # smaller (see _chunk_size): small inputs still get GEMM-sized chunks.
 _MIN_CHUNK_BYTES = 64 << 20
-# The growing chunks' grad_weight update by the Gluon kernel of ops/cross_entropy_hopper.py where it
-# applies (sm_90, 16-bit, TMA-aligned rows), else cuBLAS's addmm_. Off until sweep flce_dw_gluon
-# measures it against cuBLAS.
-_GLUON_DW = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -580,11 +575,10 @@ def _chunks(
             # Triton kernels for this update ran slower than cuBLAS's 0.81-0.84 ms a chunk: pointer
             # loads 1.38 ms (2026-11-30); TMA descriptors, 14 tiles / stage counts / persistent or not,
             # C loaded before or after the K loop, 0.94-1.50 ms (run 75, 2026-12-01); a one-partition
-            # Gluon kernel 0.85-1.07 (run 79). The warp-specialized Gluon kernel where it applies.
+            # Gluon kernel 0.85-1.07 (run 79); a warp-specialized Gluon kernel 0.69-0.82 alone, but the
+            # whole FLCE 0.7-2 ms slower with it (run 87: the H200 at its power cap). cuBLAS it is.
             if start == 0:
                 torch.matmul(logits.T, h_c, out=dw)  # (V, H)
-            elif _GLUON_DW and cross_entropy_hopper.usable(dw, logits, h_c):
-                cross_entropy_hopper.dw_update(dw, logits, h_c)
             else:
                 dw.addmm_(logits.T, h_c)
         if db is not None:
