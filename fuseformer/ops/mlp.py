@@ -578,9 +578,11 @@ def _holding_scratch():
 # The Gluon gate-up kernel (ops/mlp_hopper.py) where it applies (sm_90, no saved pre-activation) and
 # the tokens fill its 128-row tiles: run 86 (H200, T 8192, H 4096, I 14336) timed it at 2.845 ms
 # against the Triton kernel's 3.053 and cuBLAS's plain gate-up GEMM's 2.826 (0.993x). Below
-# _GLUON_MIN_TOKENS the Triton kernels (split-K for decode) keep the call. FUSEFORMER_GLUON=0 turns it off.
+# _GLUON_MIN_TOKENS the Triton kernels (split-K for decode) keep the call: run 88 (H 4096, I 14336, ms,
+# Triton / Gluon) T 256 0.122 / 0.168, T 512 0.211 / 0.184, T 1024 0.367 / 0.338, T 4096 1.606 / 1.494.
+# FUSEFORMER_GLUON=0 turns it off.
 _GLUON_GATE_UP = _gluon.ENABLED
-_GLUON_MIN_TOKENS = 1024
+_GLUON_MIN_TOKENS = 512
 
 
 def mlp_gate_up_fwd(

@@ -6,11 +6,13 @@ y = act(x Wg^T) * (x Wu^T), x (T, H), w_gate_up (2I, H) = [Wg; Wu], y (T, I): ea
 its 64 x BLOCK_N gate and up accumulators in registers and applies act(g) * u in its epilogue, so
 the (T, 2I) pre-activation is never written.
 
-Why: the Triton gate-up kernel (ops/mlp.py) runs at 0.93x cuBLAS's GEMM (run 47); the same structure
-took the attention kernels from 0.82x to 1.0x cuDNN's forward (runs 81-83). Not measured yet: off
-(`mlp._GLUON_GATE_UP`) until sweep `mlp_gluon` shows it ahead of the Triton kernel. Scope: sm_90,
-bf16/fp16, silu or gelu_tanh, no saved pre-activation (inference and the forward of a recomputing
-backward), H a multiple of 64 and I of 128, row-major operands on 16-byte boundaries.
+Why: the Triton gate-up kernel (ops/mlp.py) runs at 0.92-0.93x cuBLAS's GEMM (runs 47, 86, 88); the
+same structure took the attention kernels from 0.82x to 1.0x cuDNN's forward (runs 81-83). Measured on
+the H200 (bf16, T 8192, H 4096, I 14336, act*mul included): 2.845 ms against cuBLAS's plain gate-up
+GEMM's 2.826 (run 86) and 2.789 against 2.767 (run 88): 0.99x; the fused MLP 1.03-1.05x torch.compile's.
+On by default (`mlp._GLUON_GATE_UP`) from `mlp._GLUON_MIN_TOKENS` tokens. Scope: sm_90, bf16/fp16, silu
+or gelu_tanh, no saved pre-activation (inference and the forward of a recomputing backward), H a
+multiple of 64 and I of 128, row-major operands on 16-byte boundaries.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from fuseformer.ops._utils import sm_count
 
 BLOCK_M = 128  # token rows a program: 64 a consumer warpgroup
 # Output columns a tile (its gate and up boxes each), the K step, ring stages, tile grouping, the
-# register split of the 12 warps, and one program a SM walking the tiles (else one a tile). Unmeasured;
-# four 48 KB stages and a 32 KB output box fit in 227 KB.
+# register split of the 12 warps, and one program a SM walking the tiles (else one a tile); four 48 KB
+# stages and a 32 KB output box fit in 227 KB. Runs 86 / 88 (ms at the goal shape, bench_ms): this
+# config 2.660 / 2.772; one program a tile 2.943 / 2.853; 3 stages 2.785 / 2.748; GROUP_M 16 2.766 /
+# 2.748; GROUP_M 4 2.842 / 2.788.
 CONFIG = dict(BLOCK_N=128, BLOCK_K=64, STAGES=4, GROUP_M=8, CONSUMER_REGS=240, PRODUCER_REGS=24, PERSISTENT=True)
 
 
