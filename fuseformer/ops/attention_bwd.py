@@ -55,7 +55,8 @@ DQ_MODE = "separate"
 # turns it off with the forward.
 _GLUON_BWD = _gluon.ENABLED
 # With it, dq from the Gluon dq kernel too (else the Triton dq kernel): run 85, the causal S4096
-# backward 390.8 -> 418.0 TFLOP/s (dq 1547 -> 1343 µs), full S16384 450.1 -> 476.8.
+# backward 390.8 -> 418.0 TFLOP/s (dq 1547 -> 1343 µs), full S16384 450.1 -> 476.8; at the head dims of
+# attention_hopper.DQ_HEAD_DIMS (hd 64 keeps the Triton dq kernel: run 89).
 _GLUON_DQ = True
 # Force the deterministic path (same as FUSEFORMER_DETERMINISTIC=1).
 DETERMINISTIC = False
@@ -536,7 +537,7 @@ def flash_attention_bwd(
     if atomic:
         dq.copy_(dq_acc)
         return dq, dk, dv
-    if gluon and _GLUON_DQ:
+    if gluon and _GLUON_DQ and q.shape[-1] in attention_hopper.DQ_HEAD_DIMS:
         dq = attention_hopper.backward_dq(q, k, v, dout, lse, delta, softmax_scale, window_right == 0)
         return dq, dk, dv
     dq_rest = (

@@ -15,7 +15,8 @@ cuDNN's 518.2 / 606.8 and this package's Triton kernel's 443.5 / 523.4 in the sa
 (dK/dV, then dq, each recomputing the scores; run 85): causal S4096 418.0, full S16384 476.8, against
 cuDNN's 454.5 / 541.7 and the Triton kernels' 349.2 / 397.3.
 
-Scope (everything else takes the Triton kernel): sm_90, fp16/bf16, head dim 128 (HEAD_DIMS), batched (B, S, H, D)
+Scope (everything else takes the Triton kernel): sm_90, fp16/bf16, head dim 64 or 128 (HEAD_DIMS; the dq
+kernel at 128 only, DQ_HEAD_DIMS), batched (B, S, H, D)
 with unit-stride rows, seqlen_q == seqlen_k a multiple of 128, no window or causal (aligned, which
 is the same for equal lengths), GQA/MQA through the head index, a positive softmax scale. Gluon has
 no interpreter: the GPU tests check these kernels against the fp64 reference, and CI compiles them
@@ -43,14 +44,19 @@ from fuseformer.runtime import autotune
 
 BLOCK_M = 128  # q rows a program: 64 a consumer warpgroup
 BLOCK_N = 128  # keys a stage
-# Head dims the kernels take. 64 compiles for sm_90 without spills (offline, 2026-12-02) but has not run on
-# a GPU yet: the GPU test and sweep `attention_gluon` try it by patching this tuple.
-HEAD_DIMS = (128,)
+# Head dims the kernels take. Run 89 (H200, hd 64 causal S4096, B 4, H 32, ms): forward Triton 0.697,
+# Gluon 3 stages 0.696, 4 stages 0.677 (cuDNN 0.663); backward all Triton 2.416, Gluon dK/dV + Triton dq
+# 1.917, Gluon dK/dV + Gluon dq 2.04-2.08 (cuDNN 1.805). So hd 64 takes 4 stages forward (HD_CONFIGS)
+# and the Triton dq kernel (DQ_HEAD_DIMS).
+HEAD_DIMS = (64, 128)
+DQ_HEAD_DIMS = (128,)
 # Stages of the K/V ring, registers of each consumer warpgroup and of the producer (12 warps, 3
 # warpgroups, share 64K registers; the kernel's maxnreg follows). Run 82 (H200, TFLOP/s, causal S4096 /
 # full S16384): 3 stages 534.6 / 643.6; 2 stages 456.0 / 531.6 (the early q k^T waits for its K);
 # without the in-warpgroup overlap (removed) 485.6–488.4 / 537.2–546.1; cuDNN 518.2 / 606.8.
 CONFIG = dict(STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24)
+# Per head dim, per kernel, what replaces the module defaults (run 89, above).
+HD_CONFIGS = {64: {"fwd": dict(STAGES=4, CONSUMER_REGS=232, PRODUCER_REGS=40)}}
 
 
 if HAVE_GLUON:
@@ -422,16 +428,22 @@ if HAVE_GLUON:
 
 
 # The autotune cache's names for the three kernels (runtime/autotune.py): a config stored for (kernel,
-# GPU, Triton version, "causal-bfloat16" / "full-float16" ...) replaces the module's defaults above.
+# GPU, Triton version, "causal-bfloat16" / "full-float16" ... at hd 128, "causal-bfloat16-hd64" ... at
+# other head dims) replaces the module's defaults above.
 KERNELS = {"fwd": "attention_gluon_fwd", "dkdv": "attention_gluon_dkdv", "dq": "attention_gluon_dq"}
 _FIELDS = ("STAGES", "CONSUMER_REGS", "PRODUCER_REGS")
 
 
-def launch_config(kind: str, causal: bool, dtype: torch.dtype, device=None, config: dict | None = None) -> dict:
-    """The launch config of kernel ``kind`` ("fwd", "dkdv", "dq"): the autotune cache's for this GPU and
-    key, else the module default; ``config`` on top (sweeps)."""
+def launch_config(
+    kind: str, causal: bool, dtype: torch.dtype, device=None, config: dict | None = None, head_dim: int = 128
+) -> dict:
+    """The launch config of kernel ``kind`` ("fwd", "dkdv", "dq") at ``head_dim``: the autotune cache's
+    for this GPU and key, else the module default (with HD_CONFIGS' changes); ``config`` on top (sweeps)."""
     defaults = {"fwd": CONFIG, "dkdv": BWD_CONFIG, "dq": DQ_CONFIG}[kind]
+    defaults = dict(defaults, **HD_CONFIGS.get(head_dim, {}).get(kind, {}))
     key = f"{'causal' if causal else 'full'}-{autotune.dtype_name(dtype)}"
+    if head_dim != 128:
+        key += f"-hd{head_dim}"
     stored = autotune.get_config(KERNELS[kind], key, device=device, fields=_FIELDS)
     cfg = dict(stored if stored is not None else defaults, **(config or {}))
     if cfg["STAGES"] is None:  # the dK/dV kernel's default: 4 stages causal, 3 full (run 84)
@@ -467,7 +479,7 @@ def usable(
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
             config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """out (B, S, Hq, D) like q and lse (B, Hq, S) fp32 (natural log), for inputs :func:`usable` took."""
-    cfg = launch_config("fwd", causal, q.dtype, q.device, config)
+    cfg = launch_config("fwd", causal, q.dtype, q.device, config, q.shape[-1])
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     out = torch.empty_like(q)
@@ -503,7 +515,7 @@ def backward_dkdv(
     """dk, dv (B, S, Hkv, D) of the attention :func:`usable` took, from q, k, v, dout (contiguous), the
     forward's lse (B, Hq, S) and delta = rowsum(out * dout) (B, Hq, S), both fp32 (delta already less
     lse's gradient). dq is the Triton dq kernel's (ops/attention_bwd.py)."""
-    cfg = launch_config("dkdv", causal, q.dtype, q.device, config)
+    cfg = launch_config("dkdv", causal, q.dtype, q.device, config, q.shape[-1])
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     dk = torch.empty_like(k)
@@ -543,7 +555,7 @@ def backward_dq(
     config: dict | None = None,
 ) -> torch.Tensor:
     """dq (B, S, Hq, D) of the attention :func:`usable` took; arguments as :func:`backward_dkdv`'s."""
-    cfg = launch_config("dq", causal, q.dtype, q.device, config)
+    cfg = launch_config("dq", causal, q.dtype, q.device, config, q.shape[-1])
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     dq = torch.empty_like(q)
@@ -568,7 +580,10 @@ __all__ = [
     "BWD_CONFIG",
     "CONFIG",
     "DQ_CONFIG",
+    "DQ_HEAD_DIMS",
     "HAVE_GLUON",
+    "HD_CONFIGS",
+    "HEAD_DIMS",
     "KERNELS",
     "backward_dkdv",
     "backward_dq",

@@ -463,8 +463,9 @@ def test_gluon_forward_declines_what_it_does_not_take():
         assert not hopper.usable(g, g, g, True, -1, 0, 0.1)
         assert not hopper.usable(g, g, g, False, 8, 0, 0.1)
         assert not hopper.usable(g, g, g, False, -1, 0, 0.0)
-        assert not hopper.usable(g[:, :, :, :64].contiguous(), g[:, :, :, :64].contiguous(),
-                                 g[:, :, :, :64].contiguous(), False, -1, 0, 0.1)  # fmt: skip
+        g64, g96 = g[..., :64].contiguous(), g[..., :96].contiguous()
+        assert hopper.usable(g64, g64, g64, False, -1, 0, 0.1)
+        assert not hopper.usable(g96, g96, g96, False, -1, 0, 0.1)
         h = torch.randn(1, 200, 2, 128, device="cuda", dtype=torch.half)
         assert not hopper.usable(h, h, h, False, -1, 0, 0.1)
 
@@ -493,6 +494,7 @@ def test_flash_attention_gluon_backward_gpu(b, s, hq, hkv, causal, dtype, gluon_
 
 
 _OFFLINE_GLUON = r"""
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
@@ -507,21 +509,22 @@ stat = desc([A.BWD_BLOCK_M], gl.float32, "fp32")
 
 
 def jobs(d):
+    fwd, dkdv, dq = (A.launch_config(kind, True, torch.bfloat16, "cpu", head_dim=d) for kind in ("fwd", "dkdv", "dq"))
     return [
         (A._attention_fwd_kernel, dict(q_desc=desc([half, d]), k_desc=desc([bn, d]), v_desc=desc([bn, d]),
          o_desc=desc([half, d]), lse_ptr="*fp32", seqlen="i32", hq="i32", group="i32", qk_scale="fp32"),
-         dict(CAUSAL=True, STAGES=A.CONFIG["STAGES"], CONSUMER_REGS=A.CONFIG["CONSUMER_REGS"],
-              PRODUCER_REGS=A.CONFIG["PRODUCER_REGS"])),
+         dict(CAUSAL=True, STAGES=fwd["STAGES"], CONSUMER_REGS=fwd["CONSUMER_REGS"],
+              PRODUCER_REGS=fwd["PRODUCER_REGS"])),
         (A._dkdv_kernel, dict(q_desc=desc([A.BWD_BLOCK_M, d]), do_desc=desc([A.BWD_BLOCK_M, d]), lse_desc=stat,
          delta_desc=stat, k_desc=desc([bn // 2, d]), v_desc=desc([bn // 2, d]), dk_desc=desc([bn // 2, d]),
          dv_desc=desc([bn // 2, d]), seqlen="i32", hkv="i32", group="i32", qk_scale="fp32", sm_scale="fp32"),
-         dict(CAUSAL=True, STAGES=4, CONSUMER_REGS=A.BWD_CONFIG["CONSUMER_REGS"],
-              PRODUCER_REGS=A.BWD_CONFIG["PRODUCER_REGS"])),
+         dict(CAUSAL=True, STAGES=dkdv["STAGES"], CONSUMER_REGS=dkdv["CONSUMER_REGS"],
+              PRODUCER_REGS=dkdv["PRODUCER_REGS"])),
         (A._dq_kernel, dict(q_desc=desc([half, d]), do_desc=desc([half, d]), k_desc=desc([A.DQ_BLOCK_N, d]),
          v_desc=desc([A.DQ_BLOCK_N, d]), dq_desc=desc([half, d]), lse_ptr="*fp32", delta_ptr="*fp32", seqlen="i32",
          hq="i32", group="i32", qk_scale="fp32", sm_scale="fp32"),
-         dict(CAUSAL=True, STAGES=A.DQ_CONFIG["STAGES"], CONSUMER_REGS=A.DQ_CONFIG["CONSUMER_REGS"],
-              PRODUCER_REGS=A.DQ_CONFIG["PRODUCER_REGS"])),
+         dict(CAUSAL=True, STAGES=dq["STAGES"], CONSUMER_REGS=dq["CONSUMER_REGS"],
+              PRODUCER_REGS=dq["PRODUCER_REGS"])),
     ]
 
 
@@ -562,26 +565,35 @@ def test_gluon_launch_config_comes_from_the_autotune_cache(tmp_path, monkeypatch
         assert hopper.launch_config("dq", False, torch.bfloat16, "cpu") == hopper.DQ_CONFIG
         assert hopper.launch_config("dq", True, torch.float16, "cpu") == hopper.DQ_CONFIG
         assert hopper.launch_config("dq", True, torch.bfloat16, "cpu", dict(STAGES=4))["STAGES"] == 4
+        # Other head dims: their own defaults (hd 64: 4 forward stages) and their own cache keys.
+        assert hopper.launch_config("fwd", True, torch.bfloat16, "cpu", head_dim=64) == hopper.HD_CONFIGS[64]["fwd"]
+        assert hopper.launch_config("dq", True, torch.bfloat16, "cpu", head_dim=64) == hopper.DQ_CONFIG
+        autotune.store(hopper.KERNELS["fwd"], "causal-bfloat16-hd64", stored, device="cpu")
+        assert hopper.launch_config("fwd", True, torch.bfloat16, "cpu", head_dim=64) == stored
+        assert hopper.launch_config("fwd", True, torch.bfloat16, "cpu") == hopper.CONFIG
     finally:
         autotune.clear_memory()
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gluon_dq", [False, True])
 @pytest.mark.parametrize("b, s, hq, hkv, causal", [(2, 256, 8, 2, True), (1, 384, 4, 4, False), (2, 1024, 4, 1, True)])
-def test_flash_attention_gluon_hd64_gpu(b, s, hq, hkv, causal, monkeypatch):
-    """Head dim 64 through all three Gluon kernels (HEAD_DIMS patched: not shipped until this passes and
-    sweep `attention_gluon` shows it faster): out, lse and gradients against the fp64 reference."""
+def test_flash_attention_gluon_hd64_gpu(b, s, hq, hkv, causal, gluon_dq, monkeypatch):
+    """Head dim 64 through the Gluon forward and dK/dV kernels with the Triton dq kernel (as shipped), or
+    with the Gluon dq kernel (DQ_HEAD_DIMS patched): out, lse and gradients against the fp64 reference."""
     from fuseformer.ops import attention_hopper as hopper
 
     if not _gluon.runs_on("cuda"):
         pytest.skip("needs an sm_90 GPU and Gluon")
+    assert 64 in hopper.HEAD_DIMS and 64 not in hopper.DQ_HEAD_DIMS
     calls = []
     for name in ("forward", "backward_dkdv", "backward_dq"):
         real = getattr(hopper, name)
         monkeypatch.setattr(hopper, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
-    monkeypatch.setattr(hopper, "HEAD_DIMS", (64, 128))
+    if gluon_dq:
+        monkeypatch.setattr(hopper, "DQ_HEAD_DIMS", (64, 128))
     monkeypatch.setattr(attn_mod, "_GLUON_FWD", True)
     monkeypatch.setattr(bwd_mod, "_GLUON_BWD", True)
     monkeypatch.setattr(bwd_mod, "_GLUON_DQ", True)
     _check(b, s, s, hq, hkv, 64, "cuda", causal=causal, dtype=torch.bfloat16)
-    assert calls == ["forward", "backward_dkdv", "backward_dq"]
+    assert calls == ["forward", "backward_dkdv"] + (["backward_dq"] if gluon_dq else [])
