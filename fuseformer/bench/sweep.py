@@ -412,6 +412,45 @@ def sweep_flce() -> list[dict]:
     return out
 
 
+def sweep_flce_plan() -> list[dict]:
+    """The FLCE's growing chunks at the goal shape (8192 tokens, H 4096, V 128256, bf16), fwd + bwd through
+    autograd (as `bench mlp_ce` times it), alternated: the shipped plan (the scratch grown by 3 tokens to
+    save the last 32-token chunk: 14 chunks), the plan before it (15), and chunks aligned to 64 and 128
+    tokens (cuBLAS's tiles), each with its peak memory above the inputs and its chunk sizes."""
+    ce = importlib.import_module("fuseformer.ops.cross_entropy")
+    n, h, v = 8192, 4096, 128256
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5).requires_grad_()
+    target = torch.randint(0, v, (n,), device="cuda")
+    shipped = (ce._scratch_for_fewer_chunks, ce._CHUNK_ALIGN)
+
+    def step():
+        hidden.grad = weight.grad = None
+        ce.fused_linear_cross_entropy(hidden, weight, target).backward()
+
+    out = []
+    variants = (("shipped", None, 16), ("scratch 241", lambda n, h, v, c, first: c, 16), ("align 64", None, 64),
+                ("align 128", None, 128), ("shipped", None, 16), ("scratch 241", lambda n, h, v, c, first: c, 16))  # fmt: skip
+    try:
+        for name, scratch, align in variants:
+            ce._scratch_for_fewer_chunks = scratch or shipped[0]
+            ce._CHUNK_ALIGN = align
+            c = ce._scratch_for_fewer_chunks(n, h, v, ce._chunk_size(n, h, v, 2), h)
+            rec = dict(kind="flce_plan", plan=name, scratch_tokens=c,
+                       chunks=[e - s for s, e, _ in ce._growing_chunks(n, h, v, c * v, h)])  # fmt: skip
+            try:
+                step()
+                rec["peak_gib_above_inputs"] = peak_gib_above(step)
+                rec["ms"] = bench_ms(step, rep=100)
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            out.append(rec)
+            print(json.dumps(rec), flush=True)
+    finally:
+        ce._scratch_for_fewer_chunks, ce._CHUNK_ALIGN = shipped
+    return out
+
+
 def sweep_attention() -> list[dict]:
     from fuseformer.bench.attention import sweep_attention_configs
 
@@ -1065,6 +1104,7 @@ SWEEPS = {
     "attention_gluon": sweep_attention_gluon,
     "attention_gluon_bwd": sweep_attention_gluon_bwd,
     "mlp_gluon": sweep_mlp_gluon,
+    "flce_plan": sweep_flce_plan,
     "rms_norm": sweep_rms_norm,
     "rms_norm_long": sweep_rms_norm_long,
     "rms_norm_residual": sweep_rms_norm_residual,

@@ -444,6 +444,10 @@ def _chunk_size(n: int, h: int, v: int, element_size: int) -> int:
 _ARENA_ALIGN = 64
 
 
+# Growing chunks are multiples of this many tokens (but the last), for the GEMMs.
+_CHUNK_ALIGN = 16
+
+
 def _growing_chunks(n: int, h: int, v: int, scratch: int, first: int = 0) -> list[tuple[int, int, int]]:
     """(start, end, logits offset) of each chunk when grad_hidden and the logits share one arena:
     grad_hidden's n x h elements first, then ``scratch`` (+ ``_ARENA_ALIGN``) more. Chunk [s, e) writes grad_hidden rows
@@ -462,8 +466,8 @@ def _growing_chunks(n: int, h: int, v: int, scratch: int, first: int = 0) -> lis
     s = first
     while s < n:
         c = min(n - s, max(1, (total - s * h) // (v + h)))
-        if c < n - s and c > 16:
-            c -= c % 16
+        if c < n - s and c > _CHUNK_ALIGN:
+            c -= c % _CHUNK_ALIGN
         while c > 1:
             off = -(-(s + c) * h // _ARENA_ALIGN) * _ARENA_ALIGN
             if off + c * v <= total:
@@ -473,6 +477,18 @@ def _growing_chunks(n: int, h: int, v: int, scratch: int, first: int = 0) -> lis
         out.append((s, s + c, off))
         s += c
     return out
+
+
+def _scratch_for_fewer_chunks(n: int, h: int, v: int, c: int, first: int) -> int:
+    """Tokens of logits scratch for the growing chunks: ``c``, or up to c // 64 more where that saves a
+    chunk. At the goal shape (8192 tokens, H 4096, V 128256) 244 instead of 241 tokens take the 4096
+    tokens past the first chunk in 14 chunks instead of 15, whose last had 32 tokens yet streamed all of
+    W twice and read and wrote all of grad_weight (~1 ms); +0.7 MB, a peak of 1.0994 GiB."""
+    base = len(_growing_chunks(n, h, v, c * v, first))
+    for extra in range(1, c // 64 + 1):
+        if len(_growing_chunks(n, h, v, (c + extra) * v, first)) < base:
+            return c + extra
+    return c
 
 
 def _first_chunk_in_dw(
@@ -537,6 +553,9 @@ def _chunks(
     c = chunk_size or _chunk_size(n, h, v, hidden.element_size())
     write_grad = scale is not None
     default = write_grad and chunk_size is None and n > 0  # the first chunk and growing chunks apply
+    first = min(n, h) if default and dw is not None else 0
+    if default and want_dh:
+        c = _scratch_for_fewer_chunks(n, h, v, c, first)
     arena = empty((n * h + c * v + _ARENA_ALIGN,), dtype=dtype, device=device) if default and want_dh else None
     dh = None
     if arena is not None:
@@ -544,7 +563,6 @@ def _chunks(
     elif want_dh and write_grad:
         dh = empty((n, h), dtype=dtype, device=device)
     buf = empty((min(c, n), v), dtype=dtype, device=device) if arena is None and n else None
-    first = min(n, h) if default and dw is not None else 0
     if first:
         # Room for _first_chunk_in_dw's grad_weight slices: grad_hidden's rows past the first chunk and
         # the scratch, or the logits buffer.
