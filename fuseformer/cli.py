@@ -40,7 +40,7 @@ def _info(args: argparse.Namespace) -> int:
 
     gluon = "off (FUSEFORMER_GLUON=0)" if not _gluon.ENABLED else (
         "on" if _gluon.HAVE_GLUON else "off (this Triton has no Gluon)")  # fmt: skip
-    print(f"gluon      {gluon} (flash_attention forward and backward, hd 128 batched, on sm_90 GPUs)")
+    print(f"gluon      {gluon} (on sm_90 GPUs: flash_attention hd 64/128 batched; fused_mlp's gate-up from 512 tokens)")
     print()
     width = max(len(op) for op in OPS)
     for dev in devices:
