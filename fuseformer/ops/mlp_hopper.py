@@ -35,6 +35,7 @@ from fuseformer.ops._gluon import (
     warpgroup_mma_wait,
 )
 from fuseformer.ops._utils import sm_count
+from fuseformer.runtime import autotune
 
 BLOCK_M = 128  # token rows a program: 64 a consumer warpgroup
 # Output columns a tile (its gate and up boxes each), the K step, ring stages, tile grouping, the
@@ -163,9 +164,33 @@ def usable(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, save_pre: 
     return tma_rows(x) and tma_rows(w_gate_up)
 
 
+# The autotune cache's name for this kernel (runtime/autotune.py): a config stored for (kernel, GPU,
+# Triton version, "bfloat16" / "float16") replaces CONFIG.
+KERNEL = "mlp_gluon_gate_up"
+_SMEM_BYTES = 227 * 1024
+
+
+def _fits(cfg: dict) -> bool:
+    # The ring (x boxes for both consumers, gate and up boxes) and the two output boxes in shared memory,
+    # 16-bit elements; tile sizes the kernel's layouts take.
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if bn not in (64, 128, 256) or bk not in (32, 64, 128) or cfg["STAGES"] < 2:
+        return False
+    ring = cfg["STAGES"] * (BLOCK_M * bk + 2 * bn * bk) * 2
+    return ring + BLOCK_M * bn * 2 <= _SMEM_BYTES
+
+
+def launch_config(dtype: torch.dtype, device=None, config: dict | None = None) -> dict:
+    """The launch config: the autotune cache's for this GPU and dtype (a stored entry with other fields,
+    or one that does not fit in shared memory, is ignored with a warning), else CONFIG; ``config`` on
+    top (sweeps)."""
+    stored = autotune.get_config(KERNEL, autotune.dtype_name(dtype), device=device, fields=tuple(CONFIG), check=_fits)
+    return dict(stored if stored is not None else CONFIG, **(config or {}))
+
+
 def gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, config: dict | None = None) -> torch.Tensor:
     """y (T, I) = act(x Wg^T) * (x Wu^T) for x (T, H), w_gate_up (2I, H), inputs :func:`usable` took."""
-    cfg = dict(CONFIG, **(config or {}))
+    cfg = launch_config(x.dtype, x.device, config)
     t, h = x.shape
     i = w_gate_up.shape[0] // 2
     y = torch.empty((t, i), dtype=x.dtype, device=x.device)
@@ -185,4 +210,4 @@ def gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, config: d
     return y
 
 
-__all__ = ["CONFIG", "HAVE_GLUON", "gate_up", "usable"]
+__all__ = ["CONFIG", "HAVE_GLUON", "KERNEL", "gate_up", "launch_config", "usable"]

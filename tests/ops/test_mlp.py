@@ -814,3 +814,27 @@ def test_gluon_gate_up_declines_what_it_does_not_take():
         assert not mlp_hopper.usable(x.float(), w.float(), "silu", save_pre=False)
         assert not mlp_hopper.usable(x[:, :48].contiguous(), w[:, :48].contiguous(), "silu", save_pre=False)
         assert not mlp_hopper.usable(x, w[:192], "silu", save_pre=False)
+
+
+def test_gluon_gate_up_launch_config_comes_from_the_autotune_cache(tmp_path, monkeypatch):
+    """The Gluon gate-up's tiles, stages and register split: the autotune cache's entry for (kernel, GPU,
+    Triton, dtype) where there is one, else the module default; a stale entry (other fields) or one that
+    does not fit in shared memory is ignored with a warning; a sweep's config on top."""
+    from fuseformer.ops import mlp_hopper
+    from fuseformer.runtime import autotune
+
+    monkeypatch.setenv("FUSEFORMER_CACHE_DIR", str(tmp_path))
+    autotune.clear_memory()
+    try:
+        assert mlp_hopper.launch_config(torch.bfloat16, "cpu") == mlp_hopper.CONFIG
+        stored = dict(mlp_hopper.CONFIG, STAGES=3, GROUP_M=16)
+        autotune.store(mlp_hopper.KERNEL, "bfloat16", stored, device="cpu")
+        assert mlp_hopper.launch_config(torch.bfloat16, "cpu") == stored
+        assert mlp_hopper.launch_config(torch.float16, "cpu") == mlp_hopper.CONFIG
+        assert mlp_hopper.launch_config(torch.bfloat16, "cpu", dict(STAGES=2))["STAGES"] == 2
+        for bad in (dict(STAGES=3), dict(mlp_hopper.CONFIG, STAGES=6), dict(mlp_hopper.CONFIG, BLOCK_N=256)):
+            autotune.store(mlp_hopper.KERNEL, "float16", bad, device="cpu")
+            with pytest.warns(UserWarning, match="ignoring"):
+                assert mlp_hopper.launch_config(torch.float16, "cpu") == mlp_hopper.CONFIG
+    finally:
+        autotune.clear_memory()
