@@ -4,13 +4,14 @@
 #
 #   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune|serve|attention|gluon] [bench suites...]
 #
-# gluon (not part of all): the Gluon kernels written but not yet shipped (attention at head dim 64, the
-# fused MLP's gate-up): their GPU tests, then sweeps attention_gluon, attention_gluon_bwd and mlp_gluon.
+# gluon (not part of all): the GPU tests of the Gluon attention kernels at head dim 64 and of the fused
+# MLP's Gluon gate-up, then sweeps attention_gluon, attention_gluon_bwd and mlp_gluon (configs, peers,
+# the gate-up's token crossover).
 #
 # serve (not part of all): the serving GPU tests and `fuseformer bench serve`, in one device call.
 #
-# attention (not part of all): the hd 128 attention GPU tests (the Gluon kernels and the cases they
-# take), the attention layer's and the Llama model's, then `fuseformer bench attention --quick`, in one
+# attention (not part of all): the attention GPU tests at head dim 128 (the Gluon kernels and the cases
+# they take), the attention layer's and the Llama model's, then `fuseformer bench attention --quick`, in one
 # device call (~5 min; run 83 ran the tests in 158 s).
 #
 # tune (not part of all): `fuseformer bench --tune --quick`, its autotune cache files archived in

@@ -163,6 +163,10 @@ def float_dtype_of(t: torch.Tensor) -> torch.dtype:
 _POISON = False
 
 
+# Shared memory a block may use on sm_90 (H100, H200).
+SM90_SMEM_BYTES = 227 * 1024
+
+
 def empty(shape: tuple[int, ...] | list[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Allocate a kernel output. The one allocation helper, so that tests can poison outputs."""
     if _POISON:

@@ -587,8 +587,8 @@ def _descriptor(view: torch.Tensor, block_rows: int, block_d: int) -> TensorDesc
     return TensorDescriptor(view, list(view.shape), [view.stride(0), 1], [block_rows, block_d])
 
 
-# The Gluon forward (ops/attention_hopper.py) for the cases it takes (sm_90, hd 128, batched, equal
-# lengths a multiple of 128, causal or full): 1.2-1.23x this module's kernel on the goal shapes and
+# The Gluon forward (ops/attention_hopper.py) for the cases it takes (sm_90, hd 64 or 128, batched,
+# equal lengths a multiple of 128, causal or full): 1.2-1.23x this module's kernel on the goal shapes and
 # ahead of cuDNN (run 82). FUSEFORMER_GLUON=0 turns it off.
 _GLUON_FWD = _gluon.ENABLED
 
@@ -629,7 +629,7 @@ def flash_attention_fwd(
     if q.numel() == 0 or batch == 0 or seqlen_q == 0:
         return out, lse
     if _GLUON_FWD and attention_hopper.usable(q, k, v, varlen, window_left, window_right, softmax_scale):
-        return attention_hopper.forward(q, k, v, softmax_scale, causal=window_right == 0)
+        return attention_hopper.forward(q, k, v, softmax_scale, causal=window_right == 0, out=out, lse=lse)
     block_d = max(16, next_pow2(d))
     cfg = kernel_config("fwd", block_d, window_left >= 0 or window_right >= 0, q.dtype, q.device)
     cu_q = cu_seqlens_q if varlen else lse  # unused pointer when not varlen

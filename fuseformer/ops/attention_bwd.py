@@ -524,7 +524,7 @@ def flash_attention_bwd(
         return (q, k, v, dout, *dkdv_rest)
 
     if gluon:
-        dk, dv = attention_hopper.backward_dkdv(q, k, v, dout, lse, delta, softmax_scale, window_right == 0)
+        attention_hopper.backward_dkdv(q, k, v, dout, lse, delta, softmax_scale, window_right == 0, dk=dk, dv=dv)
     else:
         launch(
             _flash_attention_bwd_dkdv_kernel,
@@ -538,7 +538,7 @@ def flash_attention_bwd(
         dq.copy_(dq_acc)
         return dq, dk, dv
     if gluon and _GLUON_DQ and q.shape[-1] in attention_hopper.DQ_HEAD_DIMS:
-        dq = attention_hopper.backward_dq(q, k, v, dout, lse, delta, softmax_scale, window_right == 0)
+        attention_hopper.backward_dq(q, k, v, dout, lse, delta, softmax_scale, window_right == 0, dq=dq)
         return dq, dk, dv
     dq_rest = (
         dout, lse, delta, dq, cu_q, cu_k,

@@ -40,6 +40,7 @@ from fuseformer.ops._gluon import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from fuseformer.ops._utils import empty
 from fuseformer.runtime import autotune
 
 BLOCK_M = 128  # q rows a program: 64 a consumer warpgroup
@@ -477,13 +478,15 @@ def usable(
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-            config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """out (B, S, Hq, D) like q and lse (B, Hq, S) fp32 (natural log), for inputs :func:`usable` took."""
+            config: dict | None = None, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """out (B, S, Hq, D) like q and lse (B, Hq, S) fp32 (natural log), for inputs :func:`usable` took;
+    into ``out`` and ``lse`` where given (contiguous, those shapes)."""
     cfg = launch_config("fwd", causal, q.dtype, q.device, config, q.shape[-1])
     b, s, hq, d = q.shape
     hkv = k.shape[2]
-    out = torch.empty_like(q)
-    lse = torch.empty((b, hq, s), dtype=torch.float32, device=q.device)
+    out = empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    lse = empty((b, hq, s), dtype=torch.float32, device=q.device) if lse is None else lse
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     half = BLOCK_M // 2
     q_layout = gl.NVMMASharedLayout.get_default_for([half, d], dt)
@@ -511,15 +514,17 @@ def backward_dkdv(
     softmax_scale: float,
     causal: bool,
     config: dict | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dk, dv (B, S, Hkv, D) of the attention :func:`usable` took, from q, k, v, dout (contiguous), the
     forward's lse (B, Hq, S) and delta = rowsum(out * dout) (B, Hq, S), both fp32 (delta already less
-    lse's gradient). dq is the Triton dq kernel's (ops/attention_bwd.py)."""
+    lse's gradient); into ``dk`` and ``dv`` where given (contiguous, like k and v)."""
     cfg = launch_config("dkdv", causal, q.dtype, q.device, config, q.shape[-1])
     b, s, hq, d = q.shape
     hkv = k.shape[2]
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dk = empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
+    dv = empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
     lse2 = (lse * 1.4426950408889634).reshape(-1)  # log2 units, as exp2 takes them
     delta = delta.contiguous().reshape(-1)
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
@@ -553,12 +558,14 @@ def backward_dq(
     softmax_scale: float,
     causal: bool,
     config: dict | None = None,
+    dq: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dq (B, S, Hq, D) of the attention :func:`usable` took; arguments as :func:`backward_dkdv`'s."""
+    """dq (B, S, Hq, D) of the attention :func:`usable` took, into ``dq`` where given (contiguous, like
+    q); arguments as :func:`backward_dkdv`'s."""
     cfg = launch_config("dq", causal, q.dtype, q.device, config, q.shape[-1])
     b, s, hq, d = q.shape
     hkv = k.shape[2]
-    dq = torch.empty_like(q)
+    dq = empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     half = BLOCK_M // 2
     q_layout = gl.NVMMASharedLayout.get_default_for([half, d], dt)

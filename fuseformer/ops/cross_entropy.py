@@ -479,16 +479,19 @@ def _growing_chunks(n: int, h: int, v: int, scratch: int, first: int = 0) -> lis
     return out
 
 
-def _scratch_for_fewer_chunks(n: int, h: int, v: int, c: int, first: int) -> int:
-    """Tokens of logits scratch for the growing chunks: ``c``, or up to c // 64 more where that saves a
-    chunk. At the goal shape (8192 tokens, H 4096, V 128256) 244 instead of 241 tokens take the 4096
-    tokens past the first chunk in 14 chunks instead of 15, whose last had 32 tokens yet streamed all of
-    W twice and read and wrote all of grad_weight (~1 ms); +0.7 MB, a peak of 1.0994 GiB."""
-    base = len(_growing_chunks(n, h, v, c * v, first))
-    for extra in range(1, c // 64 + 1):
-        if len(_growing_chunks(n, h, v, (c + extra) * v, first)) < base:
-            return c + extra
-    return c
+def _growing_plan(n: int, h: int, v: int, c: int, first: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """Tokens of logits scratch for the growing chunks and the chunks (:func:`_growing_chunks`): ``c``,
+    or c + c // 64 where that saves a chunk (two plans computed, at most). At the goal shape (8192
+    tokens, H 4096, V 128256) 244 instead of 241 tokens take the 4096 tokens past the first chunk in 14
+    chunks instead of 15, whose last had 32 tokens yet streamed all of W twice and read and wrote all
+    of grad_weight (~1 ms); +0.7 MB, a peak of 1.0994 GiB."""
+    plan = _growing_chunks(n, h, v, c * v, first)
+    more = c + c // 64
+    if more > c:
+        bigger = _growing_chunks(n, h, v, more * v, first)
+        if len(bigger) < len(plan):
+            return more, bigger
+    return c, plan
 
 
 def _first_chunk_in_dw(
@@ -555,7 +558,7 @@ def _chunks(
     default = write_grad and chunk_size is None and n > 0  # the first chunk and growing chunks apply
     first = min(n, h) if default and dw is not None else 0
     if default and want_dh:
-        c = _scratch_for_fewer_chunks(n, h, v, c, first)
+        c, growing = _growing_plan(n, h, v, c, first)
     arena = empty((n * h + c * v + _ARENA_ALIGN,), dtype=dtype, device=device) if default and want_dh else None
     dh = None
     if arena is not None:
@@ -571,7 +574,7 @@ def _chunks(
                            dh, dw, db, spare, first)  # fmt: skip
     if arena is not None:
         plan = [(s, e, arena[off : off + (e - s) * v].view(e - s, v))
-                for s, e, off in _growing_chunks(n, h, v, c * v, first)]  # fmt: skip
+                for s, e, off in growing]  # fmt: skip
     else:
         plan = [(s, min(n, s + c), buf[: min(n, s + c) - s]) for s in range(first, n, c)]
     for start, end, out in plan:

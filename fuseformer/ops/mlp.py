@@ -64,6 +64,7 @@ from fuseformer.ops import _gluon, mlp_hopper
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
+    SM90_SMEM_BYTES,
     DescLauncher,
     autocast_inputs,
     autograd_function,
@@ -1005,7 +1006,7 @@ TUNE_SHAPES = ((4096, 14336), (2048, 8192), (8192, 28672))  # (H, I): Llama-3 8B
 TUNE_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-_SMEM_LIMIT = 227 * 1024  # per block on sm_90 (H100, H200)
+_SMEM_LIMIT = SM90_SMEM_BYTES
 
 
 def _smem_bytes(cfg: dict, element_size: int = 2) -> int:

@@ -34,7 +34,7 @@ from fuseformer.ops._gluon import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from fuseformer.ops._utils import sm_count
+from fuseformer.ops._utils import SM90_SMEM_BYTES, empty, sm_count
 from fuseformer.runtime import autotune
 
 BLOCK_M = 128  # token rows a program: 64 a consumer warpgroup
@@ -167,7 +167,6 @@ def usable(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, save_pre: 
 # The autotune cache's name for this kernel (runtime/autotune.py): a config stored for (kernel, GPU,
 # Triton version, "bfloat16" / "float16") replaces CONFIG.
 KERNEL = "mlp_gluon_gate_up"
-_SMEM_BYTES = 227 * 1024
 
 
 def _fits(cfg: dict) -> bool:
@@ -177,7 +176,7 @@ def _fits(cfg: dict) -> bool:
     if bn not in (64, 128, 256) or bk not in (32, 64, 128) or cfg["STAGES"] < 2:
         return False
     ring = cfg["STAGES"] * (BLOCK_M * bk + 2 * bn * bk) * 2
-    return ring + BLOCK_M * bn * 2 <= _SMEM_BYTES
+    return ring + BLOCK_M * bn * 2 <= SM90_SMEM_BYTES
 
 
 def launch_config(dtype: torch.dtype, device=None, config: dict | None = None) -> dict:
@@ -193,7 +192,7 @@ def gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str, config: d
     cfg = launch_config(x.dtype, x.device, config)
     t, h = x.shape
     i = w_gate_up.shape[0] // 2
-    y = torch.empty((t, i), dtype=x.dtype, device=x.device)
+    y = empty((t, i), dtype=x.dtype, device=x.device)
     dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     bn, bk, half = cfg["BLOCK_N"], cfg["BLOCK_K"], BLOCK_M // 2
     x_desc = TensorDescriptor.from_tensor(x, [half, bk], gl.NVMMASharedLayout.get_default_for([half, bk], dt))

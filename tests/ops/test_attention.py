@@ -547,6 +547,42 @@ def test_gluon_attention_kernels_compile_for_sm90_offline():
     compile_offline(_OFFLINE_GLUON, timeout=600)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the interpreted preprocess kernel")
+def test_gluon_kernels_write_into_the_launchers_outputs(monkeypatch):
+    """The launchers allocate out / lse and dq / dk / dv once (through the poisoning `empty`), and the
+    Gluon kernels write into those: no second allocation. The kernels are stubbed (Gluon runs on sm_90
+    only); what is checked is the buffers their descriptors and pointers point at."""
+    from fuseformer.ops import attention_hopper as hopper
+
+    if not _gluon.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    seen = {}
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.__setitem__(self.name, args)
+
+    for name in ("_attention_fwd_kernel", "_dkdv_kernel", "_dq_kernel"):
+        monkeypatch.setattr(hopper, name, Stub(name))
+    monkeypatch.setattr(hopper, "usable", lambda *a: True)
+    monkeypatch.setattr(hopper, "empty", lambda *a, **kw: pytest.fail("a Gluon launcher allocated an output"))
+    monkeypatch.setattr(hopper, "DQ_HEAD_DIMS", (64,))
+    monkeypatch.setattr(attn_mod, "_GLUON_FWD", True)
+    monkeypatch.setattr(bwd_mod, "_GLUON_BWD", True)
+    monkeypatch.setattr(bwd_mod, "_GLUON_DQ", True)
+    q, k, v, do = (torch.randn(1, 128, 2, 64, dtype=torch.float16) for _ in range(4))
+    out, lse = attn_mod.flash_attention_fwd(q, k, v, None, None, 128, 128, 0.125, -1, 0)
+    fwd = seen["_attention_fwd_kernel"]
+    assert fwd[3].base.data_ptr() == out.data_ptr() and fwd[4] is lse
+    dq, dk, dv = bwd_mod.flash_attention_bwd(do, q, k, v, out, lse, None, None, None, 128, 128, 0.125, -1, 0)
+    dkdv, dqk = seen["_dkdv_kernel"], seen["_dq_kernel"]
+    assert dkdv[6].base.data_ptr() == dk.data_ptr() and dkdv[7].base.data_ptr() == dv.data_ptr()
+    assert dqk[4].base.data_ptr() == dq.data_ptr()
+
+
 def test_gluon_launch_config_comes_from_the_autotune_cache(tmp_path, monkeypatch):
     """The Gluon kernels' stages and register split: the autotune cache's entry for (kernel, GPU,
     Triton, causal/full and dtype) where there is one, else the module defaults; a sweep's config on top."""

@@ -408,7 +408,7 @@ def test_flce_gpu_memory_stays_below_logits():
     F.fused_linear_cross_entropy(hidden, weight, t).backward()
     torch.cuda.synchronize()
     above = torch.cuda.max_memory_allocated() - before
-    chunk = CE._scratch_for_fewer_chunks(n, h, v, CE._chunk_size(n, h, v, 2), h)
+    chunk = CE._growing_plan(n, h, v, CE._chunk_size(n, h, v, 2), h)[0]
     expected = 2 * (v * h + n * h + chunk * v)  # 1.0994 GiB
     assert above <= expected + (32 << 20), f"{above / 2**30:.3f} GiB above the inputs, expected {expected / 2**30:.3f}"
     assert above <= 1.1 * 2**30, f"{above / 2**30:.4f} GiB above the inputs: over the goal of 1.1 GiB"
@@ -492,17 +492,18 @@ def test_flce_growing_chunks_cover_the_tokens_without_overlap():
 def test_flce_scratch_grows_a_little_to_save_a_chunk():
     """At the goal shape, past the first chunk's 4096 tokens, 241 tokens of scratch leave a last chunk of
     32 tokens; 244 take the 4096 tokens in 14 chunks, and the peak (grad_weight, grad_hidden, scratch)
-    stays under the issue's 1.1 GiB. Elsewhere the scratch grows by at most 1/64, only to save a chunk."""
+    stays under the issue's 1.1 GiB. Elsewhere the scratch grows by 1/64, only to save a chunk, and the
+    plan returned is the one for the scratch returned."""
     n, h, v = 8192, 4096, 128256
     assert [e - s for s, e, _ in CE._growing_chunks(n, h, v, 241 * v, h)][-1] == 32
-    c = CE._scratch_for_fewer_chunks(n, h, v, 241, h)
-    assert c == 244 and len(CE._growing_chunks(n, h, v, c * v, h)) == 14
+    c, plan = CE._growing_plan(n, h, v, 241, h)
+    assert c == 244 and len(plan) == 14 and plan == CE._growing_chunks(n, h, v, c * v, h)
     assert 2 * (v * h + n * h + c * v + CE._ARENA_ALIGN) <= 1.1 * 2**30 - (512 << 10)
     for n, h, v, c0, first in [(29, 24, 300, 8, 24), (1000, 64, 5003, 17, 64), (3000, 1024, 32000, 90, 1024),
                                (40, 64, 80, 4, 0), (1, 5, 7, 1, 1)]:  # fmt: skip
-        c = CE._scratch_for_fewer_chunks(n, h, v, c0, first)
-        assert c0 <= c <= c0 + c0 // 64
-        chunks = len(CE._growing_chunks(n, h, v, c * v, first))
+        c, plan = CE._growing_plan(n, h, v, c0, first)
+        assert c0 <= c <= c0 + c0 // 64 and plan == CE._growing_chunks(n, h, v, c * v, first)
+        chunks = len(plan)
         assert chunks <= len(CE._growing_chunks(n, h, v, c0 * v, first))
         assert c == c0 or chunks < len(CE._growing_chunks(n, h, v, c0 * v, first))
 
