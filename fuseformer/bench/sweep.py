@@ -388,27 +388,76 @@ def sweep_flce() -> list[dict]:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out.append(rec)
         torch.cuda.empty_cache()
-    # The default schedule's first chunk runs the column CE kernels (the vocabulary split to make about
-    # PROGRAMS programs): the whole FLCE with each candidate tile.
-    shipped = dict(ce._COLS_CONFIG)
-    # Run 73: 64 x 128 / 4 best (1.39 ms for both kernels; 32-token tiles 1.67-2.06): wider token
-    # segments (DRAM rows 8 KB apart) next.
-    for bt, bv, warps, programs in ((64, 128, 4, 1024), (128, 64, 4, 1024), (128, 64, 8, 1024), (256, 32, 8, 1024),
-                                    (256, 64, 8, 1024), (128, 128, 8, 1024), (64, 128, 4, 2048), (128, 64, 4, 512)):  # fmt: skip
-        ce._COLS_CONFIG = dict(BLOCK_T=bt, BLOCK_V=bv, num_warps=warps, PROGRAMS=programs)
-        rec = dict(kind="flce_cols_config", **ce._COLS_CONFIG)
-        try:
-            step = lambda: ce.fused_linear_cross_entropy_fwd(  # noqa: E731
-                hidden, weight, target, None, -100, "mean", 0.0, 0.0, True, True, False
-            )
-            step()
-            rec["ms"] = bench_ms(step, rep=100)
-            kernels = gpu_kernels(step)
-            rec["cols_kernel_us"] = 1e3 * sum(k["ms_per_call"] for k in kernels if "cross_entropy_cols" in k["name"])
-        except Exception as exc:
-            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        out.append(rec)
-    ce._COLS_CONFIG = shipped
+    # The default schedule's first chunk runs the split CE kernels on transposed logits (the vocabulary
+    # split to make about PROGRAMS programs): the whole FLCE with each candidate tile.
+    shipped = dict(ce._SPLIT_CONFIGS["cols"])
+    # Run 73: 64 x 128 / 4 best (1.39 ms for both kernels; 32-token tiles 1.67-2.06); run 93: 1.35-2.2 ms
+    # for 64-256 tokens x 32-128 rows, 64 x 128 / 4 among the best again.
+    try:
+        for bt, bv, warps, programs in ((64, 128, 4, 1024), (128, 128, 8, 1024), (64, 256, 8, 1024),
+                                        (32, 256, 4, 1024), (64, 64, 4, 2048)):  # fmt: skip
+            ce._SPLIT_CONFIGS["cols"] = dict(BLOCK_T=bt, BLOCK_V=bv, num_warps=warps, PROGRAMS=programs)
+            ce.split_config.cache_clear()
+            rec = dict(kind="flce_cols_config", **ce._SPLIT_CONFIGS["cols"])
+            try:
+                step = lambda: ce.fused_linear_cross_entropy_fwd(  # noqa: E731
+                    hidden, weight, target, None, -100, "mean", 0.0, 0.0, True, True, False
+                )
+                step()
+                rec["ms"] = bench_ms(step, rep=100)
+                kernels = gpu_kernels(step)
+                rec["split_kernels_us"] = 1e3 * sum(k["ms_per_call"] for k in kernels if "_split_" in k["name"])
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            out.append(rec)
+    finally:
+        ce._SPLIT_CONFIGS["cols"] = shipped
+        ce.split_config.cache_clear()
+    return out
+
+
+def sweep_flce_rows_ce() -> list[dict]:
+    """The growing chunks' CE (240-352 tokens of V 128256 logits, bf16, row-major, dlogits in place):
+    the row kernel (one program a row) against the split kernels over tiles and program counts."""
+    ce = importlib.import_module("fuseformer.ops.cross_entropy")
+    v = 128256
+    out = []
+    shipped = dict(ce._SPLIT_CONFIGS["rows"])
+    configs = ((1, 2048, 4, 2048), (1, 4096, 8, 2048), (2, 1024, 4, 2048), (4, 1024, 8, 2048), (1, 2048, 4, 4096),
+               (1, 2048, 4, 1024), (4, 512, 4, 2048), (1, 1024, 4, 2048), (1, 8192, 16, 2048))  # fmt: skip
+    try:
+        for c in (240, 288, 352):
+            logits = torch.randn(c, v, device="cuda", dtype=torch.bfloat16)
+            target = torch.randint(0, v, (c,), device="cuda")
+            loss = torch.empty(c, device="cuda", dtype=torch.float32)
+            lse = torch.empty(c, device="cuda", dtype=torch.float32)
+            scale = torch.full((), 1.0 / 8192, device="cuda")
+            gb = 3 * c * v * 2 / 1e9  # read twice, written once
+
+            def row(logits=logits, target=target, loss=loss, lse=lse, scale=scale):
+                ce._launch(logits, target, loss, lse, logits, scale, -100, 0.0, 0.0,
+                           lse_given=False, write_loss=True, write_grad=True)  # fmt: skip
+
+            ms = bench_ms(row, rep=200)
+            out.append(dict(kind="flce_rows_ce", tokens=c, impl="row kernel", us=1e3 * ms, tb_s=gb / ms))
+            for bt, bv, warps, programs in configs:
+                ce._SPLIT_CONFIGS["rows"] = dict(BLOCK_T=bt, BLOCK_V=bv, num_warps=warps, PROGRAMS=programs)
+                ce.split_config.cache_clear()
+                rec = dict(kind="flce_rows_ce", tokens=c, impl="split", **ce._SPLIT_CONFIGS["rows"])
+                try:
+                    fn = lambda logits=logits, target=target, loss=loss, lse=lse, scale=scale: ce._launch_split(  # noqa: E731
+                        [logits.T], target, loss, lse, scale, -100, 0.0, 0.0, write_loss=True, write_grad=True
+                    )
+                    fn()
+                    ms = bench_ms(fn, rep=200)
+                    rec.update(us=1e3 * ms, tb_s=gb / ms)
+                except Exception as exc:
+                    rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                out.append(rec)
+            print(json.dumps(out[-len(configs) - 1 :]), flush=True)
+    finally:
+        ce._SPLIT_CONFIGS["rows"] = shipped
+        ce.split_config.cache_clear()
     return out
 
 
@@ -451,6 +500,61 @@ def sweep_flce_plan() -> list[dict]:
             print(json.dumps(rec), flush=True)
     finally:
         ce._growing_plan, ce._CHUNK_ALIGN = shipped
+    return out
+
+
+def sweep_flce_gemms() -> list[dict]:
+    """The growing chunks' kernels alone at the goal shape (H 4096, V 128256, bf16) over the tokens a
+    chunk (c): the logits GEMM (c, V) and its transposed form (V, c), grad_hidden's GEMM from either,
+    grad_weight's update (addmm_, K = c) from either, and the CE kernel; each the median ms of do_bench
+    and its TFLOP/s (2 c H V FLOPs a GEMM), on random data. The floor of the update: grad_weight's
+    ``mul_(1)`` (one read and one write of it)."""
+    ce = importlib.import_module("fuseformer.ops.cross_entropy")
+    h, v = 4096, 128256
+    cmax = 1024
+    hidden = torch.randn(cmax, h, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5
+    target = torch.randint(0, v, (cmax,), device="cuda")
+    dw = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
+    logits_buf = torch.randn(cmax * v, device="cuda", dtype=torch.bfloat16) * 1e-3
+    dh = torch.empty(cmax, h, device="cuda", dtype=torch.bfloat16)
+    loss = torch.empty(cmax, device="cuda", dtype=torch.float32)
+    lse = torch.empty(cmax, device="cuda", dtype=torch.float32)
+    scale = torch.full((), 1.0 / 8192, device="cuda")
+    out = [dict(kind="flce_gemm", op="dw mul_(1) floor", ms=bench_ms(lambda: dw.mul_(1), rep=300))]
+    for c in (240, 256, 272, 288, 304, 320, 336, 352, 384, 448, 512, 768, 1024):
+        h_c = hidden[:c]
+        rows = logits_buf[: c * v].view(c, v)  # (c, V)
+        cols = logits_buf[: c * v].view(v, c)  # (V, c)
+        fl = 2 * c * h * v
+        ops = {
+            "logits (c,V)": lambda: torch.matmul(h_c, weight.T, out=rows),
+            "logits^T (V,c)": lambda: torch.matmul(weight, h_c.T, out=cols),
+            "dh from (c,V)": lambda: torch.matmul(rows, weight, out=dh[:c]),
+            "dh from (V,c)": lambda: torch.matmul(cols.T, weight, out=dh[:c]),
+            "dw += from (c,V)": lambda: dw.addmm_(rows.T, h_c),
+            "dw += from (V,c)": lambda: dw.addmm_(cols, h_c),
+        }
+        for name, fn in ops.items():
+            rec = dict(kind="flce_gemm", op=name, tokens=c)
+            try:
+                fn()
+                rec["ms"] = bench_ms(fn, rep=150)
+                rec["tflops"] = fl / rec["ms"] / 1e9
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            out.append(rec)
+        rows.normal_(0, 1)
+
+        def ce_row(rows=rows, c=c):  # in place: from the second call on its input is its own dlogits (not zeros)
+            ce._launch(rows, target[:c], loss[:c], lse[:c], rows, scale, -100, 0.0, 0.0,
+                       lse_given=False, write_loss=True, write_grad=True)  # fmt: skip
+
+        rec = dict(kind="flce_gemm", op="ce row kernel", tokens=c)
+        rec["ms"] = bench_ms(ce_row, rep=150)
+        out.append(rec)
+        logits_buf.mul_(1e-3)
+        print(json.dumps(out[-7:]), flush=True)
     return out
 
 
@@ -1114,6 +1218,8 @@ SWEEPS = {
     "small_rows": sweep_small_rows,
     "train_profile": sweep_train_profile,
     "flce": sweep_flce,
+    "flce_gemms": sweep_flce_gemms,
+    "flce_rows_ce": sweep_flce_rows_ce,
     "mlp_decode": sweep_mlp_decode,
     "mlp_decode_timeline": sweep_mlp_decode_timeline,
     # The same sweep timed with L2 flushed by reading (bench_stream_ms), against the copy ceiling

@@ -194,18 +194,22 @@ def _cross_entropy_kernel(
 
 
 @triton.jit
-def _cross_entropy_cols_stats_kernel(
+def _cross_entropy_split_stats_kernel(
     X, T, PART,
-    stride_v, C, V, V_SPLIT,
+    stride_v, stride_t, C, V, V_SPLIT, ROW0, SPLIT0,
     HAS_SMOOTHING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    # The row kernel's first pass on transposed logits: X is (V, C), column t holding token t's logits
-    # (the FLCE's first chunk, laid out in grad_weight's memory; see _first_chunk_in_dw). Program
-    # (i, k) takes BLOCK_T tokens (every load is BLOCK_T contiguous elements of a vocabulary row) and
-    # vocabulary rows [k V_SPLIT, (k + 1) V_SPLIT): the vocabulary is split so that a chunk of a few
-    # thousand tokens still makes ~1000 programs. Each writes its partial max, sum of exponentials,
-    # sum of logits (label smoothing) and the target's logit (0 unless the target lies in its rows)
-    # to PART (splits, 4, C) for _cross_entropy_cols_grad_kernel.
+    # The row kernel's first pass with the vocabulary split across programs: X is viewed as (V, C),
+    # element (v, t) at v * stride_v + t * stride_t, token t's logits in column t. Transposed logits
+    # (stride_t 1: the FLCE's first chunk in grad_weight's memory, see _first_chunk_in_dw) or
+    # row-major ones (stride_v 1: the FLCE's growing chunks, a few hundred tokens: one program a row
+    # would leave the H200 at ~40% of its bandwidth, run 93). Program (i, k) takes BLOCK_T tokens and
+    # vocabulary rows [k V_SPLIT, (k + 1) V_SPLIT): the vocabulary is split so that a chunk still
+    # makes about PROGRAMS programs. Each writes its partial max, sum of exponentials, sum of logits
+    # (label smoothing) and the target's logit (0 unless the target lies in its rows) to PART
+    # (splits, 4, C) for _cross_entropy_split_grad_kernel. The vocabulary may lie in pieces (the
+    # first chunk's last rows apart from the rest): X then holds rows [ROW0, ROW0 + V) of it, and this
+    # launch's splits are PART's SPLIT0, SPLIT0 + 1, ...
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
     split = tl.program_id(1)
     tmask = toks < C
@@ -217,7 +221,7 @@ def _cross_entropy_cols_stats_kernel(
     for start in range(v0, v1, BLOCK_V):
         rows = start + tl.arange(0, BLOCK_V)  # (BV,)
         mask = (rows[:, None] < v1) & tmask[None, :]
-        ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :]
+        ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :].to(tl.int64) * stride_t
         x = tl.load(ptrs, mask=mask, other=-float("inf")).to(tl.float32)  # (BV, BT)
         new_m = tl.maximum(m, tl.max(x, axis=0))
         shift = tl.where(new_m == -float("inf"), 0.0, new_m)  # as in the row kernel
@@ -226,10 +230,10 @@ def _cross_entropy_cols_stats_kernel(
         if HAS_SMOOTHING:
             sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
     # The target's logit, read here: the gradient kernel overwrites X, one split's rows a program.
-    target = tl.load(T + toks, mask=tmask, other=-1).to(tl.int64)
+    target = tl.load(T + toks, mask=tmask, other=-1).to(tl.int64) - ROW0  # a row of this piece, if in it
     mine = tmask & (target >= v0) & (target < v1)
-    x_t = tl.load(X + target * stride_v + toks, mask=mine, other=0.0).to(tl.float32)
-    part = PART + split.to(tl.int64) * 4 * C + toks
+    x_t = tl.load(X + target * stride_v + toks.to(tl.int64) * stride_t, mask=mine, other=0.0).to(tl.float32)
+    part = PART + (SPLIT0 + split).to(tl.int64) * 4 * C + toks
     tl.store(part, m, mask=tmask)
     tl.store(part + C, s, mask=tmask)
     tl.store(part + 2 * C, sum_x, mask=tmask)
@@ -237,16 +241,17 @@ def _cross_entropy_cols_stats_kernel(
 
 
 @triton.jit
-def _cross_entropy_cols_grad_kernel(
+def _cross_entropy_split_grad_kernel(
     X, T, LOSS, LSE, SCALE, PART,
-    stride_v, stride_scale,
-    C, V, V_SPLIT, SPLITS, ignore_index, label_smoothing, z_loss,
+    stride_v, stride_t, stride_scale,
+    C, V, V_SPLIT, ROW0, SPLIT0, SPLITS, V_ALL, ignore_index, label_smoothing, z_loss,
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    # Program (i, k): combine the SPLITS partials of its tokens (in split order: every program of a
-    # token gets the same lse), write lse and the loss (split 0), then dlogits^T in place over its
-    # vocabulary rows [k V_SPLIT, (k + 1) V_SPLIT) (each tile read before this program writes it).
+    # Program (i, k): combine the SPLITS partials of its tokens (every piece's, in split order: every
+    # program of a token gets the same lse), write lse and the loss (split 0 of them all), then
+    # dlogits^T in place over its vocabulary rows [k V_SPLIT, (k + 1) V_SPLIT) of X (each tile read
+    # before this program writes it). X holds rows [ROW0, ROW0 + V) of a V_ALL-row vocabulary.
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     tmask = toks < C
@@ -267,12 +272,12 @@ def _cross_entropy_cols_grad_kernel(
             sum_x += tl.load(part + 2 * C, mask=tmask, other=0.0)
         x_t += tl.load(part + 3 * C, mask=tmask, other=0.0)
     lse = tl.where(m == -float("inf"), m, m + tl.log(tl.where(s > 0.0, s, 1.0)))  # s >= 1 unless m is -inf
-    if split == 0:
+    if SPLIT0 + split == 0:
         tl.store(LSE + toks, lse, mask=tmask)
         if WRITE_LOSS:
             loss = lse - (1.0 - label_smoothing) * x_t
             if HAS_SMOOTHING:
-                loss -= (label_smoothing / V) * sum_x
+                loss -= (label_smoothing / V_ALL) * sum_x
             if HAS_Z_LOSS:
                 loss += z_loss * lse * lse
             tl.store(LOSS + toks, tl.where(valid, loss, 0.0), mask=tmask)
@@ -282,27 +287,47 @@ def _cross_entropy_cols_grad_kernel(
         p_scale = scale
         if HAS_Z_LOSS:
             p_scale = scale * (1.0 + 2.0 * z_loss * lse_safe)
-        smooth = scale * (label_smoothing / V)
+        smooth = scale * (label_smoothing / V_ALL)
         hit = scale * (1.0 - label_smoothing)
         v0 = split * V_SPLIT
         v1 = tl.minimum(V, v0 + V_SPLIT)
         for start in range(v0, v1, BLOCK_V):
             rows = start + tl.arange(0, BLOCK_V)
             mask = (rows[:, None] < v1) & tmask[None, :]
-            ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :]
+            ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :].to(tl.int64) * stride_t
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             dx = tl.exp(x - lse_safe[None, :]) * p_scale[None, :] - smooth[None, :]
-            dx -= tl.where(rows[:, None] == target[None, :], hit[None, :], 0.0)
+            dx -= tl.where(rows[:, None] + ROW0 == target[None, :], hit[None, :], 0.0)
             dx = tl.where(valid[None, :], dx, 0.0)
             tl.store(ptrs, dx.to(X.dtype.element_ty), mask=mask)
 
 
-# The transposed kernels' tile and how many programs to aim for (the vocabulary is split to get
-# them). Run 72 (H200, 2026-12-01), one program a 16-token column over the whole vocabulary (256
-# programs at the goal shape): 1.96-2.4 ms for its 3 x 1.05 GB (~1.5 TB/s) at every tile tried. Run 73,
-# split to ~1000 programs: 32 x 256 / 4 1.69 ms, 64 x 128 / 4 1.39 (the best of 8; 16-token tiles
-# 1.93-2.03): the longer a contiguous segment of a vocabulary row, the better.
-_COLS_CONFIG = dict(BLOCK_T=64, BLOCK_V=128, num_warps=4, PROGRAMS=1024)
+# The split kernels' tiles and how many programs to aim for (the vocabulary is split to get them), by
+# the logits' layout. "cols" (transposed, the FLCE's first chunk): run 72 (H200, 2026-12-01), one
+# program a 16-token column over the whole vocabulary (256 programs at the goal shape): 1.96-2.4 ms
+# for its 3 x 1.05 GB (~1.5 TB/s) at every tile tried. Run 73, split to ~1000 programs: 32 x 256 / 4
+# 1.69 ms, 64 x 128 / 4 1.39 (the best of 8; 16-token tiles 1.93-2.03): the longer a contiguous
+# segment of a vocabulary row, the better. "rows" (row-major, the growing chunks): a guess, swept in
+# run 94 against the row kernel (70-90 us a chunk of 240-352 tokens in run 93).
+SPLIT_KERNEL = "cross_entropy_split"
+_SPLIT_FIELDS = ("BLOCK_T", "BLOCK_V", "num_warps", "PROGRAMS")
+_SPLIT_CONFIGS = {
+    "cols": dict(BLOCK_T=64, BLOCK_V=128, num_warps=4, PROGRAMS=1024),
+    "rows": dict(BLOCK_T=1, BLOCK_V=2048, num_warps=4, PROGRAMS=2048),
+}
+
+# Row-major logits of at most this many tokens take the split kernels in the FLCE's chunks; more rows
+# than that fill the GPU one program a row (the row kernel).
+_SPLIT_MAX_ROWS = 1024
+
+
+@autotune.plan_cache
+def split_config(layout: str, dtype: torch.dtype, device: torch.device | str | None = None) -> dict:
+    """The split kernels' launch config for ``layout`` ("rows" or "cols") and the logits' dtype: the
+    autotune cache's, else the shipped default."""
+    cfg = autotune.get_config(SPLIT_KERNEL, f"{layout}-{autotune.dtype_name(dtype)}", device=device,
+                              default=lambda: _SPLIT_CONFIGS[layout], fields=_SPLIT_FIELDS)  # fmt: skip
+    return dict(cfg)
 
 
 def _cols_splits(c: int, v: int, block_t: int, block_v: int, programs: int) -> tuple[int, int]:
@@ -314,39 +339,51 @@ def _cols_splits(c: int, v: int, block_t: int, block_v: int, programs: int) -> t
     return triton.cdiv(v, rows), rows
 
 
-def _launch_cols(
-    xt, target, loss, lse, scale, ignore_index, label_smoothing, z_loss, *, write_loss, write_grad, scratch=None
+def _launch_split(
+    pieces, target, loss, lse, scale, ignore_index, label_smoothing, z_loss, *, write_loss, write_grad, scratch=None
 ):  # fmt: skip
-    """The CE kernels on transposed logits ``xt`` (V, C) (unit column stride): loss and lse per token
-    (C,), and dlogits^T in place over ``xt`` when ``write_grad``. ``scratch``: free memory of any
-    dtype for the per-split partials (4 x splits x C fp32), else they are allocated."""
-    v, c = xt.shape
+    """The split CE kernels on logits viewed as (V, C) matrices, one a piece of the vocabulary:
+    ``pieces`` is a list of ``xt`` (the rows of that piece, in vocabulary order, together all V), each
+    transposed logits (unit column stride) or row-major ones passed as ``logits.T`` (unit row stride).
+    Loss and lse per token (C,), and dlogits in place over each piece when ``write_grad``. ``scratch``:
+    free memory of any dtype for the per-split partials (4 x splits x C fp32), else they are allocated."""
+    c = pieces[0].shape[1]
+    v_all = sum(xt.shape[0] for xt in pieces)
     if c == 0:
         return
-    assert xt.stride(1) == 1
-    cfg = dict(_COLS_CONFIG)
-    bt, bv = cfg["BLOCK_T"], cfg["BLOCK_V"]
-    splits, rows = _cols_splits(c, v, bt, bv, cfg.pop("PROGRAMS"))
-    floats = 4 * splits * c
+    layout = "rows" if pieces[0].stride(0) == 1 else "cols"
+    cfg = dict(split_config(layout, pieces[0].dtype, pieces[0].device))  # a copy: the cached one stays whole
+    bt, bv, programs = cfg["BLOCK_T"], cfg["BLOCK_V"], cfg.pop("PROGRAMS")
+    plan, row0, split0 = [], 0, 0  # (xt, first row, first split, splits, rows a split) a piece
+    for xt in pieces:
+        assert xt.shape[1] == c and (xt.stride(1) == 1 or xt.stride(0) == 1)
+        if xt.shape[0]:
+            splits, rows = _cols_splits(c, xt.shape[0], bt, bv, max(1, programs * xt.shape[0] // v_all))
+            plan.append((xt, row0, split0, splits, rows))
+            split0 += splits
+        row0 += xt.shape[0]
+    floats = 4 * split0 * c
     nbytes = 4 * floats
     if scratch is not None and scratch.numel() * scratch.element_size() >= nbytes + 16:
         raw = scratch.view(-1).view(torch.uint8)
         off = (-raw.data_ptr()) % 16
         part = raw[off : off + nbytes].view(torch.float32)
     else:
-        part = empty((floats,), dtype=torch.float32, device=xt.device)
-    grid = (triton.cdiv(c, bt), splits)
+        part = empty((floats,), dtype=torch.float32, device=pieces[0].device)
     has_smoothing = label_smoothing != 0.0
-    _cross_entropy_cols_stats_kernel[grid](
-        xt, target, part, xt.stride(0), c, v, rows, HAS_SMOOTHING=has_smoothing, **cfg
-    )  # fmt: skip
-    _cross_entropy_cols_grad_kernel[grid](
-        xt, target, loss if loss is not None else lse, lse, scale if scale is not None else lse, part,
-        xt.stride(0), (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
-        c, v, rows, splits, ignore_index, float(label_smoothing), float(z_loss),
-        WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, HAS_SMOOTHING=has_smoothing,
-        HAS_Z_LOSS=z_loss != 0.0, **cfg,
-    )  # fmt: skip
+    for xt, row0, first, splits, rows in plan:
+        _cross_entropy_split_stats_kernel[(triton.cdiv(c, bt), splits)](
+            xt, target, part, xt.stride(0), xt.stride(1), c, xt.shape[0], rows, row0, first,
+            HAS_SMOOTHING=has_smoothing, **cfg,
+        )  # fmt: skip
+    for xt, row0, first, splits, rows in plan:
+        _cross_entropy_split_grad_kernel[(triton.cdiv(c, bt), splits)](
+            xt, target, loss if loss is not None else lse, lse, scale if scale is not None else lse, part,
+            xt.stride(0), xt.stride(1), (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
+            c, xt.shape[0], rows, row0, first, split0, v_all, ignore_index, float(label_smoothing), float(z_loss),
+            WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, HAS_SMOOTHING=has_smoothing,
+            HAS_Z_LOSS=z_loss != 0.0, **cfg,
+        )  # fmt: skip
 
 
 KERNEL = "cross_entropy"
@@ -498,38 +535,57 @@ def _first_chunk_in_dw(
     hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse, dh, dw, db, spare, c
 ):  # fmt: skip
     """Tokens [0, c) (c <= H) as one chunk whose logits live in grad_weight's memory, before any of
-    grad_weight is written: transposed, (V, c), so that vocabulary row j of the logits lies inside
-    grad_weight's row j (c <= H elements of its H). Then:
-      logits^T = W @ h_c^T (+ bias), the CE kernel on columns (dlogits^T in place),
+    grad_weight is written: transposed, (V, c), vocabulary row j in grad_weight's row j + R (its first
+    c elements), for j < V - R; the last R rows (R = what ``spare`` holds) in ``spare``. Then:
+      logits^T = W @ h_c^T (+ bias), the split CE kernels over both pieces (dlogits^T in place),
       grad_hidden[:c] = dlogits @ W, grad_bias += row sums,
-      grad_weight = dlogits^T @ h_c in slices of vocabulary rows, each computed into ``spare`` and
-      copied into place, from the last slice to the first: grad_weight rows [j0, j1) cover logits
-      rows >= j0 only, all of them consumed by then.
+      grad_weight = dlogits^T @ h_c in slices of at most R vocabulary rows, from the first: slice
+      [j0, j1) writes grad_weight's rows [j0, j1) straight into place, which held logits rows
+      [j0 - R, j1 - R), consumed by the slices before; its own logits rows lie R rows further on. The
+      last R rows' slice reads them from ``spare``.
     grad_weight is written once, never read and written back: the pass over it that every chunk of
-    the growing schedule pays (~0.8 ms at the goal shape) is saved for the c tokens, at the cost of
-    one copy of it (~0.5 ms). At the goal shape c = 4096: half the tokens."""
+    the growing schedule pays (~0.8 ms at the goal shape) is saved for the c tokens, and no slice
+    passes through a spare buffer (run 93: 11 copies, 0.49 ms, before the rows were shifted by R). At
+    the goal shape c = 4096 (half the tokens) and R = 11,712: 10 slices and the last R rows."""
     v, h = dw.shape
     h_c = hidden[:c]
-    lt = dw.view(-1)[: v * c].view(v, c)  # (V, c) logits^T in grad_weight's memory
-    torch.matmul(weight, h_c.T, out=lt)
+    if spare.numel() < c:  # tiny problems (a few tokens of a tiny vocabulary): one row's room
+        spare = torch.empty(c, dtype=dw.dtype, device=dw.device)
+    r = min(v, spare.numel() // c)  # the rows kept in spare
+    main = dw[r:, :c]  # logits^T rows [0, V - R): (V - R, c), rows H apart
+    tail = spare[: r * c].view(r, c)  # logits^T rows [V - R, V)
+    if c < h and dw.device.type != "cuda":
+        # The rows' unused columns: CPU bf16 GEMMs (oneDNN, torch 2.13) read past a strided operand's
+        # columns and multiply what lies there by 0, so NaN in that memory would reach the slices.
+        dw[r:, c:].zero_()
+    if v > r:
+        torch.matmul(weight[: v - r], h_c.T, out=main)
+    torch.matmul(weight[v - r :], h_c.T, out=tail)
     if bias is not None:
-        lt += bias[:, None]
+        main += bias[: v - r, None]
+        tail += bias[v - r :, None]
     s_c = scale[:c] if scale.dim() else scale
-    # The spare room is free until the grad_weight slices: the CE kernels' partials go there.
-    _launch_cols(lt, target[:c], loss[:c] if loss is not None else None, lse[:c], s_c, ignore_index,
-                 label_smoothing, z_loss, write_loss=loss is not None, write_grad=True, scratch=spare)  # fmt: skip
+    # The spare room past the tail is free: the CE kernels' partials go there when it suffices.
+    _launch_split([main, tail], target[:c], loss[:c] if loss is not None else None, lse[:c], s_c, ignore_index,
+                  label_smoothing, z_loss, write_loss=loss is not None, write_grad=True,
+                  scratch=spare[r * c :])  # fmt: skip
     if dh is not None:
-        torch.matmul(lt.T, weight, out=dh[:c])  # (c, H)
+        # Two GEMMs: grad_hidden[:c] is rounded once more than one GEMM would round it (at the goal
+        # shape the tail's 9% of the vocabulary added to the rest's bf16 sum).
+        if v > r:
+            torch.matmul(main.T, weight[: v - r], out=dh[:c])  # (c, H)
+            dh[:c].addmm_(tail.T, weight[v - r :])
+        else:
+            torch.matmul(tail.T, weight, out=dh[:c])
     if db is not None:
-        db += lt.sum(1, dtype=torch.float32)
-    if spare.numel() < h:  # tiny problems (a few tokens of a tiny vocabulary): one row's room
-        spare = torch.empty(h, dtype=dw.dtype, device=dw.device)
-    rows = spare.numel() // h
-    for j0 in reversed(range(0, v, rows)):
-        j1 = min(v, j0 + rows)
-        tmp = spare[: (j1 - j0) * h].view(j1 - j0, h)
-        torch.matmul(lt[j0:j1], h_c, out=tmp)  # (rows, H)
-        dw[j0:j1].copy_(tmp)
+        db[: v - r] += main.sum(1, dtype=torch.float32)
+        db[v - r :] += tail.sum(1, dtype=torch.float32)
+    # addmm with beta 0 ignores what the output held (grad_weight's first R rows: never written;
+    # documented, where some CPU GEMMs multiply the old contents by 0: NaN stays NaN).
+    for j0 in range(0, v - r, r):
+        j1 = min(v - r, j0 + r)
+        torch.addmm(dw[j0:j1], main[j0:j1], h_c, beta=0, out=dw[j0:j1])  # reads rows [j0 + R, j1 + R)
+    torch.addmm(dw[v - r :], tail, h_c, beta=0, out=dw[v - r :])
 
 
 def _chunks(
@@ -585,9 +641,14 @@ def _chunks(
         s_c = None
         if write_grad:
             s_c = scale[start:end] if scale.dim() else scale
-        _launch(logits, target[start:end], loss[start:end] if loss is not None else None, lse[start:end],
-                logits if write_grad else None, s_c, ignore_index, label_smoothing, z_loss,
-                lse_given=False, write_loss=loss is not None, write_grad=write_grad)  # fmt: skip
+        if write_grad and end - start <= _SPLIT_MAX_ROWS:
+            _launch_split([logits.T], target[start:end], loss[start:end] if loss is not None else None,
+                          lse[start:end], s_c, ignore_index, label_smoothing, z_loss,
+                          write_loss=loss is not None, write_grad=True)  # fmt: skip
+        else:
+            _launch(logits, target[start:end], loss[start:end] if loss is not None else None, lse[start:end],
+                    logits if write_grad else None, s_c, ignore_index, label_smoothing, z_loss,
+                    lse_given=False, write_loss=loss is not None, write_grad=write_grad)  # fmt: skip
         if not write_grad:
             continue
         if dh is not None:
