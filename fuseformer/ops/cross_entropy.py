@@ -196,16 +196,14 @@ def _cross_entropy_kernel(
 @triton.jit
 def _cross_entropy_split_stats_kernel(
     X, T, PART,
-    stride_v, stride_t, C, V, V_SPLIT, ROW0, SPLIT0,
+    stride_v, C, V, V_SPLIT, ROW0, SPLIT0,
     HAS_SMOOTHING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    # The row kernel's first pass with the vocabulary split across programs: X is viewed as (V, C),
-    # element (v, t) at v * stride_v + t * stride_t, token t's logits in column t. Transposed logits
-    # (stride_t 1: the FLCE's first chunk in grad_weight's memory, see _first_chunk_in_dw) or
-    # row-major ones (stride_v 1: the FLCE's growing chunks, a few hundred tokens: one program a row
-    # would leave the H200 at ~40% of its bandwidth, run 93). Program (i, k) takes BLOCK_T tokens and
-    # vocabulary rows [k V_SPLIT, (k + 1) V_SPLIT): the vocabulary is split so that a chunk still
-    # makes about PROGRAMS programs. Each writes its partial max, sum of exponentials, sum of logits
+    # The row kernel's first pass on transposed logits, the vocabulary split across programs: X is
+    # (V, C), column t holding token t's logits (the FLCE's first chunk, laid out in grad_weight's
+    # memory; see _first_chunk_in_dw). Program (i, k) takes BLOCK_T tokens (every load is BLOCK_T
+    # contiguous elements of a vocabulary row) and vocabulary rows [k V_SPLIT, (k + 1) V_SPLIT): the
+    # vocabulary is split so that a chunk of a few thousand tokens still makes about PROGRAMS programs. Each writes its partial max, sum of exponentials, sum of logits
     # (label smoothing) and the target's logit (0 unless the target lies in its rows) to PART
     # (splits, 4, C) for _cross_entropy_split_grad_kernel. The vocabulary may lie in pieces (the
     # first chunk's last rows apart from the rest): X then holds rows [ROW0, ROW0 + V) of it, and this
@@ -221,7 +219,7 @@ def _cross_entropy_split_stats_kernel(
     for start in range(v0, v1, BLOCK_V):
         rows = start + tl.arange(0, BLOCK_V)  # (BV,)
         mask = (rows[:, None] < v1) & tmask[None, :]
-        ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :].to(tl.int64) * stride_t
+        ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :]
         x = tl.load(ptrs, mask=mask, other=-float("inf")).to(tl.float32)  # (BV, BT)
         new_m = tl.maximum(m, tl.max(x, axis=0))
         shift = tl.where(new_m == -float("inf"), 0.0, new_m)  # as in the row kernel
@@ -232,7 +230,7 @@ def _cross_entropy_split_stats_kernel(
     # The target's logit, read here: the gradient kernel overwrites X, one split's rows a program.
     target = tl.load(T + toks, mask=tmask, other=-1).to(tl.int64) - ROW0  # a row of this piece, if in it
     mine = tmask & (target >= v0) & (target < v1)
-    x_t = tl.load(X + target * stride_v + toks.to(tl.int64) * stride_t, mask=mine, other=0.0).to(tl.float32)
+    x_t = tl.load(X + target * stride_v + toks, mask=mine, other=0.0).to(tl.float32)
     part = PART + (SPLIT0 + split).to(tl.int64) * 4 * C + toks
     tl.store(part, m, mask=tmask)
     tl.store(part + C, s, mask=tmask)
@@ -243,7 +241,7 @@ def _cross_entropy_split_stats_kernel(
 @triton.jit
 def _cross_entropy_split_grad_kernel(
     X, T, LOSS, LSE, SCALE, PART,
-    stride_v, stride_t, stride_scale,
+    stride_v, stride_scale,
     C, V, V_SPLIT, ROW0, SPLIT0, SPLITS, V_ALL, ignore_index, label_smoothing, z_loss,
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -294,7 +292,7 @@ def _cross_entropy_split_grad_kernel(
         for start in range(v0, v1, BLOCK_V):
             rows = start + tl.arange(0, BLOCK_V)
             mask = (rows[:, None] < v1) & tmask[None, :]
-            ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :].to(tl.int64) * stride_t
+            ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :]
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             dx = tl.exp(x - lse_safe[None, :]) * p_scale[None, :] - smooth[None, :]
             dx -= tl.where(rows[:, None] + ROW0 == target[None, :], hit[None, :], 0.0)
@@ -302,32 +300,32 @@ def _cross_entropy_split_grad_kernel(
             tl.store(ptrs, dx.to(X.dtype.element_ty), mask=mask)
 
 
-# The split kernels' tiles and how many programs to aim for (the vocabulary is split to get them), by
-# the logits' layout. "cols" (transposed, the FLCE's first chunk): run 72 (H200, 2026-12-01), one
-# program a 16-token column over the whole vocabulary (256 programs at the goal shape): 1.96-2.4 ms
-# for its 3 x 1.05 GB (~1.5 TB/s) at every tile tried. Run 73, split to ~1000 programs: 32 x 256 / 4
-# 1.69 ms, 64 x 128 / 4 1.39 (the best of 8; 16-token tiles 1.93-2.03): the longer a contiguous
-# segment of a vocabulary row, the better. "rows" (row-major, the growing chunks): a guess, swept in
-# run 94 against the row kernel (70-90 us a chunk of 240-352 tokens in run 93).
+# The split kernels' tile and how many programs to aim for (the vocabulary is split to get them).
+# Run 72 (H200, 2026-12-01), one program a 16-token column over the whole vocabulary (256 programs at
+# the goal shape): 1.96-2.4 ms for its 3 x 1.05 GB (~1.5 TB/s) at every tile tried. Run 73, split to
+# ~1000 programs: 32 x 256 / 4 1.69 ms, 64 x 128 / 4 1.39 (the best of 8; 16-token tiles 1.93-2.03):
+# the longer a contiguous segment of a vocabulary row, the better. (Run 94 also ran them on the growing
+# chunks' row-major logits, 240-352 tokens, over 9 tiles: 83-136 us against the row kernel's 70-90.)
 SPLIT_KERNEL = "cross_entropy_split"
 _SPLIT_FIELDS = ("BLOCK_T", "BLOCK_V", "num_warps", "PROGRAMS")
-_SPLIT_CONFIGS = {
-    "cols": dict(BLOCK_T=64, BLOCK_V=128, num_warps=4, PROGRAMS=1024),
-    "rows": dict(BLOCK_T=1, BLOCK_V=2048, num_warps=4, PROGRAMS=2048),
-}
-
-# Row-major logits of at most this many tokens take the split kernels in the FLCE's chunks; more rows
-# than that fill the GPU one program a row (the row kernel).
-_SPLIT_MAX_ROWS = 1024
+_SPLIT_CONFIG = dict(BLOCK_T=64, BLOCK_V=128, num_warps=4, PROGRAMS=1024)
 
 
 @autotune.plan_cache
-def split_config(layout: str, dtype: torch.dtype, device: torch.device | str | None = None) -> dict:
-    """The split kernels' launch config for ``layout`` ("rows" or "cols") and the logits' dtype: the
-    autotune cache's, else the shipped default."""
-    cfg = autotune.get_config(SPLIT_KERNEL, f"{layout}-{autotune.dtype_name(dtype)}", device=device,
-                              default=lambda: _SPLIT_CONFIGS[layout], fields=_SPLIT_FIELDS)  # fmt: skip
+def split_config(dtype: torch.dtype, device: torch.device | str | None = None) -> dict:
+    """The split kernels' launch config for the logits' dtype: the autotune cache's, else the shipped
+    default."""
+    cfg = autotune.get_config(SPLIT_KERNEL, autotune.dtype_name(dtype), device=device,
+                              default=lambda: _SPLIT_CONFIG, fields=_SPLIT_FIELDS)  # fmt: skip
     return dict(cfg)
+
+
+def _split_partials_bytes(c: int, v: int, pieces: int, cfg: dict) -> int:
+    """An upper bound on the split kernels' partials for ``c`` tokens of a ``v``-row vocabulary in
+    ``pieces`` pieces (4 fp32 a token a split) under the launch config ``cfg``, 16 bytes of alignment
+    included (:func:`_cols_splits` for each piece; its rounding adds at most a split a piece)."""
+    splits = min(triton.cdiv(v, cfg["BLOCK_V"]), triton.cdiv(cfg["PROGRAMS"], triton.cdiv(c, cfg["BLOCK_T"]))) + pieces
+    return 16 * splits * c + 16
 
 
 def _cols_splits(c: int, v: int, block_t: int, block_v: int, programs: int) -> tuple[int, int]:
@@ -342,21 +340,20 @@ def _cols_splits(c: int, v: int, block_t: int, block_v: int, programs: int) -> t
 def _launch_split(
     pieces, target, loss, lse, scale, ignore_index, label_smoothing, z_loss, *, write_loss, write_grad, scratch=None
 ):  # fmt: skip
-    """The split CE kernels on logits viewed as (V, C) matrices, one a piece of the vocabulary:
-    ``pieces`` is a list of ``xt`` (the rows of that piece, in vocabulary order, together all V), each
-    transposed logits (unit column stride) or row-major ones passed as ``logits.T`` (unit row stride).
-    Loss and lse per token (C,), and dlogits in place over each piece when ``write_grad``. ``scratch``:
-    free memory of any dtype for the per-split partials (4 x splits x C fp32), else they are allocated."""
+    """The split CE kernels on transposed logits (V, C) (unit column stride) in pieces of the
+    vocabulary: ``pieces`` is a list of (V_k, C) matrices, the rows of each piece in vocabulary order,
+    together all V. Loss and lse per token (C,), and dlogits^T in place over each piece when
+    ``write_grad``. ``scratch``: free memory of any dtype for the per-split partials (4 x splits x C
+    fp32), else they are allocated."""
     c = pieces[0].shape[1]
     v_all = sum(xt.shape[0] for xt in pieces)
     if c == 0:
         return
-    layout = "rows" if pieces[0].stride(0) == 1 else "cols"
-    cfg = dict(split_config(layout, pieces[0].dtype, pieces[0].device))  # a copy: the cached one stays whole
+    cfg = dict(split_config(pieces[0].dtype, pieces[0].device))  # a copy: the cached one stays whole
     bt, bv, programs = cfg["BLOCK_T"], cfg["BLOCK_V"], cfg.pop("PROGRAMS")
     plan, row0, split0 = [], 0, 0  # (xt, first row, first split, splits, rows a split) a piece
     for xt in pieces:
-        assert xt.shape[1] == c and (xt.stride(1) == 1 or xt.stride(0) == 1)
+        assert xt.shape[1] == c and xt.stride(1) == 1
         if xt.shape[0]:
             splits, rows = _cols_splits(c, xt.shape[0], bt, bv, max(1, programs * xt.shape[0] // v_all))
             plan.append((xt, row0, split0, splits, rows))
@@ -373,13 +370,13 @@ def _launch_split(
     has_smoothing = label_smoothing != 0.0
     for xt, row0, first, splits, rows in plan:
         _cross_entropy_split_stats_kernel[(triton.cdiv(c, bt), splits)](
-            xt, target, part, xt.stride(0), xt.stride(1), c, xt.shape[0], rows, row0, first,
+            xt, target, part, xt.stride(0), c, xt.shape[0], rows, row0, first,
             HAS_SMOOTHING=has_smoothing, **cfg,
         )  # fmt: skip
     for xt, row0, first, splits, rows in plan:
         _cross_entropy_split_grad_kernel[(triton.cdiv(c, bt), splits)](
             xt, target, loss if loss is not None else lse, lse, scale if scale is not None else lse, part,
-            xt.stride(0), xt.stride(1), (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
+            xt.stride(0), (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
             c, xt.shape[0], rows, row0, first, split0, v_all, ignore_index, float(label_smoothing), float(z_loss),
             WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, HAS_SMOOTHING=has_smoothing,
             HAS_Z_LOSS=z_loss != 0.0, **cfg,
@@ -549,9 +546,12 @@ def _first_chunk_in_dw(
     the goal shape c = 4096 (half the tokens) and R = 11,712: 10 slices and the last R rows."""
     v, h = dw.shape
     h_c = hidden[:c]
-    if spare.numel() < c:  # tiny problems (a few tokens of a tiny vocabulary): one row's room
-        spare = torch.empty(c, dtype=dw.dtype, device=dw.device)
-    r = min(v, spare.numel() // c)  # the rows kept in spare
+    # The CE kernels' partials go past the rows kept in the spare (~1 MB at the goal shape; allocated
+    # apart, they would lift the peak over 1.1 GiB: run 94).
+    keep = -(-_split_partials_bytes(c, v, 2, split_config(dw.dtype, dw.device)) // spare.element_size())
+    if spare.numel() < c + keep:  # tiny problems (a few tokens of a tiny vocabulary): one row's room
+        spare = torch.empty(c + keep, dtype=dw.dtype, device=dw.device)
+    r = min(v, (spare.numel() - keep) // c)  # the rows kept in spare
     main = dw[r:, :c]  # logits^T rows [0, V - R): (V - R, c), rows H apart
     tail = spare[: r * c].view(r, c)  # logits^T rows [V - R, V)
     if c < h and dw.device.type != "cuda":
@@ -565,7 +565,6 @@ def _first_chunk_in_dw(
         main += bias[: v - r, None]
         tail += bias[v - r :, None]
     s_c = scale[:c] if scale.dim() else scale
-    # The spare room past the tail is free: the CE kernels' partials go there when it suffices.
     _launch_split([main, tail], target[:c], loss[:c] if loss is not None else None, lse[:c], s_c, ignore_index,
                   label_smoothing, z_loss, write_loss=loss is not None, write_grad=True,
                   scratch=spare[r * c :])  # fmt: skip
@@ -641,14 +640,9 @@ def _chunks(
         s_c = None
         if write_grad:
             s_c = scale[start:end] if scale.dim() else scale
-        if write_grad and end - start <= _SPLIT_MAX_ROWS:
-            _launch_split([logits.T], target[start:end], loss[start:end] if loss is not None else None,
-                          lse[start:end], s_c, ignore_index, label_smoothing, z_loss,
-                          write_loss=loss is not None, write_grad=True)  # fmt: skip
-        else:
-            _launch(logits, target[start:end], loss[start:end] if loss is not None else None, lse[start:end],
-                    logits if write_grad else None, s_c, ignore_index, label_smoothing, z_loss,
-                    lse_given=False, write_loss=loss is not None, write_grad=write_grad)  # fmt: skip
+        _launch(logits, target[start:end], loss[start:end] if loss is not None else None, lse[start:end],
+                logits if write_grad else None, s_c, ignore_index, label_smoothing, z_loss,
+                lse_given=False, write_loss=loss is not None, write_grad=write_grad)  # fmt: skip
         if not write_grad:
             continue
         if dh is not None:

@@ -565,9 +565,16 @@ def test_flce_first_chunk_slices_shifted_in_place(n, h, v, spare_rows, smooth, d
     dh = torch.full((n, h), float("nan"), device=device)
     dw = torch.full((v, h), float("nan"), device=device)
     db = torch.zeros(v, device=device)
-    spare = torch.full((spare_rows * c,), float("nan"), device=device)
-    with fuseformer.use_backend("triton"):
+    keep = -(-CE._split_partials_bytes(c, v, 2, CE.split_config(torch.float32)) // 4)  # the CE kernels' partials
+    spare = torch.full((spare_rows * c + keep,), float("nan"), device=device)
+    tails = []
+    real = CE._launch_split
+    with fuseformer.use_backend("triton"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            CE, "_launch_split", lambda pieces, *a, **k: tails.append(pieces[-1].shape[0]) or real(pieces, *a, **k)
+        )
         CE._first_chunk_in_dw(hidden, weight, t, bias, -100, smooth, z, scale, loss, lse, dh, dw, db, spare, c)
+    assert tails == [max(1, min(v, spare_rows))], tails
     leaves = [a.detach().double().requires_grad_() for a in (hidden, weight, bias)]
     ref = CE.fused_linear_cross_entropy_ref(leaves[0][:c], leaves[1], t[:c], leaves[2], reduction="none",
                                             label_smoothing=smooth, z_loss=z)  # fmt: skip
@@ -579,18 +586,6 @@ def test_flce_first_chunk_slices_shifted_in_place(n, h, v, spare_rows, smooth, d
     torch.testing.assert_close(dw.double(), leaves[1].grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(db.double(), leaves[2].grad, rtol=1e-4, atol=1e-5)
     assert dh[c:].isnan().all()  # rows past the chunk untouched
-
-
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_flce_row_kernel_for_long_chunks(reduction, device, small_chunks, monkeypatch):
-    """Chunks of more than _SPLIT_MAX_ROWS tokens take the row kernel (one program a row) instead of
-    the split kernels: the same results."""
-    monkeypatch.setattr(CE, "_SPLIT_MAX_ROWS", 4)
-    seen = []
-    launch = CE._launch
-    monkeypatch.setattr(CE, "_launch", lambda *a, **k: seen.append(a[0].shape[0]) or launch(*a, **k))
-    _check_flce(61, 24, 1000, torch.float16, device, reduction, label_smoothing=0.1)
-    assert seen and all(rows > 4 for rows in seen), seen
 
 
 def test_flce_under_autocast_casts_fp32_weight(device):
@@ -649,24 +644,22 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 CE = importlib.import_module("fuseformer.ops.cross_entropy")
-stats = {"X": "*bf16", "T": "*i64", "PART": "*fp32", "stride_v": "i32", "stride_t": "i32", "C": "i32",
-         "V": "i32", "V_SPLIT": "i32", "ROW0": "i32", "SPLIT0": "i32"}
+stats = {"X": "*bf16", "T": "*i64", "PART": "*fp32", "stride_v": "i32", "C": "i32", "V": "i32", "V_SPLIT": "i32",
+         "ROW0": "i32", "SPLIT0": "i32"}
 grad = {"X": "*bf16", "T": "*i64", "LOSS": "*fp32", "LSE": "*fp32", "SCALE": "*fp32", "PART": "*fp32",
-        "stride_v": "i32", "stride_t": "i32", "stride_scale": "i32", "C": "i32", "V": "i32", "V_SPLIT": "i32",
-        "ROW0": "i32", "SPLIT0": "i32", "SPLITS": "i32", "V_ALL": "i32", "ignore_index": "i32",
-        "label_smoothing": "fp32", "z_loss": "fp32"}
-for layout, unit in (("cols", "stride_t"), ("rows", "stride_v")):
-    cfg = dict(CE._SPLIT_CONFIGS[layout])
-    warps = cfg.pop("num_warps")
-    cfg.pop("PROGRAMS")
-    for wl, sm, z in [(True, False, False), (True, True, True), (False, False, False)]:
-        jobs = [(CE._cross_entropy_split_stats_kernel, stats, dict(HAS_SMOOTHING=sm, **cfg)),
-                (CE._cross_entropy_split_grad_kernel, grad,
-                 dict(WRITE_LOSS=wl, WRITE_GRAD=True, HAS_SMOOTHING=sm, HAS_Z_LOSS=z, **cfg))]
-        for fn, sig, consts in jobs:
-            consts = dict(consts, **{unit: 1})  # the unit stride, specialised as Triton does at a launch
-            src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts)
-            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        "stride_v": "i32", "stride_scale": "i32", "C": "i32", "V": "i32", "V_SPLIT": "i32", "ROW0": "i32",
+        "SPLIT0": "i32", "SPLITS": "i32", "V_ALL": "i32", "ignore_index": "i32", "label_smoothing": "fp32",
+        "z_loss": "fp32"}
+cfg = dict(CE._SPLIT_CONFIG)
+warps = cfg.pop("num_warps")
+cfg.pop("PROGRAMS")
+for wl, sm, z in [(True, False, False), (True, True, True), (False, False, False)]:
+    jobs = [(CE._cross_entropy_split_stats_kernel, stats, dict(HAS_SMOOTHING=sm, **cfg)),
+            (CE._cross_entropy_split_grad_kernel, grad,
+             dict(WRITE_LOSS=wl, WRITE_GRAD=True, HAS_SMOOTHING=sm, HAS_Z_LOSS=z, **cfg))]
+    for fn, sig, consts in jobs:
+        src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts)
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 src = ASTSource(fn=CE._scale_unless_one_kernel, signature={"X": "*bf16", "G": "*fp32", "N": "i64",
                 "BLOCK": "constexpr"}, constexprs={"BLOCK": CE._SCALE_BLOCK})
 triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
@@ -676,9 +669,9 @@ print("ok")
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile it for real")
 def test_split_kernels_compile_for_sm90_offline():
-    """The FLCE's split CE kernels (the first chunk's transposed logits and the growing chunks' row-major
-    ones) and the backward's scaling kernel compile for sm_90 with their shipped tiles (the interpreter
-    runs them on the CPU but does not compile them)."""
+    """The FLCE's split CE kernels (the first chunk's transposed logits) and the backward's scaling
+    kernel compile for sm_90 with their shipped tiles (the interpreter runs them on the CPU but does not
+    compile them)."""
     compile_offline(_OFFLINE_SPLIT, timeout=300)
 
 
