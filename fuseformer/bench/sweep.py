@@ -388,104 +388,27 @@ def sweep_flce() -> list[dict]:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out.append(rec)
         torch.cuda.empty_cache()
-    # The default schedule's first chunk runs the split CE kernels on transposed logits (the vocabulary
-    # split to make about PROGRAMS programs): the whole FLCE with each candidate tile.
-    shipped = dict(ce._SPLIT_CONFIG)
-    # Run 73: 64 x 128 / 4 best (1.39 ms for both kernels; 32-token tiles 1.67-2.06); run 93: 1.35-2.2 ms
-    # for 64-256 tokens x 32-128 rows, 64 x 128 / 4 among the best again.
-    try:
-        for bt, bv, warps, programs in ((64, 128, 4, 1024), (128, 128, 8, 1024), (64, 256, 8, 1024),
-                                        (32, 256, 4, 1024), (64, 64, 4, 2048)):  # fmt: skip
-            ce._SPLIT_CONFIG = dict(BLOCK_T=bt, BLOCK_V=bv, num_warps=warps, PROGRAMS=programs)
-            ce.split_config.cache_clear()
-            rec = dict(kind="flce_cols_config", **ce._SPLIT_CONFIG)
-            try:
-                step = lambda: ce.fused_linear_cross_entropy_fwd(  # noqa: E731
-                    hidden, weight, target, None, -100, "mean", 0.0, 0.0, True, True, False
-                )
-                step()
-                rec["ms"] = bench_ms(step, rep=100)
-                kernels = gpu_kernels(step)
-                rec["split_kernels_us"] = 1e3 * sum(k["ms_per_call"] for k in kernels if "_split_" in k["name"])
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            out.append(rec)
-    finally:
-        ce._SPLIT_CONFIG = shipped
-        ce.split_config.cache_clear()
-    return out
-
-
-def _first_chunk_copied(
-    hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse, dh, dw, db, spare, c
-):  # fmt: skip
-    """The first chunk as runs 86-93 ran it (for sweep flce_first_chunk): the transposed logits in
-    grad_weight's first V x c elements, one GEMM each for the logits and grad_hidden, grad_weight in
-    slices computed into ``spare`` and copied into place from the last."""
-    ce = importlib.import_module("fuseformer.ops.cross_entropy")
-    v, h = dw.shape
-    h_c = hidden[:c]
-    lt = dw.view(-1)[: v * c].view(v, c)
-    torch.matmul(weight, h_c.T, out=lt)
-    s_c = scale[:c] if scale.dim() else scale
-    ce._launch_split([lt], target[:c], loss[:c] if loss is not None else None, lse[:c], s_c, ignore_index,
-                     label_smoothing, z_loss, write_loss=loss is not None, write_grad=True, scratch=spare)  # fmt: skip
-    torch.matmul(lt.T, weight, out=dh[:c])
-    rows = spare.numel() // h
-    for j0 in reversed(range(0, v, rows)):
-        j1 = min(v, j0 + rows)
-        tmp = spare[: (j1 - j0) * h].view(j1 - j0, h)
-        torch.matmul(lt[j0:j1], h_c, out=tmp)
-        dw[j0:j1].copy_(tmp)
-
-
-def sweep_flce_first_chunk() -> list[dict]:
-    """The FLCE's first chunk at the goal shape (8192 tokens, H 4096, V 128256, bf16), fwd + bwd through
-    autograd, alternated: its grad_weight slices computed apart and copied (runs 86-93) against written
-    in place (the logits shifted R rows into grad_weight, the last R in the spare), R as large as the
-    spare allows (11.7k rows) or capped at 4096 / 2048 (smaller tail GEMMs, more slices)."""
-    ce = importlib.import_module("fuseformer.ops.cross_entropy")
-    n, h, v = 8192, 4096, 128256
-    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5).requires_grad_()
-    target = torch.randint(0, v, (n,), device="cuda")
-    shipped = ce._first_chunk_in_dw
-
-    def capped(rows):
-        def first(*args):
-            spare, c = args[-2], args[-1]
-            keep = -(-ce._split_partials_bytes(c, v, 2, ce.split_config(torch.bfloat16)) // 2)
-            return shipped(*args[:-2], spare[: rows * c + keep], c)
-
-        return first
-
-    def step():
-        hidden.grad = weight.grad = None
-        ce.fused_linear_cross_entropy(hidden, weight, target).backward()
-
-    out = []
-    ref = None
-    variants = (("copied", _first_chunk_copied), ("in place", shipped), ("in place R 4096", capped(4096)),
-                ("in place R 2048", capped(2048)), ("copied", _first_chunk_copied), ("in place", shipped))  # fmt: skip
-    try:
-        for name, fn in variants:
-            ce._first_chunk_in_dw = fn
-            rec = dict(kind="flce_first_chunk", variant=name)
-            try:
-                step()
-                grads = (hidden.grad.float(), weight.grad.float())
-                if ref is None:
-                    ref = grads
-                rec["max_diff_vs_first"] = [float((a - b).abs().max()) for a, b in zip(grads, ref)]
-                hidden.grad = weight.grad = None
-                rec["peak_gib_above_inputs"] = peak_gib_above(step)
-                rec["ms"] = bench_ms(step, rep=1000)
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            out.append(rec)
-            print(json.dumps(rec), flush=True)
-    finally:
-        ce._first_chunk_in_dw = shipped
+    # The default schedule's first chunk runs the column CE kernels (the vocabulary split to make about
+    # PROGRAMS programs): the whole FLCE with each candidate tile.
+    shipped = dict(ce._COLS_CONFIG)
+    # Run 73: 64 x 128 / 4 best (1.39 ms for both kernels; 32-token tiles 1.67-2.06): wider token
+    # segments (DRAM rows 8 KB apart) next.
+    for bt, bv, warps, programs in ((64, 128, 4, 1024), (128, 64, 4, 1024), (128, 64, 8, 1024), (256, 32, 8, 1024),
+                                    (256, 64, 8, 1024), (128, 128, 8, 1024), (64, 128, 4, 2048), (128, 64, 4, 512)):  # fmt: skip
+        ce._COLS_CONFIG = dict(BLOCK_T=bt, BLOCK_V=bv, num_warps=warps, PROGRAMS=programs)
+        rec = dict(kind="flce_cols_config", **ce._COLS_CONFIG)
+        try:
+            step = lambda: ce.fused_linear_cross_entropy_fwd(  # noqa: E731
+                hidden, weight, target, None, -100, "mean", 0.0, 0.0, True, True, False
+            )
+            step()
+            rec["ms"] = bench_ms(step, rep=100)
+            kernels = gpu_kernels(step)
+            rec["cols_kernel_us"] = 1e3 * sum(k["ms_per_call"] for k in kernels if "cross_entropy_cols" in k["name"])
+        except Exception as exc:
+            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        out.append(rec)
+    ce._COLS_CONFIG = shipped
     return out
 
 
@@ -1247,9 +1170,9 @@ SWEEPS = {
     "train_profile": sweep_train_profile,
     "flce": sweep_flce,
     "flce_gemms": sweep_flce_gemms,
-    "flce_first_chunk": sweep_flce_first_chunk,
     "mlp_decode": sweep_mlp_decode,
     "mlp_decode_timeline": sweep_mlp_decode_timeline,
+    "mlp_decode_timeline_t32": lambda: sweep_mlp_decode_timeline(tokens=(1, 32)),
     # The same sweep timed with L2 flushed by reading (bench_stream_ms), against the copy ceiling
     # timed that way: do_bench's zero-fill flush charges ~60 MB of dirty-line write-back to each call.
     "mlp_decode_pdl": lambda: sweep_mlp_decode(

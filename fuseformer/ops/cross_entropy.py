@@ -194,20 +194,18 @@ def _cross_entropy_kernel(
 
 
 @triton.jit
-def _cross_entropy_split_stats_kernel(
+def _cross_entropy_cols_stats_kernel(
     X, T, PART,
-    stride_v, C, V, V_SPLIT, ROW0, SPLIT0,
+    stride_v, C, V, V_SPLIT,
     HAS_SMOOTHING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    # The row kernel's first pass on transposed logits, the vocabulary split across programs: X is
-    # (V, C), column t holding token t's logits (the FLCE's first chunk, laid out in grad_weight's
-    # memory; see _first_chunk_in_dw). Program (i, k) takes BLOCK_T tokens (every load is BLOCK_T
-    # contiguous elements of a vocabulary row) and vocabulary rows [k V_SPLIT, (k + 1) V_SPLIT): the
-    # vocabulary is split so that a chunk of a few thousand tokens still makes about PROGRAMS programs. Each writes its partial max, sum of exponentials, sum of logits
-    # (label smoothing) and the target's logit (0 unless the target lies in its rows) to PART
-    # (splits, 4, C) for _cross_entropy_split_grad_kernel. The vocabulary may lie in pieces (the
-    # first chunk's last rows apart from the rest): X then holds rows [ROW0, ROW0 + V) of it, and this
-    # launch's splits are PART's SPLIT0, SPLIT0 + 1, ...
+    # The row kernel's first pass on transposed logits: X is (V, C), column t holding token t's logits
+    # (the FLCE's first chunk, laid out in grad_weight's memory; see _first_chunk_in_dw). Program
+    # (i, k) takes BLOCK_T tokens (every load is BLOCK_T contiguous elements of a vocabulary row) and
+    # vocabulary rows [k V_SPLIT, (k + 1) V_SPLIT): the vocabulary is split so that a chunk of a few
+    # thousand tokens still makes ~1000 programs. Each writes its partial max, sum of exponentials,
+    # sum of logits (label smoothing) and the target's logit (0 unless the target lies in its rows)
+    # to PART (splits, 4, C) for _cross_entropy_cols_grad_kernel.
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
     split = tl.program_id(1)
     tmask = toks < C
@@ -228,10 +226,10 @@ def _cross_entropy_split_stats_kernel(
         if HAS_SMOOTHING:
             sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
     # The target's logit, read here: the gradient kernel overwrites X, one split's rows a program.
-    target = tl.load(T + toks, mask=tmask, other=-1).to(tl.int64) - ROW0  # a row of this piece, if in it
+    target = tl.load(T + toks, mask=tmask, other=-1).to(tl.int64)
     mine = tmask & (target >= v0) & (target < v1)
     x_t = tl.load(X + target * stride_v + toks, mask=mine, other=0.0).to(tl.float32)
-    part = PART + (SPLIT0 + split).to(tl.int64) * 4 * C + toks
+    part = PART + split.to(tl.int64) * 4 * C + toks
     tl.store(part, m, mask=tmask)
     tl.store(part + C, s, mask=tmask)
     tl.store(part + 2 * C, sum_x, mask=tmask)
@@ -239,17 +237,16 @@ def _cross_entropy_split_stats_kernel(
 
 
 @triton.jit
-def _cross_entropy_split_grad_kernel(
+def _cross_entropy_cols_grad_kernel(
     X, T, LOSS, LSE, SCALE, PART,
     stride_v, stride_scale,
-    C, V, V_SPLIT, ROW0, SPLIT0, SPLITS, V_ALL, ignore_index, label_smoothing, z_loss,
+    C, V, V_SPLIT, SPLITS, ignore_index, label_smoothing, z_loss,
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    # Program (i, k): combine the SPLITS partials of its tokens (every piece's, in split order: every
-    # program of a token gets the same lse), write lse and the loss (split 0 of them all), then
-    # dlogits^T in place over its vocabulary rows [k V_SPLIT, (k + 1) V_SPLIT) of X (each tile read
-    # before this program writes it). X holds rows [ROW0, ROW0 + V) of a V_ALL-row vocabulary.
+    # Program (i, k): combine the SPLITS partials of its tokens (in split order: every program of a
+    # token gets the same lse), write lse and the loss (split 0), then dlogits^T in place over its
+    # vocabulary rows [k V_SPLIT, (k + 1) V_SPLIT) (each tile read before this program writes it).
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     tmask = toks < C
@@ -270,12 +267,12 @@ def _cross_entropy_split_grad_kernel(
             sum_x += tl.load(part + 2 * C, mask=tmask, other=0.0)
         x_t += tl.load(part + 3 * C, mask=tmask, other=0.0)
     lse = tl.where(m == -float("inf"), m, m + tl.log(tl.where(s > 0.0, s, 1.0)))  # s >= 1 unless m is -inf
-    if SPLIT0 + split == 0:
+    if split == 0:
         tl.store(LSE + toks, lse, mask=tmask)
         if WRITE_LOSS:
             loss = lse - (1.0 - label_smoothing) * x_t
             if HAS_SMOOTHING:
-                loss -= (label_smoothing / V_ALL) * sum_x
+                loss -= (label_smoothing / V) * sum_x
             if HAS_Z_LOSS:
                 loss += z_loss * lse * lse
             tl.store(LOSS + toks, tl.where(valid, loss, 0.0), mask=tmask)
@@ -285,7 +282,7 @@ def _cross_entropy_split_grad_kernel(
         p_scale = scale
         if HAS_Z_LOSS:
             p_scale = scale * (1.0 + 2.0 * z_loss * lse_safe)
-        smooth = scale * (label_smoothing / V_ALL)
+        smooth = scale * (label_smoothing / V)
         hit = scale * (1.0 - label_smoothing)
         v0 = split * V_SPLIT
         v1 = tl.minimum(V, v0 + V_SPLIT)
@@ -295,37 +292,17 @@ def _cross_entropy_split_grad_kernel(
             ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :]
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             dx = tl.exp(x - lse_safe[None, :]) * p_scale[None, :] - smooth[None, :]
-            dx -= tl.where(rows[:, None] + ROW0 == target[None, :], hit[None, :], 0.0)
+            dx -= tl.where(rows[:, None] == target[None, :], hit[None, :], 0.0)
             dx = tl.where(valid[None, :], dx, 0.0)
             tl.store(ptrs, dx.to(X.dtype.element_ty), mask=mask)
 
 
-# The split kernels' tile and how many programs to aim for (the vocabulary is split to get them).
-# Run 72 (H200, 2026-12-01), one program a 16-token column over the whole vocabulary (256 programs at
-# the goal shape): 1.96-2.4 ms for its 3 x 1.05 GB (~1.5 TB/s) at every tile tried. Run 73, split to
-# ~1000 programs: 32 x 256 / 4 1.69 ms, 64 x 128 / 4 1.39 (the best of 8; 16-token tiles 1.93-2.03):
-# the longer a contiguous segment of a vocabulary row, the better. (Run 94 also ran them on the growing
-# chunks' row-major logits, 240-352 tokens, over 9 tiles: 83-136 us against the row kernel's 70-90.)
-SPLIT_KERNEL = "cross_entropy_split"
-_SPLIT_FIELDS = ("BLOCK_T", "BLOCK_V", "num_warps", "PROGRAMS")
-_SPLIT_CONFIG = dict(BLOCK_T=64, BLOCK_V=128, num_warps=4, PROGRAMS=1024)
-
-
-@autotune.plan_cache
-def split_config(dtype: torch.dtype, device: torch.device | str | None = None) -> dict:
-    """The split kernels' launch config for the logits' dtype: the autotune cache's, else the shipped
-    default."""
-    cfg = autotune.get_config(SPLIT_KERNEL, autotune.dtype_name(dtype), device=device,
-                              default=lambda: _SPLIT_CONFIG, fields=_SPLIT_FIELDS)  # fmt: skip
-    return dict(cfg)
-
-
-def _split_partials_bytes(c: int, v: int, pieces: int, cfg: dict) -> int:
-    """An upper bound on the split kernels' partials for ``c`` tokens of a ``v``-row vocabulary in
-    ``pieces`` pieces (4 fp32 a token a split) under the launch config ``cfg``, 16 bytes of alignment
-    included (:func:`_cols_splits` for each piece; its rounding adds at most a split a piece)."""
-    splits = min(triton.cdiv(v, cfg["BLOCK_V"]), triton.cdiv(cfg["PROGRAMS"], triton.cdiv(c, cfg["BLOCK_T"]))) + pieces
-    return 16 * splits * c + 16
+# The transposed kernels' tile and how many programs to aim for (the vocabulary is split to get
+# them). Run 72 (H200, 2026-12-01), one program a 16-token column over the whole vocabulary (256
+# programs at the goal shape): 1.96-2.4 ms for its 3 x 1.05 GB (~1.5 TB/s) at every tile tried. Run 73,
+# split to ~1000 programs: 32 x 256 / 4 1.69 ms, 64 x 128 / 4 1.39 (the best of 8; 16-token tiles
+# 1.93-2.03): the longer a contiguous segment of a vocabulary row, the better.
+_COLS_CONFIG = dict(BLOCK_T=64, BLOCK_V=128, num_warps=4, PROGRAMS=1024)
 
 
 def _cols_splits(c: int, v: int, block_t: int, block_v: int, programs: int) -> tuple[int, int]:
@@ -337,50 +314,39 @@ def _cols_splits(c: int, v: int, block_t: int, block_v: int, programs: int) -> t
     return triton.cdiv(v, rows), rows
 
 
-def _launch_split(
-    pieces, target, loss, lse, scale, ignore_index, label_smoothing, z_loss, *, write_loss, write_grad, scratch=None
+def _launch_cols(
+    xt, target, loss, lse, scale, ignore_index, label_smoothing, z_loss, *, write_loss, write_grad, scratch=None
 ):  # fmt: skip
-    """The split CE kernels on transposed logits (V, C) (unit column stride) in pieces of the
-    vocabulary: ``pieces`` is a list of (V_k, C) matrices, the rows of each piece in vocabulary order,
-    together all V. Loss and lse per token (C,), and dlogits^T in place over each piece when
-    ``write_grad``. ``scratch``: free memory of any dtype for the per-split partials (4 x splits x C
-    fp32), else they are allocated."""
-    c = pieces[0].shape[1]
-    v_all = sum(xt.shape[0] for xt in pieces)
+    """The CE kernels on transposed logits ``xt`` (V, C) (unit column stride): loss and lse per token
+    (C,), and dlogits^T in place over ``xt`` when ``write_grad``. ``scratch``: free memory of any
+    dtype for the per-split partials (4 x splits x C fp32), else they are allocated."""
+    v, c = xt.shape
     if c == 0:
         return
-    cfg = dict(split_config(pieces[0].dtype, pieces[0].device))  # a copy: the cached one stays whole
-    bt, bv, programs = cfg["BLOCK_T"], cfg["BLOCK_V"], cfg.pop("PROGRAMS")
-    plan, row0, split0 = [], 0, 0  # (xt, first row, first split, splits, rows a split) a piece
-    for xt in pieces:
-        assert xt.shape[1] == c and xt.stride(1) == 1
-        if xt.shape[0]:
-            splits, rows = _cols_splits(c, xt.shape[0], bt, bv, max(1, programs * xt.shape[0] // v_all))
-            plan.append((xt, row0, split0, splits, rows))
-            split0 += splits
-        row0 += xt.shape[0]
-    floats = 4 * split0 * c
+    assert xt.stride(1) == 1
+    cfg = dict(_COLS_CONFIG)
+    bt, bv = cfg["BLOCK_T"], cfg["BLOCK_V"]
+    splits, rows = _cols_splits(c, v, bt, bv, cfg.pop("PROGRAMS"))
+    floats = 4 * splits * c
     nbytes = 4 * floats
     if scratch is not None and scratch.numel() * scratch.element_size() >= nbytes + 16:
         raw = scratch.view(-1).view(torch.uint8)
         off = (-raw.data_ptr()) % 16
         part = raw[off : off + nbytes].view(torch.float32)
     else:
-        part = empty((floats,), dtype=torch.float32, device=pieces[0].device)
+        part = empty((floats,), dtype=torch.float32, device=xt.device)
+    grid = (triton.cdiv(c, bt), splits)
     has_smoothing = label_smoothing != 0.0
-    for xt, row0, first, splits, rows in plan:
-        _cross_entropy_split_stats_kernel[(triton.cdiv(c, bt), splits)](
-            xt, target, part, xt.stride(0), c, xt.shape[0], rows, row0, first,
-            HAS_SMOOTHING=has_smoothing, **cfg,
-        )  # fmt: skip
-    for xt, row0, first, splits, rows in plan:
-        _cross_entropy_split_grad_kernel[(triton.cdiv(c, bt), splits)](
-            xt, target, loss if loss is not None else lse, lse, scale if scale is not None else lse, part,
-            xt.stride(0), (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
-            c, xt.shape[0], rows, row0, first, split0, v_all, ignore_index, float(label_smoothing), float(z_loss),
-            WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, HAS_SMOOTHING=has_smoothing,
-            HAS_Z_LOSS=z_loss != 0.0, **cfg,
-        )  # fmt: skip
+    _cross_entropy_cols_stats_kernel[grid](
+        xt, target, part, xt.stride(0), c, v, rows, HAS_SMOOTHING=has_smoothing, **cfg
+    )  # fmt: skip
+    _cross_entropy_cols_grad_kernel[grid](
+        xt, target, loss if loss is not None else lse, lse, scale if scale is not None else lse, part,
+        xt.stride(0), (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
+        c, v, rows, splits, ignore_index, float(label_smoothing), float(z_loss),
+        WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, HAS_SMOOTHING=has_smoothing,
+        HAS_Z_LOSS=z_loss != 0.0, **cfg,
+    )  # fmt: skip
 
 
 KERNEL = "cross_entropy"
@@ -532,59 +498,38 @@ def _first_chunk_in_dw(
     hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse, dh, dw, db, spare, c
 ):  # fmt: skip
     """Tokens [0, c) (c <= H) as one chunk whose logits live in grad_weight's memory, before any of
-    grad_weight is written: transposed, (V, c), vocabulary row j in grad_weight's row j + R (its first
-    c elements), for j < V - R; the last R rows (R = what ``spare`` holds) in ``spare``. Then:
-      logits^T = W @ h_c^T (+ bias), the split CE kernels over both pieces (dlogits^T in place),
+    grad_weight is written: transposed, (V, c), so that vocabulary row j of the logits lies inside
+    grad_weight's row j (c <= H elements of its H). Then:
+      logits^T = W @ h_c^T (+ bias), the CE kernel on columns (dlogits^T in place),
       grad_hidden[:c] = dlogits @ W, grad_bias += row sums,
-      grad_weight = dlogits^T @ h_c in slices of at most R vocabulary rows, from the first: slice
-      [j0, j1) writes grad_weight's rows [j0, j1) straight into place, which held logits rows
-      [j0 - R, j1 - R), consumed by the slices before; its own logits rows lie R rows further on. The
-      last R rows' slice reads them from ``spare``.
+      grad_weight = dlogits^T @ h_c in slices of vocabulary rows, each computed into ``spare`` and
+      copied into place, from the last slice to the first: grad_weight rows [j0, j1) cover logits
+      rows >= j0 only, all of them consumed by then.
     grad_weight is written once, never read and written back: the pass over it that every chunk of
-    the growing schedule pays (~0.8 ms at the goal shape) is saved for the c tokens, and no slice
-    passes through a spare buffer (run 93: 11 copies, 0.49 ms, before the rows were shifted by R). At
-    the goal shape c = 4096 (half the tokens) and R = 11,712: 10 slices and the last R rows."""
+    the growing schedule pays (~0.8 ms at the goal shape) is saved for the c tokens, at the cost of
+    one copy of it (~0.5 ms). At the goal shape c = 4096: half the tokens."""
     v, h = dw.shape
     h_c = hidden[:c]
-    # The CE kernels' partials go past the rows kept in the spare (~1 MB at the goal shape; allocated
-    # apart, they would lift the peak over 1.1 GiB: run 94).
-    keep = -(-_split_partials_bytes(c, v, 2, split_config(dw.dtype, dw.device)) // spare.element_size())
-    if spare.numel() < c + keep:  # tiny problems (a few tokens of a tiny vocabulary): one row's room
-        spare = torch.empty(c + keep, dtype=dw.dtype, device=dw.device)
-    r = min(v, (spare.numel() - keep) // c)  # the rows kept in spare
-    main = dw[r:, :c]  # logits^T rows [0, V - R): (V - R, c), rows H apart
-    tail = spare[: r * c].view(r, c)  # logits^T rows [V - R, V)
-    if c < h and dw.device.type != "cuda":
-        # The rows' unused columns: CPU bf16 GEMMs (oneDNN, torch 2.13) read past a strided operand's
-        # columns and multiply what lies there by 0, so NaN in that memory would reach the slices.
-        dw[r:, c:].zero_()
-    if v > r:
-        torch.matmul(weight[: v - r], h_c.T, out=main)
-    torch.matmul(weight[v - r :], h_c.T, out=tail)
+    lt = dw.view(-1)[: v * c].view(v, c)  # (V, c) logits^T in grad_weight's memory
+    torch.matmul(weight, h_c.T, out=lt)
     if bias is not None:
-        main += bias[: v - r, None]
-        tail += bias[v - r :, None]
+        lt += bias[:, None]
     s_c = scale[:c] if scale.dim() else scale
-    _launch_split([main, tail], target[:c], loss[:c] if loss is not None else None, lse[:c], s_c, ignore_index,
-                  label_smoothing, z_loss, write_loss=loss is not None, write_grad=True,
-                  scratch=spare[r * c :])  # fmt: skip
+    # The spare room is free until the grad_weight slices: the CE kernels' partials go there.
+    _launch_cols(lt, target[:c], loss[:c] if loss is not None else None, lse[:c], s_c, ignore_index,
+                 label_smoothing, z_loss, write_loss=loss is not None, write_grad=True, scratch=spare)  # fmt: skip
     if dh is not None:
-        # Two GEMMs: grad_hidden[:c] is rounded once more than one GEMM would round it (at the goal
-        # shape the tail's 9% of the vocabulary added to the rest's bf16 sum).
-        if v > r:
-            torch.matmul(main.T, weight[: v - r], out=dh[:c])  # (c, H)
-            dh[:c].addmm_(tail.T, weight[v - r :])
-        else:
-            torch.matmul(tail.T, weight, out=dh[:c])
+        torch.matmul(lt.T, weight, out=dh[:c])  # (c, H)
     if db is not None:
-        db[: v - r] += main.sum(1, dtype=torch.float32)
-        db[v - r :] += tail.sum(1, dtype=torch.float32)
-    # addmm with beta 0 ignores what the output held (grad_weight's first R rows: never written;
-    # documented, where some CPU GEMMs multiply the old contents by 0: NaN stays NaN).
-    for j0 in range(0, v - r, r):
-        j1 = min(v - r, j0 + r)
-        torch.addmm(dw[j0:j1], main[j0:j1], h_c, beta=0, out=dw[j0:j1])  # reads rows [j0 + R, j1 + R)
-    torch.addmm(dw[v - r :], tail, h_c, beta=0, out=dw[v - r :])
+        db += lt.sum(1, dtype=torch.float32)
+    if spare.numel() < h:  # tiny problems (a few tokens of a tiny vocabulary): one row's room
+        spare = torch.empty(h, dtype=dw.dtype, device=dw.device)
+    rows = spare.numel() // h
+    for j0 in reversed(range(0, v, rows)):
+        j1 = min(v, j0 + rows)
+        tmp = spare[: (j1 - j0) * h].view(j1 - j0, h)
+        torch.matmul(lt[j0:j1], h_c, out=tmp)  # (rows, H)
+        dw[j0:j1].copy_(tmp)
 
 
 def _chunks(

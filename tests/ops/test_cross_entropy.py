@@ -545,49 +545,6 @@ def test_flce_first_chunk_and_growing_chunks_match_reference(reduction, grads, d
     assert bool(growing) == want[0], growing
 
 
-@pytest.mark.parametrize("n, h, v, spare_rows, smooth", [(16, 16, 300, 37, 0.0), (16, 16, 301, 300, 0.1),
-                                                         (9, 16, 97, 2, 0.0), (5, 16, 7, 0, 0.1)])  # fmt: skip
-def test_flce_first_chunk_slices_shifted_in_place(n, h, v, spare_rows, smooth, device):
-    """The first chunk with a spare smaller than its logits: vocabulary rows [0, V - R) of the
-    transposed logits in grad_weight's rows R.., the last R in the spare (two pieces for the CE
-    kernels), grad_weight written in slices of R rows from the first, straight into place. Spares of
-    37 rows (8 slices), 300 (one slice and the tail), 2 (slices of 2 rows at c = 9 < H) and none (a
-    row of its own): loss, lse and every gradient match fp64 (label smoothing, z-loss, ignored
-    tokens, a bias, a per-token scale as reduction="none"'s backward passes)."""
-    c = min(n, h)
-    hidden = torch.randn(n, h, device=device)
-    weight = torch.randn(v, h, device=device) / h**0.5
-    bias = torch.randn(v, device=device)
-    t = _targets(n, v, device, 0.2)
-    scale = torch.rand(n, device=device) + 0.5
-    z = 1e-3
-    loss, lse = torch.full((n,), float("nan"), device=device), torch.full((n,), float("nan"), device=device)
-    dh = torch.full((n, h), float("nan"), device=device)
-    dw = torch.full((v, h), float("nan"), device=device)
-    db = torch.zeros(v, device=device)
-    keep = -(-CE._split_partials_bytes(c, v, 2, CE.split_config(torch.float32)) // 4)  # the CE kernels' partials
-    spare = torch.full((spare_rows * c + keep,), float("nan"), device=device)
-    tails = []
-    real = CE._launch_split
-    with fuseformer.use_backend("triton"), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(
-            CE, "_launch_split", lambda pieces, *a, **k: tails.append(pieces[-1].shape[0]) or real(pieces, *a, **k)
-        )
-        CE._first_chunk_in_dw(hidden, weight, t, bias, -100, smooth, z, scale, loss, lse, dh, dw, db, spare, c)
-    assert tails == [max(1, min(v, spare_rows))], tails
-    leaves = [a.detach().double().requires_grad_() for a in (hidden, weight, bias)]
-    ref = CE.fused_linear_cross_entropy_ref(leaves[0][:c], leaves[1], t[:c], leaves[2], reduction="none",
-                                            label_smoothing=smooth, z_loss=z)  # fmt: skip
-    (ref * scale[:c].double()).sum().backward()
-    logits = leaves[0][:c].detach() @ leaves[1].detach().T + leaves[2].detach()
-    torch.testing.assert_close(loss[:c].double(), ref.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse[:c].double(), torch.logsumexp(logits, 1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dh[:c].double(), leaves[0].grad[:c], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(dw.double(), leaves[1].grad, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(db.double(), leaves[2].grad, rtol=1e-4, atol=1e-5)
-    assert dh[c:].isnan().all()  # rows past the chunk untouched
-
-
 def test_flce_under_autocast_casts_fp32_weight(device):
     """torch.autocast: an fp32 LM head with fp16 hidden states, as F.linear would take them."""
     hidden = torch.randn(9, 32, device=device, requires_grad=True)
@@ -637,25 +594,23 @@ def test_flce_first_chunk_tiny_vocabulary_weight_only(device):
     torch.testing.assert_close(weight.grad, w.grad, rtol=1e-4, atol=1e-5)
 
 
-_OFFLINE_SPLIT = r"""
+_OFFLINE_COLS = r"""
 import importlib
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 CE = importlib.import_module("fuseformer.ops.cross_entropy")
-stats = {"X": "*bf16", "T": "*i64", "PART": "*fp32", "stride_v": "i32", "C": "i32", "V": "i32", "V_SPLIT": "i32",
-         "ROW0": "i32", "SPLIT0": "i32"}
+stats = {"X": "*bf16", "T": "*i64", "PART": "*fp32", "stride_v": "i32", "C": "i32", "V": "i32", "V_SPLIT": "i32"}
 grad = {"X": "*bf16", "T": "*i64", "LOSS": "*fp32", "LSE": "*fp32", "SCALE": "*fp32", "PART": "*fp32",
-        "stride_v": "i32", "stride_scale": "i32", "C": "i32", "V": "i32", "V_SPLIT": "i32", "ROW0": "i32",
-        "SPLIT0": "i32", "SPLITS": "i32", "V_ALL": "i32", "ignore_index": "i32", "label_smoothing": "fp32",
-        "z_loss": "fp32"}
-cfg = dict(CE._SPLIT_CONFIG)
+        "stride_v": "i32", "stride_scale": "i32", "C": "i32", "V": "i32", "V_SPLIT": "i32", "SPLITS": "i32",
+        "ignore_index": "i32", "label_smoothing": "fp32", "z_loss": "fp32"}
+cfg = dict(CE._COLS_CONFIG)
 warps = cfg.pop("num_warps")
 cfg.pop("PROGRAMS")
 for wl, sm, z in [(True, False, False), (True, True, True), (False, False, False)]:
-    jobs = [(CE._cross_entropy_split_stats_kernel, stats, dict(HAS_SMOOTHING=sm, **cfg)),
-            (CE._cross_entropy_split_grad_kernel, grad,
+    jobs = [(CE._cross_entropy_cols_stats_kernel, stats, dict(HAS_SMOOTHING=sm, **cfg)),
+            (CE._cross_entropy_cols_grad_kernel, grad,
              dict(WRITE_LOSS=wl, WRITE_GRAD=True, HAS_SMOOTHING=sm, HAS_Z_LOSS=z, **cfg))]
     for fn, sig, consts in jobs:
         src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts)
@@ -668,11 +623,10 @@ print("ok")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile it for real")
-def test_split_kernels_compile_for_sm90_offline():
-    """The FLCE's split CE kernels (the first chunk's transposed logits) and the backward's scaling
-    kernel compile for sm_90 with their shipped tiles (the interpreter runs them on the CPU but does not
-    compile them)."""
-    compile_offline(_OFFLINE_SPLIT, timeout=300)
+def test_column_kernels_compile_for_sm90_offline():
+    """The FLCE's column CE kernels (first chunk) and the backward's scaling kernel compile for sm_90
+    with their shipped tiles (the interpreter runs them on the CPU but does not compile them)."""
+    compile_offline(_OFFLINE_COLS, timeout=300)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
