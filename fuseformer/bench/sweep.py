@@ -412,68 +412,6 @@ def sweep_flce() -> list[dict]:
     return out
 
 
-def sweep_flce_lane_stats() -> list[dict]:
-    """The row CE kernel's statistics per lane (``LANE_STATS``) against a block-wide max and sum every
-    step: the growing chunks' CE alone (240 / 288 / 352 tokens of V 128256, bf16, dlogits in place) over
-    three block widths, then the whole FLCE (8192 tokens, H 4096, fwd + bwd through autograd, 1 s
-    budget), alternated, with the largest gradient difference between the two."""
-    ce = importlib.import_module("fuseformer.ops.cross_entropy")
-    v = 128256
-    out = []
-    shipped = ce.LANE_STATS
-    try:
-        for c in (240, 288, 352):
-            logits = torch.randn(c, v, device="cuda", dtype=torch.bfloat16)
-            target = torch.randint(0, v, (c,), device="cuda")
-            loss = torch.empty(c, device="cuda", dtype=torch.float32)
-            lse = torch.empty(c, device="cuda", dtype=torch.float32)
-            scale = torch.full((), 1.0 / 8192, device="cuda")
-            gb = 3 * c * v * 2 / 1e9  # read twice, written once
-            for block_v, warps in ((8192, 16), (4096, 8), (2048, 4)):
-                cfg = dict(BLOCK_V=block_v, num_warps=warps)
-                for lane in (False, True):
-
-                    def fn(logits=logits, target=target, loss=loss, lse=lse, scale=scale, cfg=cfg, lane=lane):
-                        ce._cross_entropy_kernel[(logits.shape[0],)](
-                            logits, target, loss, lse, logits, scale, logits.stride(0), logits.stride(0), 0, v,
-                            -100, 0.0, 0.0, LSE_GIVEN=False, WRITE_LOSS=True, WRITE_GRAD=True, HAS_SMOOTHING=False,
-                            HAS_Z_LOSS=False, LANE_STATS=lane, **cfg,
-                        )  # fmt: skip
-
-                    fn()
-                    ms = bench_ms(fn, rep=200)
-                    out.append(dict(kind="flce_lane_ce", tokens=c, lane_stats=lane, us=1e3 * ms, tb_s=gb / ms, **cfg))
-            print(json.dumps(out[-6:]), flush=True)
-        n, h = 8192, 4096
-        hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5).requires_grad_()
-        target = torch.randint(0, v, (n,), device="cuda")
-
-        def step():
-            hidden.grad = weight.grad = None
-            ce.fused_linear_cross_entropy(hidden, weight, target).backward()
-
-        ref = None
-        for lane in (False, True, False, True):
-            ce.LANE_STATS = lane
-            rec = dict(kind="flce_lane_stats", lane_stats=lane)
-            try:
-                step()
-                grads = (hidden.grad.float(), weight.grad.float())
-                ref = ref or grads
-                rec["max_diff_vs_first"] = [float((a - b).abs().max()) for a, b in zip(grads, ref)]
-                hidden.grad = weight.grad = None
-                rec["peak_gib_above_inputs"] = peak_gib_above(step)
-                rec["ms"] = bench_ms(step, rep=1000)
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            out.append(rec)
-            print(json.dumps(rec), flush=True)
-    finally:
-        ce.LANE_STATS = shipped
-    return out
-
-
 def sweep_flce_plan() -> list[dict]:
     """The FLCE's growing chunks at the goal shape (8192 tokens, H 4096, V 128256, bf16), fwd + bwd through
     autograd (as `bench mlp_ce` times it), alternated: the shipped plan (the scratch grown by 3 tokens to
@@ -1232,7 +1170,6 @@ SWEEPS = {
     "train_profile": sweep_train_profile,
     "flce": sweep_flce,
     "flce_gemms": sweep_flce_gemms,
-    "flce_lane_stats": sweep_flce_lane_stats,
     "mlp_decode": sweep_mlp_decode,
     "mlp_decode_timeline": sweep_mlp_decode_timeline,
     "mlp_decode_timeline_t32": lambda: sweep_mlp_decode_timeline(tokens=(1, 32)),

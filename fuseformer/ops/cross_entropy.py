@@ -140,13 +140,9 @@ def _cross_entropy_kernel(
     V, ignore_index, label_smoothing, z_loss,
     LSE_GIVEN: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, BLOCK_V: tl.constexpr,
-    LANE_STATS: tl.constexpr = False,
 ):  # fmt: skip
     # One row a program. DX may be X itself (the gradient overwrites the logits, FLCE); each block
     # is read before it is written, by the same program, so that is safe.
-    # LANE_STATS: the running max and sum of exponentials kept per lane (BLOCK_V of each) and
-    # reduced across the block once after the loop, instead of a block-wide max and sum every step
-    # (two barriers a step, which hold every warp of the program to the slowest load).
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 (8192 x 128256 already does)
     x_row = X + row * stride_x
     target = tl.load(T + row).to(tl.int64)
@@ -154,26 +150,6 @@ def _cross_entropy_kernel(
     in_range = valid & (target >= 0) & (target < V)
     if LSE_GIVEN:
         lse = tl.load(LSE + row)
-    elif LANE_STATS:
-        m_v = tl.full((BLOCK_V,), -float("inf"), tl.float32)
-        s_v = tl.zeros((BLOCK_V,), tl.float32)
-        sx_v = tl.zeros((BLOCK_V,), tl.float32)
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            mask = cols < V
-            x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
-            new_m = tl.maximum(m_v, x)
-            shift = tl.where(new_m == -float("inf"), 0.0, new_m)  # as below, a lane at a time
-            s_v = s_v * tl.exp(m_v - shift) + tl.exp(x - shift)
-            m_v = new_m
-            if HAS_SMOOTHING:
-                sx_v += tl.where(mask, x, 0.0)
-        m = tl.max(m_v, axis=0)
-        shift = tl.where(m == -float("inf"), 0.0, m)
-        s = tl.sum(s_v * tl.exp(m_v - shift), axis=0)
-        sum_x = tl.sum(sx_v, axis=0)
-        lse = tl.where(m == -float("inf"), m, m + tl.log(s))
-        tl.store(LSE + row, lse)
     else:
         m = -float("inf")
         s = 0.0
@@ -192,7 +168,6 @@ def _cross_entropy_kernel(
                 sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
         lse = tl.where(m == -float("inf"), m, m + tl.log(s))
         tl.store(LSE + row, lse)
-    if not LSE_GIVEN:
         if WRITE_LOSS:
             x_t = tl.load(x_row + target, mask=in_range, other=0.0).to(tl.float32)
             loss = lse - (1.0 - label_smoothing) * x_t
@@ -414,12 +389,8 @@ def _launch(
         (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
         v, ignore_index, float(label_smoothing), float(z_loss),
         LSE_GIVEN=lse_given, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad,
-        HAS_SMOOTHING=label_smoothing != 0.0, HAS_Z_LOSS=z_loss != 0.0, LANE_STATS=LANE_STATS, **cfg,
+        HAS_SMOOTHING=label_smoothing != 0.0, HAS_Z_LOSS=z_loss != 0.0, **cfg,
     )  # fmt: skip
-
-
-# The row kernel's statistics per lane (see _cross_entropy_kernel); run 97 times both.
-LANE_STATS = True
 
 
 # --------------------------------------------------------------------------------------------
