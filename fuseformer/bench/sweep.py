@@ -653,6 +653,59 @@ def sweep_attention_gluon_bwd() -> list[dict]:
     return out
 
 
+def sweep_attention_dq64() -> list[dict]:
+    """Head dim 64, causal S4096 (B 4, H 32), the whole backward with the Gluon dK/dV kernel and dq from
+    the Triton kernel or the Gluon one at 64 keys a stage (run 89: 2.04-2.08 ms against 1.917) or 128
+    (2 and 3 stages), each with its largest dq / dk / dv difference from the all-Triton backward, and
+    cuDNN's backward in the same run."""
+    from fuseformer.bench import attention as ba
+    from fuseformer.ops import attention_bwd as bwd
+
+    attn = importlib.import_module("fuseformer.ops.attention")
+    hopper = bwd.attention_hopper
+    shipped = (bwd._GLUON_BWD, bwd._GLUON_DQ, dict(hopper.DQ_CONFIG), hopper.DQ_HEAD_DIMS, dict(hopper.HD_DQ_BLOCK_N))
+    seqlen, causal, d = 4096, True, 64
+    batch = ba.TOKENS // seqlen
+    case = dict(kind="attention_dq64", batch=batch, seqlen=seqlen, heads=ba.HEADS, head_dim=d, causal=causal)
+    flops = 2.5 * ba.attention_flops(batch, seqlen, ba.HEADS, d, causal)
+    q, k, v = (t.detach() for t in ba._inputs(batch, seqlen, d))
+    o, lse = attn.flash_attention_fwd(q, k, v, None, None, seqlen, seqlen, d**-0.5, -1, 0)
+    do = torch.randn_like(o)
+    args = (do, q, k, v, o, lse, None, None, None, seqlen, seqlen, d**-0.5, -1, 0)
+    out = []
+    try:
+        bwd._GLUON_BWD = False
+        ref = bwd.flash_attention_bwd(*args)
+        out.append(ba._record(case, "fuseformer triton", "bwd", flops, lambda: bwd.flash_attention_bwd(*args)))
+        bwd._GLUON_BWD = True
+        hopper.DQ_HEAD_DIMS = (64, 128)
+        variants = ((None, None), (64, 3), (128, 2), (128, 3), (None, None), (128, 3))
+        for keys, stages in variants:
+            bwd._GLUON_DQ = keys is not None
+            hopper.HD_DQ_BLOCK_N = {64: keys or hopper.DQ_BLOCK_N}
+            hopper.DQ_CONFIG = dict(shipped[2], STAGES=stages or 3)
+            rec = dict(case, dq=f"gluon {keys} keys" if keys else "triton", DQ_STAGES=stages)
+            try:
+                got = bwd.flash_attention_bwd(*args)
+                torch.cuda.synchronize()
+                rec["max_abs_diff"] = {n: float((a.float() - r.float()).abs().max())
+                                       for n, a, r in zip(("dq", "dk", "dv"), got, ref)}  # fmt: skip
+                rec = ba._record(rec, "fuseformer gluon", "bwd", flops, lambda: bwd.flash_attention_bwd(*args))
+            except Exception as exc:
+                rec.update(impl="fuseformer gluon", error=f"{type(exc).__name__}: {exc}"[:500])
+            out.append(rec)
+            print(json.dumps(out[-1])[:600], flush=True)
+    finally:
+        bwd._GLUON_BWD, bwd._GLUON_DQ, hopper.DQ_CONFIG, hopper.DQ_HEAD_DIMS, hopper.HD_DQ_BLOCK_N = shipped
+    impls = ba._impls(seqlen, causal)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    y = impls["sdpa_cudnn"](qg, kg, vg)
+    dy = torch.randn_like(y)
+    out.append(ba._record(case, "sdpa_cudnn", "bwd", flops,
+                          lambda: torch.autograd.grad(y, (qg, kg, vg), dy, retain_graph=True)))  # fmt: skip
+    return out
+
+
 def sweep_mlp_gluon() -> list[dict]:
     """Issue 4's prefill MLP (T 8192, H 4096, I 14336, bf16) with the Triton gate-up kernel and then the
     Gluon one (ops/mlp_hopper.py), each beside torch.compile's MLP and cuBLAS's gate-up GEMM in the same
@@ -1160,6 +1213,7 @@ SWEEPS = {
     "attention_layouts": sweep_attention_layouts,
     "attention_gluon": sweep_attention_gluon,
     "attention_gluon_bwd": sweep_attention_gluon_bwd,
+    "attention_dq64": sweep_attention_dq64,
     "mlp_gluon": sweep_mlp_gluon,
     "flce_plan": sweep_flce_plan,
     "rms_norm": sweep_rms_norm,

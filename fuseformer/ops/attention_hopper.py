@@ -359,6 +359,13 @@ if HAVE_GLUON:
 # stages 2 / 3 / 4): causal S4096 414.6 / 418.0 / 415.3, full S16384 476.8 / 476.8 / 478.1.
 DQ_BLOCK_N = 64
 DQ_CONFIG = dict(STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24)
+# Per head dim, the dq kernel's key block where it is not DQ_BLOCK_N (sweep attention_dq64 times hd 64's).
+HD_DQ_BLOCK_N: dict[int, int] = {}
+
+
+def dq_block_n(head_dim: int) -> int:
+    """Keys a stage of the dq kernel at ``head_dim``."""
+    return HD_DQ_BLOCK_N.get(head_dim, DQ_BLOCK_N)
 
 
 if HAVE_GLUON:
@@ -569,10 +576,11 @@ def backward_dq(
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     half = BLOCK_M // 2
     q_layout = gl.NVMMASharedLayout.get_default_for([half, d], dt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([DQ_BLOCK_N, d], dt)
+    bn = dq_block_n(d)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], dt)
     q_desc, do_desc, dq_desc = (TensorDescriptor.from_tensor(t.view(b * s, hq * d), [half, d], q_layout)
                                 for t in (q, dout, dq))  # fmt: skip
-    k_desc, v_desc = (TensorDescriptor.from_tensor(t.view(b * s, hkv * d), [DQ_BLOCK_N, d], kv_layout) for t in (k, v))
+    k_desc, v_desc = (TensorDescriptor.from_tensor(t.view(b * s, hkv * d), [bn, d], kv_layout) for t in (k, v))
     consumer_regs, producer_regs = cfg["CONSUMER_REGS"], cfg["PRODUCER_REGS"]
     _dq_kernel[(s // BLOCK_M, b * hq)](
         q_desc, do_desc, k_desc, v_desc, dq_desc, lse.contiguous(), delta.contiguous(), s, hq, hq // hkv,
@@ -588,6 +596,7 @@ __all__ = [
     "CONFIG",
     "DQ_CONFIG",
     "DQ_HEAD_DIMS",
+    "HD_DQ_BLOCK_N",
     "HAVE_GLUON",
     "HD_CONFIGS",
     "HEAD_DIMS",
