@@ -359,7 +359,10 @@ if HAVE_GLUON:
 # stages 2 / 3 / 4): causal S4096 414.6 / 418.0 / 415.3, full S16384 476.8 / 476.8 / 478.1.
 DQ_BLOCK_N = 64
 DQ_CONFIG = dict(STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24)
-# Per head dim, the dq kernel's key block where it is not DQ_BLOCK_N (sweep attention_dq64 times hd 64's).
+# Per head dim, the dq kernel's key block where it is not DQ_BLOCK_N. Runs 98-99 (H200, hd 64 causal
+# S4096, whole backward with the Gluon dK/dV, ms, alternated): Triton dq 1.934, 1.939, 1.943, 1.928, 1.930;
+# Gluon dq at 128 keys, 2 stages 1.898, 1.976, 1.982, 1.962 (3 stages 1.947-2.053; 64 keys 1.998-2.209).
+# So hd 64 keeps the Triton dq (DQ_HEAD_DIMS) and this stays empty; sweep attention_dq64 retimes it.
 HD_DQ_BLOCK_N: dict[int, int] = {}
 
 
