@@ -587,6 +587,26 @@ def sweep_attention_gluon() -> list[dict]:
     return out
 
 
+def _gluon_bwd_record(rec: dict, args: tuple, ref: tuple, flops: float, kernels: bool = False) -> dict:
+    """The attention backward with the kernels switched on as the caller left them: ``rec`` with its
+    largest dq / dk / dv difference from ``ref`` (the all-Triton backward's), its time and TFLOP/s, and
+    (``kernels``) its costliest kernels by profiler; or the error."""
+    from fuseformer.bench import attention as ba
+    from fuseformer.ops import attention_bwd as bwd
+
+    try:
+        got = bwd.flash_attention_bwd(*args)
+        torch.cuda.synchronize()
+        rec["max_abs_diff"] = {n: float((a.float() - r.float()).abs().max())
+                               for n, a, r in zip(("dq", "dk", "dv"), got, ref)}  # fmt: skip
+        rec = ba._record(rec, "fuseformer gluon", "bwd", flops, lambda: bwd.flash_attention_bwd(*args))
+        if kernels:
+            rec["kernels"] = gpu_kernels(lambda: bwd.flash_attention_bwd(*args))[:6]
+    except Exception as exc:
+        rec.update(impl="fuseformer gluon", error=f"{type(exc).__name__}: {exc}"[:500])
+    return rec
+
+
 def sweep_attention_gluon_bwd() -> list[dict]:
     """The backward with the Gluon dK/dV kernel (ops/attention_hopper.py), dq from the Triton kernel or
     the Gluon one (2, 3, 4 stages), against the all-Triton backward and SDPA's flash and cuDNN backwards
@@ -626,17 +646,7 @@ def sweep_attention_gluon_bwd() -> list[dict]:
                 bwd._GLUON_DQ = dq_stages is not None
                 bwd.attention_hopper.DQ_CONFIG = dict(shipped[2], STAGES=dq_stages or 3)
                 rec = dict(case, dq="gluon" if dq_stages else "triton", DQ_STAGES=dq_stages)
-                try:
-                    got = bwd.flash_attention_bwd(*args)
-                    torch.cuda.synchronize()
-                    rec["max_abs_diff"] = {n: float((a.float() - r.float()).abs().max())
-                                           for n, a, r in zip(("dq", "dk", "dv"), got, ref)}  # fmt: skip
-                    rec = ba._record(rec, "fuseformer gluon", "bwd", flops, lambda: bwd.flash_attention_bwd(*args))
-                    if seqlen == 4096:
-                        rec["kernels"] = gpu_kernels(lambda: bwd.flash_attention_bwd(*args))[:6]
-                except Exception as exc:
-                    rec.update(impl="fuseformer gluon", error=f"{type(exc).__name__}: {exc}"[:500])
-                out.append(rec)
+                out.append(_gluon_bwd_record(rec, args, ref, flops, kernels=seqlen == 4096))
                 print(json.dumps(out[-1])[:600], flush=True)
         finally:
             bwd._GLUON_BWD, bwd._GLUON_DQ, bwd.attention_hopper.DQ_CONFIG = shipped[0], shipped[1], shipped[2]
@@ -687,15 +697,7 @@ def sweep_attention_dq64() -> list[dict]:
             hopper.HD_DQ_BLOCK_N = {64: keys or hopper.DQ_BLOCK_N}
             hopper.DQ_CONFIG = dict(shipped[2], STAGES=stages or 3)
             rec = dict(case, dq=f"gluon {keys} keys" if keys else "triton", DQ_STAGES=stages)
-            try:
-                got = bwd.flash_attention_bwd(*args)
-                torch.cuda.synchronize()
-                rec["max_abs_diff"] = {n: float((a.float() - r.float()).abs().max())
-                                       for n, a, r in zip(("dq", "dk", "dv"), got, ref)}  # fmt: skip
-                rec = ba._record(rec, "fuseformer gluon", "bwd", flops, lambda: bwd.flash_attention_bwd(*args))
-            except Exception as exc:
-                rec.update(impl="fuseformer gluon", error=f"{type(exc).__name__}: {exc}"[:500])
-            out.append(rec)
+            out.append(_gluon_bwd_record(rec, args, ref, flops))
             print(json.dumps(out[-1])[:600], flush=True)
     finally:
         bwd._GLUON_BWD, bwd._GLUON_DQ, hopper.DQ_CONFIG, hopper.DQ_HEAD_DIMS, hopper.HD_DQ_BLOCK_N = shipped
