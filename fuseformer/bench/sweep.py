@@ -467,7 +467,7 @@ def sweep_flce_gemms() -> list[dict]:
     weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5
     target = torch.randint(0, v, (cmax,), device="cuda")
     dw = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
-    logits_buf = torch.randn(cmax * v, device="cuda", dtype=torch.bfloat16) * 1e-3
+    logits_buf = torch.randn(cmax * v, device="cuda", dtype=torch.bfloat16)
     dh = torch.empty(cmax, h, device="cuda", dtype=torch.bfloat16)
     loss = torch.empty(cmax, device="cuda", dtype=torch.float32)
     lse = torch.empty(cmax, device="cuda", dtype=torch.float32)
@@ -495,7 +495,6 @@ def sweep_flce_gemms() -> list[dict]:
             except Exception as exc:
                 rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
             out.append(rec)
-        rows.normal_(0, 1)
 
         def ce_row(rows=rows, c=c):  # in place: from the second call on its input is its own dlogits (not zeros)
             ce._launch(rows, target[:c], loss[:c], lse[:c], rows, scale, -100, 0.0, 0.0,
@@ -504,7 +503,6 @@ def sweep_flce_gemms() -> list[dict]:
         rec = dict(kind="flce_gemm", op="ce row kernel", tokens=c)
         rec["ms"] = bench_ms(ce_row, rep=150)
         out.append(rec)
-        logits_buf.mul_(1e-3)
         print(json.dumps(out[-7:]), flush=True)
     return out
 
@@ -587,26 +585,6 @@ def sweep_attention_gluon() -> list[dict]:
     return out
 
 
-def _gluon_bwd_record(rec: dict, args: tuple, ref: tuple, flops: float, kernels: bool = False) -> dict:
-    """The attention backward with the kernels switched on as the caller left them: ``rec`` with its
-    largest dq / dk / dv difference from ``ref`` (the all-Triton backward's), its time and TFLOP/s, and
-    (``kernels``) its costliest kernels by profiler; or the error."""
-    from fuseformer.bench import attention as ba
-    from fuseformer.ops import attention_bwd as bwd
-
-    try:
-        got = bwd.flash_attention_bwd(*args)
-        torch.cuda.synchronize()
-        rec["max_abs_diff"] = {n: float((a.float() - r.float()).abs().max())
-                               for n, a, r in zip(("dq", "dk", "dv"), got, ref)}  # fmt: skip
-        rec = ba._record(rec, "fuseformer gluon", "bwd", flops, lambda: bwd.flash_attention_bwd(*args))
-        if kernels:
-            rec["kernels"] = gpu_kernels(lambda: bwd.flash_attention_bwd(*args))[:6]
-    except Exception as exc:
-        rec.update(impl="fuseformer gluon", error=f"{type(exc).__name__}: {exc}"[:500])
-    return rec
-
-
 def sweep_attention_gluon_bwd() -> list[dict]:
     """The backward with the Gluon dK/dV kernel (ops/attention_hopper.py), dq from the Triton kernel or
     the Gluon one (2, 3, 4 stages), against the all-Triton backward and SDPA's flash and cuDNN backwards
@@ -646,7 +624,17 @@ def sweep_attention_gluon_bwd() -> list[dict]:
                 bwd._GLUON_DQ = dq_stages is not None
                 bwd.attention_hopper.DQ_CONFIG = dict(shipped[2], STAGES=dq_stages or 3)
                 rec = dict(case, dq="gluon" if dq_stages else "triton", DQ_STAGES=dq_stages)
-                out.append(_gluon_bwd_record(rec, args, ref, flops, kernels=seqlen == 4096))
+                try:
+                    got = bwd.flash_attention_bwd(*args)
+                    torch.cuda.synchronize()
+                    rec["max_abs_diff"] = {n: float((a.float() - r.float()).abs().max())
+                                           for n, a, r in zip(("dq", "dk", "dv"), got, ref)}  # fmt: skip
+                    rec = ba._record(rec, "fuseformer gluon", "bwd", flops, lambda: bwd.flash_attention_bwd(*args))
+                    if seqlen == 4096:
+                        rec["kernels"] = gpu_kernels(lambda: bwd.flash_attention_bwd(*args))[:6]
+                except Exception as exc:
+                    rec.update(impl="fuseformer gluon", error=f"{type(exc).__name__}: {exc}"[:500])
+                out.append(rec)
                 print(json.dumps(out[-1])[:600], flush=True)
         finally:
             bwd._GLUON_BWD, bwd._GLUON_DQ, bwd.attention_hopper.DQ_CONFIG = shipped[0], shipped[1], shipped[2]
@@ -660,53 +648,6 @@ def sweep_attention_gluon_bwd() -> list[dict]:
             out.append(ba._record(case, name, "bwd", flops, fn))
             print(json.dumps(out[-1])[:600], flush=True)
         torch.cuda.empty_cache()
-    return out
-
-
-def sweep_attention_dq64() -> list[dict]:
-    """Head dim 64, causal S4096 (B 4, H 32), the whole backward with the Gluon dK/dV kernel and dq from
-    the Triton kernel or the Gluon one at 64 keys a stage (run 89: 2.04-2.08 ms against 1.917) or 128
-    (2 and 3 stages), each with its largest dq / dk / dv difference from the all-Triton backward, and
-    cuDNN's backward in the same run."""
-    from fuseformer.bench import attention as ba
-    from fuseformer.ops import attention_bwd as bwd
-
-    attn = importlib.import_module("fuseformer.ops.attention")
-    hopper = bwd.attention_hopper
-    shipped = (bwd._GLUON_BWD, bwd._GLUON_DQ, dict(hopper.DQ_CONFIG), hopper.DQ_HEAD_DIMS, dict(hopper.HD_DQ_BLOCK_N))
-    seqlen, causal, d = 4096, True, 64
-    batch = ba.TOKENS // seqlen
-    case = dict(kind="attention_dq64", batch=batch, seqlen=seqlen, heads=ba.HEADS, head_dim=d, causal=causal)
-    flops = 2.5 * ba.attention_flops(batch, seqlen, ba.HEADS, d, causal)
-    q, k, v = (t.detach() for t in ba._inputs(batch, seqlen, d))
-    o, lse = attn.flash_attention_fwd(q, k, v, None, None, seqlen, seqlen, d**-0.5, -1, 0)
-    do = torch.randn_like(o)
-    args = (do, q, k, v, o, lse, None, None, None, seqlen, seqlen, d**-0.5, -1, 0)
-    out = []
-    try:
-        bwd._GLUON_BWD = False
-        ref = bwd.flash_attention_bwd(*args)
-        out.append(ba._record(case, "fuseformer triton", "bwd", flops, lambda: bwd.flash_attention_bwd(*args)))
-        bwd._GLUON_BWD = True
-        hopper.DQ_HEAD_DIMS = (64, 128)
-        # Run 98: Triton dq 1.934 / 1.939 ms, Gluon 64 keys 1.998, 128 keys 2 stages 1.898, 3 stages 1.947 /
-        # 1.953; the Triton dq and 128 keys at 2 stages alternated three times each here.
-        variants = ((None, None), (128, 2), (None, None), (128, 2), (None, None), (128, 2), (64, 3), (128, 3))
-        for keys, stages in variants:
-            bwd._GLUON_DQ = keys is not None
-            hopper.HD_DQ_BLOCK_N = {64: keys or hopper.DQ_BLOCK_N}
-            hopper.DQ_CONFIG = dict(shipped[2], STAGES=stages or 3)
-            rec = dict(case, dq=f"gluon {keys} keys" if keys else "triton", DQ_STAGES=stages)
-            out.append(_gluon_bwd_record(rec, args, ref, flops))
-            print(json.dumps(out[-1])[:600], flush=True)
-    finally:
-        bwd._GLUON_BWD, bwd._GLUON_DQ, hopper.DQ_CONFIG, hopper.DQ_HEAD_DIMS, hopper.HD_DQ_BLOCK_N = shipped
-    impls = ba._impls(seqlen, causal)
-    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    y = impls["sdpa_cudnn"](qg, kg, vg)
-    dy = torch.randn_like(y)
-    out.append(ba._record(case, "sdpa_cudnn", "bwd", flops,
-                          lambda: torch.autograd.grad(y, (qg, kg, vg), dy, retain_graph=True)))  # fmt: skip
     return out
 
 
@@ -1217,7 +1158,6 @@ SWEEPS = {
     "attention_layouts": sweep_attention_layouts,
     "attention_gluon": sweep_attention_gluon,
     "attention_gluon_bwd": sweep_attention_gluon_bwd,
-    "attention_dq64": sweep_attention_dq64,
     "mlp_gluon": sweep_mlp_gluon,
     "flce_plan": sweep_flce_plan,
     "rms_norm": sweep_rms_norm,

@@ -48,7 +48,9 @@ BLOCK_N = 128  # keys a stage
 # Head dims the kernels take. Run 89 (H200, hd 64 causal S4096, B 4, H 32, ms): forward Triton 0.697,
 # Gluon 3 stages 0.696, 4 stages 0.677 (cuDNN 0.663); backward all Triton 2.416, Gluon dK/dV + Triton dq
 # 1.917, Gluon dK/dV + Gluon dq 2.04-2.08 (cuDNN 1.805). So hd 64 takes 4 stages forward (HD_CONFIGS)
-# and the Triton dq kernel (DQ_HEAD_DIMS).
+# and the Triton dq kernel (DQ_HEAD_DIMS). Runs 98-100 also tried the Gluon dq at hd 64 with 128 keys a
+# stage: the whole backward 1.898-1.982 ms against the Triton dq's 1.918-1.943, alternated (commits
+# f61fb9f-4d987ea have that variant and its sweep attention_dq64).
 HEAD_DIMS = (64, 128)
 DQ_HEAD_DIMS = (128,)
 # Stages of the K/V ring, registers of each consumer warpgroup and of the producer (12 warps, 3
@@ -359,16 +361,6 @@ if HAVE_GLUON:
 # stages 2 / 3 / 4): causal S4096 414.6 / 418.0 / 415.3, full S16384 476.8 / 476.8 / 478.1.
 DQ_BLOCK_N = 64
 DQ_CONFIG = dict(STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24)
-# Per head dim, the dq kernel's key block where it is not DQ_BLOCK_N. Runs 98-99 (H200, hd 64 causal
-# S4096, whole backward with the Gluon dK/dV, ms, alternated): Triton dq 1.934, 1.939, 1.943, 1.928, 1.930;
-# Gluon dq at 128 keys, 2 stages 1.898, 1.976, 1.982, 1.962 (3 stages 1.947-2.053; 64 keys 1.998-2.209).
-# So hd 64 keeps the Triton dq (DQ_HEAD_DIMS) and this stays empty; sweep attention_dq64 retimes it.
-HD_DQ_BLOCK_N: dict[int, int] = {}
-
-
-def dq_block_n(head_dim: int) -> int:
-    """Keys a stage of the dq kernel at ``head_dim``."""
-    return HD_DQ_BLOCK_N.get(head_dim, DQ_BLOCK_N)
 
 
 if HAVE_GLUON:
@@ -579,11 +571,10 @@ def backward_dq(
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     half = BLOCK_M // 2
     q_layout = gl.NVMMASharedLayout.get_default_for([half, d], dt)
-    bn = dq_block_n(d)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], dt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([DQ_BLOCK_N, d], dt)
     q_desc, do_desc, dq_desc = (TensorDescriptor.from_tensor(t.view(b * s, hq * d), [half, d], q_layout)
                                 for t in (q, dout, dq))  # fmt: skip
-    k_desc, v_desc = (TensorDescriptor.from_tensor(t.view(b * s, hkv * d), [bn, d], kv_layout) for t in (k, v))
+    k_desc, v_desc = (TensorDescriptor.from_tensor(t.view(b * s, hkv * d), [DQ_BLOCK_N, d], kv_layout) for t in (k, v))
     consumer_regs, producer_regs = cfg["CONSUMER_REGS"], cfg["PRODUCER_REGS"]
     _dq_kernel[(s // BLOCK_M, b * hq)](
         q_desc, do_desc, k_desc, v_desc, dq_desc, lse.contiguous(), delta.contiguous(), s, hq, hq // hkv,
@@ -599,7 +590,6 @@ __all__ = [
     "CONFIG",
     "DQ_CONFIG",
     "DQ_HEAD_DIMS",
-    "HD_DQ_BLOCK_N",
     "HAVE_GLUON",
     "HD_CONFIGS",
     "HEAD_DIMS",
