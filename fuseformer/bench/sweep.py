@@ -507,85 +507,6 @@ def sweep_flce_gemms() -> list[dict]:
     return out
 
 
-def _flce_overlap_pair(ce, weight: torch.Tensor, c: int) -> list[dict]:
-    """One growing chunk's update and grad_hidden GEMMs alone, in sequence and on two streams."""
-    v, h = weight.shape
-    hc = torch.randn(c, h, device="cuda", dtype=torch.bfloat16)
-    dl = torch.randn(c, v, device="cuda", dtype=torch.bfloat16) / v
-    dw = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
-    dh = torch.empty(c, h, device="cuda", dtype=torch.bfloat16)
-    main = torch.cuda.current_stream()
-
-    def pair(mode):
-        if mode == "off":
-            dw.addmm_(dl.T, hc)
-            torch.matmul(dl, weight, out=dh)
-            return
-        side = ce._side_stream(dw.device, mode == "side_hi")
-        side.wait_event(main.record_event())
-        with torch.cuda.stream(side):
-            dw.addmm_(dl.T, hc)
-        torch.matmul(dl, weight, out=dh)
-        main.wait_event(side.record_event())
-
-    out = []
-    singles = dict(update=lambda: dw.addmm_(dl.T, hc), dh=lambda: torch.matmul(dl, weight, out=dh))
-    for name, fn in singles.items():
-        out.append(dict(kind="flce_overlap_pair", op=name, tokens=c, ms=bench_ms(fn, rep=300)))
-    for mode in ("off", "side", "side_hi", "off", "side", "side_hi"):
-        out.append(dict(kind="flce_overlap_pair", op="update + dh", mode=mode, tokens=c,
-                        ms=bench_ms(lambda mode=mode: pair(mode), rep=300)))  # fmt: skip
-    print(json.dumps(out), flush=True)
-    return out
-
-
-def sweep_flce_overlap() -> list[dict]:
-    """The growing chunks' grad_weight update on a second stream beside grad_hidden's GEMM
-    (``cross_entropy._OVERLAP_DW``) at the goal shape (8192 tokens, H 4096, V 128256, bf16): first the two
-    GEMMs of one 288-token chunk alone, in sequence and on two streams; then the FLCE fwd + bwd through
-    autograd (as `bench mlp_ce` times it), alternated between the modes (and the first chunk's slices with
-    their copies on the side stream, ``_OVERLAP_SLICES``), each with its peak memory above the inputs and
-    its largest gradient difference from one stream's."""
-    ce = importlib.import_module("fuseformer.ops.cross_entropy")
-    n, h, v = 8192, 4096, 128256
-    out = []
-    weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5
-    out += _flce_overlap_pair(ce, weight, 288)
-    torch.cuda.empty_cache()
-    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight.requires_grad_()
-    target = torch.randint(0, v, (n,), device="cuda")
-    shipped = ce._OVERLAP_DW, ce._OVERLAP_SLICES
-
-    def step():
-        hidden.grad = weight.grad = None
-        ce.fused_linear_cross_entropy(hidden, weight, target).backward()
-
-    ref = None
-    try:
-        modes = [("off", False), ("side", False), ("side_hi", False), ("off", True), ("side", True)] * 2
-        for mode, slices in modes:
-            ce._OVERLAP_DW, ce._OVERLAP_SLICES = mode, slices
-            rec = dict(kind="flce_overlap", mode=mode, slices_two_streams=slices)
-            try:
-                step()
-                if ref is None:
-                    ref = (hidden.grad.clone(), weight.grad.clone())
-                else:
-                    rec["max_diff_dh"] = (hidden.grad - ref[0]).abs().max().item()
-                    rec["max_diff_dw"] = (weight.grad - ref[1]).abs().max().item()
-                hidden.grad = weight.grad = None  # the peak counts this call's gradients, not the last call's
-                rec["peak_gib_above_inputs"] = peak_gib_above(step)
-                rec["ms"] = bench_ms(step, rep=1000)
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            out.append(rec)
-            print(json.dumps(rec), flush=True)
-    finally:
-        ce._OVERLAP_DW, ce._OVERLAP_SLICES = shipped
-    return out
-
-
 def sweep_attention() -> list[dict]:
     from fuseformer.bench.attention import sweep_attention_configs
 
@@ -1247,7 +1168,6 @@ SWEEPS = {
     "train_profile": sweep_train_profile,
     "flce": sweep_flce,
     "flce_gemms": sweep_flce_gemms,
-    "flce_overlap": sweep_flce_overlap,
     "mlp_decode": sweep_mlp_decode,
     "mlp_decode_timeline": sweep_mlp_decode_timeline,
     "mlp_decode_timeline_t32": lambda: sweep_mlp_decode_timeline(tokens=(1, 32)),

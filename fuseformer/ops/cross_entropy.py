@@ -447,24 +447,6 @@ _ARENA_ALIGN = 64
 # Growing chunks are multiples of this many tokens (but the last), for the GEMMs.
 _CHUNK_ALIGN = 16
 
-# On CUDA, each growing chunk's grad_weight update (memory-bound: a read and a write of grad_weight
-# for a K of a few hundred tokens) runs on a second stream beside its grad_hidden GEMM (compute-bound):
-# both only read the chunk's dlogits, so they may run at once at no extra memory. "off": one stream;
-# "side": the update on the side stream; "side_hi": the side stream at high priority.
-_OVERLAP_DW = "off"
-# The first chunk's grad_weight slices: each slice's copy into place on the side stream while the next
-# slice's GEMM runs (the spare room in two halves).
-_OVERLAP_SLICES = False
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device, high: bool) -> torch.cuda.Stream:
-    key = (device.index if device.index is not None else torch.cuda.current_device(), high)
-    st = _SIDE_STREAMS.get(key)
-    if st is None:
-        st = _SIDE_STREAMS[key] = torch.cuda.Stream(device=device, priority=-1 if high else 0)
-    return st
-
 
 def _growing_chunks(n: int, h: int, v: int, scratch: int, first: int = 0) -> list[tuple[int, int, int]]:
     """(start, end, logits offset) of each chunk when grad_hidden and the logits share one arena:
@@ -543,38 +525,11 @@ def _first_chunk_in_dw(
     if spare.numel() < h:  # tiny problems (a few tokens of a tiny vocabulary): one row's room
         spare = torch.empty(h, dtype=dw.dtype, device=dw.device)
     rows = spare.numel() // h
-    if _OVERLAP_SLICES and dw.is_cuda and rows >= 2:
-        _slices_two_streams(lt, h_c, dw, spare, rows // 2)
-        return
     for j0 in reversed(range(0, v, rows)):
         j1 = min(v, j0 + rows)
         tmp = spare[: (j1 - j0) * h].view(j1 - j0, h)
         torch.matmul(lt[j0:j1], h_c, out=tmp)  # (rows, H)
         dw[j0:j1].copy_(tmp)
-
-
-def _slices_two_streams(lt, h_c, dw, spare, rows):
-    """_first_chunk_in_dw's grad_weight slices with each slice's copy on the side stream while the next
-    slice's GEMM runs, the spare room in two halves: the GEMM of slice [j0', j0) reads logits rows below
-    j0, which the copy of slice [j0, j1) (grad_weight rows >= j0) leaves alone."""
-    v, h = dw.shape
-    main = torch.cuda.current_stream(dw.device)
-    side = _side_stream(dw.device, False)
-    halves = (spare[: rows * h].view(rows, h), spare[rows * h : 2 * rows * h].view(rows, h))
-    copied = [None, None]
-    for i, j0 in enumerate(reversed(range(0, v, rows))):
-        j1 = min(v, j0 + rows)
-        if copied[i % 2] is not None:
-            main.wait_event(copied[i % 2])
-        tmp = halves[i % 2][: j1 - j0]
-        torch.matmul(lt[j0:j1], h_c, out=tmp)
-        side.wait_event(main.record_event())
-        with torch.cuda.stream(side):
-            dw[j0:j1].copy_(tmp)
-        copied[i % 2] = side.record_event()
-    for ev in copied:
-        if ev is not None:
-            main.wait_event(ev)
 
 
 def _chunks(
@@ -622,15 +577,8 @@ def _chunks(
                 for s, e, off in growing]  # fmt: skip
     else:
         plan = [(s, min(n, s + c), buf[: min(n, s + c) - s]) for s in range(first, n, c)]
-    side = None
-    if _OVERLAP_DW != "off" and device.type == "cuda" and dh is not None and dw is not None and len(plan) > 1:
-        main = torch.cuda.current_stream(device)
-        side = _side_stream(device, _OVERLAP_DW == "side_hi")
-        side_done = None
     for start, end, out in plan:
         h_c = hidden[start:end]
-        if side is not None and side_done is not None:
-            main.wait_event(side_done)  # the last update has read its dlogits: the arena is free
         logits = torch.matmul(h_c, weight.T, out=out)  # (C, V)
         if bias is not None:
             logits += bias
@@ -642,14 +590,9 @@ def _chunks(
                 lse_given=False, write_loss=loss is not None, write_grad=write_grad)  # fmt: skip
         if not write_grad:
             continue
-        if side is not None and start > 0:
-            side.wait_event(main.record_event())
-            with torch.cuda.stream(side):
-                dw.addmm_(logits.T, h_c)
-            side_done = side.record_event()
         if dh is not None:
             torch.matmul(logits, weight, out=dh[start:end])  # (C, H)
-        if dw is not None and (side is None or start == 0):
+        if dw is not None:
             # Triton kernels for this update ran slower than cuBLAS's 0.81-0.84 ms a chunk: pointer
             # loads 1.38 ms (2026-11-30); TMA descriptors, 14 tiles / stage counts / persistent or not,
             # C loaded before or after the K loop, 0.94-1.50 ms (run 75, 2026-12-01); a one-partition
@@ -661,8 +604,6 @@ def _chunks(
                 dw.addmm_(logits.T, h_c)
         if db is not None:
             db += logits.sum(0, dtype=torch.float32)
-    if side is not None and side_done is not None:
-        main.wait_event(side_done)
     return dh
 
 
