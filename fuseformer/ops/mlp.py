@@ -58,7 +58,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 from triton.runtime import _allocation
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fuseformer.ops import _gluon, mlp_hopper
 from fuseformer.ops._utils import (
@@ -66,6 +65,7 @@ from fuseformer.ops._utils import (
     KERNEL_DTYPES,
     SM90_SMEM_BYTES,
     DescLauncher,
+    HostDesc,
     autocast_inputs,
     autograd_function,
     check_tensor,
@@ -692,39 +692,53 @@ def _decode_gemm(
     split = config["SPLIT_K"]
     # Split-K partials (SPLIT_K, T, 2N or N) fp32: 1 MB a split at T 64 for the down GEMM (N 4096).
     ws = empty((split, m, 2 * n if glu else n), dtype=torch.float32, device=x.device) if split > 1 else out
-    host_desc = DECODE_HOST_DESC and not (pdl == "wait" and PDL_PREFETCH_BYTES)
+    host_desc = _host_desc(pdl)
     assert host_desc or m == t, "rows other than x's need host descriptors (x's own shape in them)"
-    if host_desc:
-        x_arg = TensorDescriptor(x, [t, k], [x.stride(0), 1], [config["BLOCK_M"], config["BLOCK_K"]])
-        w_arg = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [config["BLOCK_N"], config["BLOCK_K"]])
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if host_desc:  # decode_supported has checked what a descriptor needs (aligned bases and rows)
+        x_arg = HostDesc(x, (t, k), (x.stride(0), 1), (bm, bk))
+        w_arg = HostDesc(w, tuple(w.shape), (w.stride(0), 1), (bn, bk))
     else:
         x_arg, w_arg = x, w
         if x.is_cuda:
             _ensure_allocator()
-    grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(m, config["BLOCK_M"]), split)
-    kwargs = dict(
-        GLU=glu, ACTIVATION=activation, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
-        **({"launch_pdl": True, "PREFETCH_BYTES": PDL_PREFETCH_BYTES} if pdl == "wait" else {}),
-        HOST_DESC=host_desc,
-        **config,
-    )  # fmt: skip
+    grid = (-(-n // bn), -(-m // bm), split)
     args = (x_arg, w_arg, out, ws, m, n, k, x.stride(0), w.stride(0), out.stride(0), times)
+    lc = _decode_launch_config(glu, activation, x.dtype == torch.float32, pdl, host_desc, tuple(config.items()))
     if host_desc:
-        _decode_launcher.launch(grid, launch_config(**kwargs), _launch_key(x, w, out, ws, times), args)
+        _decode_launcher.launch(grid, lc, _launch_key(x, w, out, ws, times), args)
     else:
-        _mlp_decode_kernel[grid](*args, **kwargs)
+        _mlp_decode_kernel[grid](*args, **lc.kwargs)
     if split > 1:
         _split_k_reduce(ws, out, None, activation, glu)
     return out
 
 
+def _host_desc(pdl: str) -> bool:
+    """Whether a decode GEMM launched with this ``pdl`` takes host-built descriptors."""
+    return DECODE_HOST_DESC and not (pdl == "wait" and PDL_PREFETCH_BYTES)
+
+
+@functools.cache
+def _decode_launch_config(glu: bool, activation: str, fp32: bool, pdl: str, host_desc: bool, config: tuple):
+    """The LaunchConfig of one decode GEMM (``config``: the tile config's items), built once."""
+    return launch_config(
+        GLU=glu, ACTIVATION=activation, PRECISION="ieee" if fp32 else "tf32",
+        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
+        **({"launch_pdl": True, "PREFETCH_BYTES": PDL_PREFETCH_BYTES} if pdl == "wait" else {}),
+        HOST_DESC=host_desc,
+        **dict(config),
+    )  # fmt: skip
+
+
 def _launch_key(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor, times: torch.Tensor | None):
     """What, beside the launch config and the ints (in the key through the shapes and strides below),
     decides Triton's specialization of a decode launch (``DescLauncher``): dtypes, shapes and row
-    strides, each pointer's 16-byte alignment, and whether there is a timeline buffer."""
-    aligned = tuple(t.data_ptr() % 16 == 0 for t in (x, w, out, ws))
-    return (x.dtype, tuple(x.shape), x.stride(0), tuple(w.shape), w.stride(0), tuple(out.shape), out.stride(0),
+    strides, each pointer's 16-byte alignment (True: all four aligned, the common case), and whether
+    there is a timeline buffer."""
+    px, pw, po, pws = x.data_ptr(), w.data_ptr(), out.data_ptr(), ws.data_ptr()
+    aligned = not (px | pw | po | pws) & 15 or (px % 16 == 0, pw % 16 == 0, po % 16 == 0, pws % 16 == 0)
+    return (x.dtype, x.shape, x.stride(0), w.shape, w.stride(0), out.shape, out.stride(0),
             ws.dtype, aligned, None if times is None else times.data_ptr() % 16 == 0)  # fmt: skip
 
 
@@ -800,11 +814,11 @@ def mlp_decode_fwd(
         and gate_up_config["BLOCK_M"] == bm and gate_up_config["SPLIT_K"] == 1
     )  # fmt: skip
     y_rows, out_rows = (bm, t) if pad else (None, None)
-    if not pdl:
-        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, times=t_gate_up, rows=y_rows)
-        out = _decode_gemm(y, w_down, False, activation, down_config, times=t_down, rows=out_rows)
+    if not pdl or _host_desc("wait"):  # PDL with host descriptors: no scratch to hold
+        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger" if pdl else "", t_gate_up, y_rows)
+        out = _decode_gemm(y, w_down, False, activation, down_config, "wait" if pdl else "", t_down, out_rows)
         return out, (y[:t] if pad else y)
-    with _holding_scratch():  # the two kernels overlap: their descriptor scratch must not alias
+    with _holding_scratch():  # the two kernels overlap: their device descriptors' scratch must not alias
         y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger", t_gate_up, y_rows)
         out = _decode_gemm(y, w_down, False, activation, down_config, "wait", t_down, out_rows)
         return out, (y[:t] if pad else y)
@@ -993,10 +1007,13 @@ def fused_mlp(
     shape = x.shape
     x2 = rows_2d(x)
     save_pre = torch.is_grad_enabled() and (x.requires_grad or w_gate_up.requires_grad or w_down.requires_grad)
-    out, _, _ = dispatch(
-        _fwd_op, _FusedMLPFunction, _fwd_impl, x2, w_gate_up.contiguous(), w_down.contiguous(), activation, save_pre
-    )
-    return out.view(shape)
+    if save_pre or torch.compiler.is_compiling():
+        out = dispatch(
+            _fwd_op, _FusedMLPFunction, _fwd_impl, x2, w_gate_up.contiguous(), w_down.contiguous(), activation, save_pre
+        )[0]
+    else:  # inference: what dispatch would call, without _fwd_impl's placeholder outputs (decode: host time)
+        out = fused_mlp_fwd(x2, w_gate_up.contiguous(), w_down.contiguous(), activation)[0]
+    return out if x.dim() == 2 else out.view(shape)
 
 
 # --------------------------------------------------------------------------------------------

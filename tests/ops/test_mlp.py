@@ -346,6 +346,23 @@ def test_decode_wide_tiles_and_gapped_rows(device):
     _check_decode(9, 96, 352, torch.float32, device, gapped=True)
 
 
+def test_decode_launch_key_and_host_descriptors():
+    """The direct launch's key tells a 16-byte aligned x from one that is not (Triton specializes on
+    it), and a HostDesc turns into the TensorDescriptor Triton's own launch takes, whose checks then
+    run (a misaligned base fails there)."""
+    buf = torch.zeros(9 * 16, dtype=torch.float16)
+    w = torch.zeros(32, 16, dtype=torch.float16)
+    aligned, shifted = buf[:128].view(8, 16), buf[1:129].view(8, 16)
+    key_a = M._launch_key(aligned, w, w, w, None)
+    key_s = M._launch_key(shifted, w, w, w, None)
+    assert key_a != key_s and key_a[8] is True and key_s[8] == (False, True, True, True)
+    d = _utils.HostDesc(aligned, (8, 16), (16, 1), (8, 16)).real()
+    assert (d.base is aligned and list(d.shape) == [8, 16] and list(d.strides) == [16, 1]
+            and list(d.block_shape) == [8, 16] and d.padding == "zero")  # fmt: skip
+    with pytest.raises(AssertionError):
+        _utils.HostDesc(shifted, (8, 16), (16, 1), (8, 16)).real()
+
+
 def test_fused_mlp_takes_decode_path_for_inference(device, monkeypatch):
     """The public op: without grad, T <= 64, aligned 16-bit inputs -> the decode kernel (no cuBLAS, no
     prefill kernel); with grad, or rows the descriptors cannot read, or T 65 -> the prefill-style path.
