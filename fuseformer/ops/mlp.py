@@ -704,7 +704,10 @@ def _decode_gemm(
             _ensure_allocator()
     grid = (-(-n // bn), -(-m // bm), split)
     args = (x_arg, w_arg, out, ws, m, n, k, x.stride(0), w.stride(0), out.stride(0), times)
-    lc = _decode_launch_config(glu, activation, x.dtype == torch.float32, pdl, host_desc, tuple(config.items()))
+    prefetch = PDL_PREFETCH_BYTES if pdl == "wait" else 0
+    lc = _decode_launch_config(
+        glu, activation, x.dtype == torch.float32, pdl, prefetch, host_desc, tuple(config.items())
+    )
     if host_desc:
         _decode_launcher.launch(grid, lc, _launch_key(x, w, out, ws, times), args)
     else:
@@ -720,12 +723,15 @@ def _host_desc(pdl: str) -> bool:
 
 
 @functools.cache
-def _decode_launch_config(glu: bool, activation: str, fp32: bool, pdl: str, host_desc: bool, config: tuple):
-    """The LaunchConfig of one decode GEMM (``config``: the tile config's items), built once."""
+def _decode_launch_config(
+    glu: bool, activation: str, fp32: bool, pdl: str, prefetch: int, host_desc: bool, config: tuple
+):  # fmt: skip
+    """The LaunchConfig of one decode GEMM (``config``: the tile config's items), built once for
+    every value of its arguments (the module's knobs among them: a sweep that sets them is keyed)."""
     return launch_config(
         GLU=glu, ACTIVATION=activation, PRECISION="ieee" if fp32 else "tf32",
         PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
-        **({"launch_pdl": True, "PREFETCH_BYTES": PDL_PREFETCH_BYTES} if pdl == "wait" else {}),
+        **({"launch_pdl": True, "PREFETCH_BYTES": prefetch} if pdl == "wait" else {}),
         HOST_DESC=host_desc,
         **dict(config),
     )  # fmt: skip

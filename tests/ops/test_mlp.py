@@ -363,6 +363,24 @@ def test_decode_launch_key_and_host_descriptors():
         _utils.HostDesc(shifted, (8, 16), (16, 1), (8, 16)).real()
 
 
+def test_decode_launch_config_follows_the_knobs(monkeypatch):
+    """The decode GEMM's launch configs are cached: one set by a sweep (PDL_PREFETCH_BYTES) still
+    reaches the kernel each time it changes."""
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs)
+
+    monkeypatch.setattr(M, "_mlp_decode_kernel", Spy())
+    x, w = torch.zeros(2, 32, dtype=torch.float16), torch.zeros(64, 32, dtype=torch.float16)
+    for nbytes in (2048, 4096, 2048):
+        monkeypatch.setattr(M, "PDL_PREFETCH_BYTES", nbytes)
+        M._decode_gemm(x, w, False, "silu", _dcfg(), "wait")
+    assert [kw["PREFETCH_BYTES"] for kw in seen] == [2048, 4096, 2048]
+    assert all(kw["PDL_WAIT"] and not kw["HOST_DESC"] for kw in seen)
+
+
 def test_fused_mlp_takes_decode_path_for_inference(device, monkeypatch):
     """The public op: without grad, T <= 64, aligned 16-bit inputs -> the decode kernel (no cuBLAS, no
     prefill kernel); with grad, or rows the descriptors cannot read, or T 65 -> the prefill-style path.
