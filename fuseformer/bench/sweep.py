@@ -507,74 +507,6 @@ def sweep_flce_gemms() -> list[dict]:
     return out
 
 
-def sweep_ce_prefetch() -> list[dict]:
-    """The CE kernels with the next block's loads issued before this block's reductions
-    (``cross_entropy._PREFETCH_ROWS`` / ``_PREFETCH_COLS``) at the FLCE's goal shape (H 4096, V 128256,
-    bf16): the row kernel alone on a growing chunk's logits (240 / 288 / 352 tokens), the column kernels
-    alone on the first chunk's (V, 4096), then the FLCE fwd + bwd through autograd, alternated, with each
-    variant's largest gradient difference from the shipped kernels'."""
-    ce = importlib.import_module("fuseformer.ops.cross_entropy")
-    n, h, v = 8192, 4096, 128256
-    shipped = ce._PREFETCH_ROWS, ce._PREFETCH_COLS
-    out = []
-    target = torch.randint(0, v, (n,), device="cuda")
-    loss = torch.empty(n, device="cuda", dtype=torch.float32)
-    lse = torch.empty(n, device="cuda", dtype=torch.float32)
-    scale = torch.full((), 1.0 / n, device="cuda")
-    buf = torch.randn(v * h, device="cuda", dtype=torch.bfloat16)
-    try:
-        for c in (240, 288, 352):
-            rows = buf[: c * v].view(c, v)
-
-            def ce_row(rows=rows, c=c):  # in place: from the second call on, its input is its own dlogits
-                ce._launch(rows, target[:c], loss[:c], lse[:c], rows, scale, -100, 0.0, 0.0,
-                           lse_given=False, write_loss=True, write_grad=True)  # fmt: skip
-
-            for pf in (False, True, False, True):
-                ce._PREFETCH_ROWS = pf
-                out.append(dict(kind="ce_prefetch_rows", tokens=c, prefetch=pf, ms=bench_ms(ce_row, rep=200)))
-        cols = buf.view(v, h)
-        spare = torch.empty(64 << 20, device="cuda", dtype=torch.bfloat16)
-
-        def ce_cols(cols=cols, spare=spare):
-            ce._launch_cols(cols, target[:h], loss[:h], lse[:h], scale, -100, 0.0, 0.0, write_loss=True,
-                            write_grad=True, scratch=spare)  # fmt: skip
-
-        for pf in (False, True, False, True):
-            ce._PREFETCH_COLS = pf
-            out.append(dict(kind="ce_prefetch_cols", tokens=h, prefetch=pf, ms=bench_ms(ce_cols, rep=300)))
-        print(json.dumps(out), flush=True)
-
-        hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5).requires_grad_()
-
-        def step():
-            hidden.grad = weight.grad = None
-            ce.fused_linear_cross_entropy(hidden, weight, target).backward()
-
-        ref = None
-        for pr, pc in [(False, False), (True, False), (False, True), (True, True)] * 2:
-            ce._PREFETCH_ROWS, ce._PREFETCH_COLS = pr, pc
-            rec = dict(kind="ce_prefetch_flce", rows=pr, cols=pc)
-            try:
-                step()
-                if ref is None:
-                    ref = (hidden.grad.clone(), weight.grad.clone())
-                else:
-                    rec["max_diff_dh"] = (hidden.grad - ref[0]).abs().max().item()
-                    rec["max_diff_dw"] = (weight.grad - ref[1]).abs().max().item()
-                hidden.grad = weight.grad = None
-                rec["peak_gib_above_inputs"] = peak_gib_above(step)
-                rec["ms"] = bench_ms(step, rep=1000)
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            out.append(rec)
-            print(json.dumps(rec), flush=True)
-    finally:
-        ce._PREFETCH_ROWS, ce._PREFETCH_COLS = shipped
-    return out
-
-
 def sweep_attention() -> list[dict]:
     from fuseformer.bench.attention import sweep_attention_configs
 
@@ -1236,7 +1168,6 @@ SWEEPS = {
     "train_profile": sweep_train_profile,
     "flce": sweep_flce,
     "flce_gemms": sweep_flce_gemms,
-    "ce_prefetch": sweep_ce_prefetch,
     "mlp_decode": sweep_mlp_decode,
     "mlp_decode_timeline": sweep_mlp_decode_timeline,
     "mlp_decode_timeline_t32": lambda: sweep_mlp_decode_timeline(tokens=(1, 32)),

@@ -139,11 +139,10 @@ def _cross_entropy_kernel(
     stride_x, stride_dx, stride_scale,
     V, ignore_index, label_smoothing, z_loss,
     LSE_GIVEN: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr = False,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     # One row a program. DX may be X itself (the gradient overwrites the logits, FLCE); each block
-    # is read before it is written, by the same program, so that is safe. PREFETCH: each step loads
-    # the next block before it reduces this one (two blocks of loads in flight a program).
+    # is read before it is written, by the same program, so that is safe.
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 (8192 x 128256 already does)
     x_row = X + row * stride_x
     target = tl.load(T + row).to(tl.int64)
@@ -155,19 +154,10 @@ def _cross_entropy_kernel(
         m = -float("inf")
         s = 0.0
         sum_x = 0.0
-        x_next = tl.zeros((BLOCK_V,), tl.float32)
-        if PREFETCH:
-            x_next = tl.load(x_row + tl.arange(0, BLOCK_V), mask=tl.arange(0, BLOCK_V) < V, other=-float("inf"))
-            x_next = x_next.to(tl.float32)
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
-            if PREFETCH:
-                x = x_next
-                x_next = tl.load(x_row + BLOCK_V + cols, mask=cols + BLOCK_V < V, other=-float("inf"))
-                x_next = x_next.to(tl.float32)
-            else:
-                x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+            x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
             new_m = tl.maximum(m, tl.max(x, axis=0))
             # Shift by 0 while everything so far is -inf (a padded vocabulary masked with -inf),
             # so that -inf - -inf does not turn the sum into NaN. NaN in x propagates through s.
@@ -194,17 +184,10 @@ def _cross_entropy_kernel(
         smooth = scale * (label_smoothing / V)
         hit = scale * (1.0 - label_smoothing)
         dx_row = DX + row * stride_dx
-        g_next = tl.zeros((BLOCK_V,), tl.float32)
-        if PREFETCH:
-            g_next = tl.load(x_row + tl.arange(0, BLOCK_V), mask=tl.arange(0, BLOCK_V) < V, other=0.0).to(tl.float32)
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
-            if PREFETCH:  # the next block is read before this one's gradient is written over it
-                x = g_next
-                g_next = tl.load(x_row + BLOCK_V + cols, mask=cols + BLOCK_V < V, other=0.0).to(tl.float32)
-            else:
-                x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             dx = tl.exp(x - lse) * p_scale - smooth - tl.where(cols == target, hit, 0.0)
             dx = tl.where(valid, dx, 0.0)
             tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=mask)
@@ -214,7 +197,7 @@ def _cross_entropy_kernel(
 def _cross_entropy_cols_stats_kernel(
     X, T, PART,
     stride_v, C, V, V_SPLIT,
-    HAS_SMOOTHING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr = False,
+    HAS_SMOOTHING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     # The row kernel's first pass on transposed logits: X is (V, C), column t holding token t's logits
     # (the FLCE's first chunk, laid out in grad_weight's memory; see _first_chunk_in_dw). Program
@@ -231,22 +214,11 @@ def _cross_entropy_cols_stats_kernel(
     m = tl.full((BLOCK_T,), -float("inf"), tl.float32)
     s = tl.zeros((BLOCK_T,), tl.float32)
     sum_x = tl.zeros((BLOCK_T,), tl.float32)
-    x_next = tl.zeros((BLOCK_V, BLOCK_T), tl.float32)
-    if PREFETCH:  # as the row kernel's: the next tile's loads issued before this tile's reductions
-        rows0 = v0 + tl.arange(0, BLOCK_V)
-        ptrs0 = X + rows0[:, None].to(tl.int64) * stride_v + toks[None, :]
-        x_next = tl.load(ptrs0, mask=(rows0[:, None] < v1) & tmask[None, :], other=-float("inf")).to(tl.float32)
     for start in range(v0, v1, BLOCK_V):
         rows = start + tl.arange(0, BLOCK_V)  # (BV,)
         mask = (rows[:, None] < v1) & tmask[None, :]
         ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :]
-        if PREFETCH:
-            x = x_next
-            mask_n = (rows[:, None] + BLOCK_V < v1) & tmask[None, :]
-            ptrs_n = X + (rows[:, None] + BLOCK_V).to(tl.int64) * stride_v + toks[None, :]
-            x_next = tl.load(ptrs_n, mask=mask_n, other=-float("inf")).to(tl.float32)
-        else:
-            x = tl.load(ptrs, mask=mask, other=-float("inf")).to(tl.float32)  # (BV, BT)
+        x = tl.load(ptrs, mask=mask, other=-float("inf")).to(tl.float32)  # (BV, BT)
         new_m = tl.maximum(m, tl.max(x, axis=0))
         shift = tl.where(new_m == -float("inf"), 0.0, new_m)  # as in the row kernel
         s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[None, :]), axis=0)
@@ -270,7 +242,7 @@ def _cross_entropy_cols_grad_kernel(
     stride_v, stride_scale,
     C, V, V_SPLIT, SPLITS, ignore_index, label_smoothing, z_loss,
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr = False,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     # Program (i, k): combine the SPLITS partials of its tokens (in split order: every program of a
     # token gets the same lse), write lse and the loss (split 0), then dlogits^T in place over its
@@ -314,22 +286,11 @@ def _cross_entropy_cols_grad_kernel(
         hit = scale * (1.0 - label_smoothing)
         v0 = split * V_SPLIT
         v1 = tl.minimum(V, v0 + V_SPLIT)
-        x_next = tl.zeros((BLOCK_V, BLOCK_T), tl.float32)
-        if PREFETCH:
-            rows0 = v0 + tl.arange(0, BLOCK_V)
-            ptrs0 = X + rows0[:, None].to(tl.int64) * stride_v + toks[None, :]
-            x_next = tl.load(ptrs0, mask=(rows0[:, None] < v1) & tmask[None, :], other=0.0).to(tl.float32)
         for start in range(v0, v1, BLOCK_V):
             rows = start + tl.arange(0, BLOCK_V)
             mask = (rows[:, None] < v1) & tmask[None, :]
             ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :]
-            if PREFETCH:  # the next tile read before this one's gradient is written over it
-                x = x_next
-                mask_n = (rows[:, None] + BLOCK_V < v1) & tmask[None, :]
-                ptrs_n = X + (rows[:, None] + BLOCK_V).to(tl.int64) * stride_v + toks[None, :]
-                x_next = tl.load(ptrs_n, mask=mask_n, other=0.0).to(tl.float32)
-            else:
-                x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             dx = tl.exp(x - lse_safe[None, :]) * p_scale[None, :] - smooth[None, :]
             dx -= tl.where(rows[:, None] == target[None, :], hit[None, :], 0.0)
             dx = tl.where(valid[None, :], dx, 0.0)
@@ -342,10 +303,6 @@ def _cross_entropy_cols_grad_kernel(
 # split to ~1000 programs: 32 x 256 / 4 1.69 ms, 64 x 128 / 4 1.39 (the best of 8; 16-token tiles
 # 1.93-2.03): the longer a contiguous segment of a vocabulary row, the better.
 _COLS_CONFIG = dict(BLOCK_T=64, BLOCK_V=128, num_warps=4, PROGRAMS=1024)
-# The CE kernels' loops load the next block before reducing this one (PREFETCH): the row kernel (for
-# the FLCE's growing chunks, ~2 programs an SM) and the column kernels (the first chunk).
-_PREFETCH_ROWS = False
-_PREFETCH_COLS = False
 
 
 def _cols_splits(c: int, v: int, block_t: int, block_v: int, programs: int) -> tuple[int, int]:
@@ -381,14 +338,14 @@ def _launch_cols(
     grid = (triton.cdiv(c, bt), splits)
     has_smoothing = label_smoothing != 0.0
     _cross_entropy_cols_stats_kernel[grid](
-        xt, target, part, xt.stride(0), c, v, rows, HAS_SMOOTHING=has_smoothing, PREFETCH=_PREFETCH_COLS, **cfg
+        xt, target, part, xt.stride(0), c, v, rows, HAS_SMOOTHING=has_smoothing, **cfg
     )  # fmt: skip
     _cross_entropy_cols_grad_kernel[grid](
         xt, target, loss if loss is not None else lse, lse, scale if scale is not None else lse, part,
         xt.stride(0), (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
         c, v, rows, splits, ignore_index, float(label_smoothing), float(z_loss),
         WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, HAS_SMOOTHING=has_smoothing,
-        HAS_Z_LOSS=z_loss != 0.0, PREFETCH=_PREFETCH_COLS, **cfg,
+        HAS_Z_LOSS=z_loss != 0.0, **cfg,
     )  # fmt: skip
 
 
@@ -432,7 +389,7 @@ def _launch(
         (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
         v, ignore_index, float(label_smoothing), float(z_loss),
         LSE_GIVEN=lse_given, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad,
-        HAS_SMOOTHING=label_smoothing != 0.0, HAS_Z_LOSS=z_loss != 0.0, PREFETCH=_PREFETCH_ROWS, **cfg,
+        HAS_SMOOTHING=label_smoothing != 0.0, HAS_Z_LOSS=z_loss != 0.0, **cfg,
     )  # fmt: skip
 
 

@@ -515,24 +515,8 @@ def test_flce_first_chunk_and_growing_chunks_match_reference(reduction, grads, d
     (transposed logits, the column CE kernel, grad_weight in slices from the last) and the rest grow
     into grad_hidden's unwritten rows (hidden size near the vocabulary's: well past the 4-token
     scratch). Every gradient matches, with or without grad_hidden and grad_weight."""
-    _check_first_and_growing(reduction, grads, device, monkeypatch)
-
-
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_ce_kernels_prefetching_the_next_block_match_reference(reduction, device, monkeypatch):
-    """_PREFETCH_ROWS / _PREFETCH_COLS: the CE kernels' loops with the next block loaded before this
-    one is reduced (and before this one's gradient is written over it, in place): the row kernel over
-    5 steps of 8192 (the last partial), the column kernels over 7 steps a split (the last split short)."""
-    monkeypatch.setattr(CE, "_PREFETCH_ROWS", True)
-    monkeypatch.setattr(CE, "_PREFETCH_COLS", True)
-    _check_ce(3, 40000, torch.float16, device, reduction, label_smoothing=0.1, z_loss=1e-4)
-    monkeypatch.setattr(CE, "_COLS_CONFIG", dict(BLOCK_T=16, BLOCK_V=16, num_warps=4, PROGRAMS=2))
-    _check_first_and_growing(reduction, "all", device, monkeypatch, v=200)
-
-
-def _check_first_and_growing(reduction, grads, device, monkeypatch, v=40):
     monkeypatch.setattr(CE, "_chunk_size", lambda n, h, v, es: 4)
-    n, h = 120, 16
+    n, h, v = 120, 16, 40
     sizes = [e - s for s, e, _ in CE._growing_chunks(n, h, v, 4 * v, first=h)]
     assert sizes[0] > 4 and sum(sizes) == n - h, sizes
     firsts, growing = [], []
@@ -624,11 +608,10 @@ grad = {"X": "*bf16", "T": "*i64", "LOSS": "*fp32", "LSE": "*fp32", "SCALE": "*f
 cfg = dict(CE._COLS_CONFIG)
 warps = cfg.pop("num_warps")
 cfg.pop("PROGRAMS")
-for wl, sm, z, pf in [(True, False, False, False), (True, True, True, False), (False, False, False, False),
-                      (True, False, False, True)]:
-    jobs = [(CE._cross_entropy_cols_stats_kernel, stats, dict(HAS_SMOOTHING=sm, PREFETCH=pf, **cfg)),
+for wl, sm, z in [(True, False, False), (True, True, True), (False, False, False)]:
+    jobs = [(CE._cross_entropy_cols_stats_kernel, stats, dict(HAS_SMOOTHING=sm, **cfg)),
             (CE._cross_entropy_cols_grad_kernel, grad,
-             dict(WRITE_LOSS=wl, WRITE_GRAD=True, HAS_SMOOTHING=sm, HAS_Z_LOSS=z, PREFETCH=pf, **cfg))]
+             dict(WRITE_LOSS=wl, WRITE_GRAD=True, HAS_SMOOTHING=sm, HAS_Z_LOSS=z, **cfg))]
     for fn, sig, consts in jobs:
         src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts)
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
