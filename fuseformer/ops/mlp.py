@@ -702,7 +702,7 @@ def _decode_gemm(
         x_arg, w_arg = x, w
         if x.is_cuda:
             _ensure_allocator()
-    grid = (-(-n // bn), -(-m // bm), split)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     args = (x_arg, w_arg, out, ws, m, n, k, x.stride(0), w.stride(0), out.stride(0), times)
     prefetch = PDL_PREFETCH_BYTES if pdl == "wait" else 0
     lc = _decode_launch_config(
@@ -1013,12 +1013,10 @@ def fused_mlp(
     shape = x.shape
     x2 = rows_2d(x)
     save_pre = torch.is_grad_enabled() and (x.requires_grad or w_gate_up.requires_grad or w_down.requires_grad)
-    if save_pre or torch.compiler.is_compiling():
-        out = dispatch(
-            _fwd_op, _FusedMLPFunction, _fwd_impl, x2, w_gate_up.contiguous(), w_down.contiguous(), activation, save_pre
-        )[0]
-    else:  # inference: what dispatch would call, without _fwd_impl's placeholder outputs (decode: host time)
-        out = fused_mlp_fwd(x2, w_gate_up.contiguous(), w_down.contiguous(), activation)[0]
+    # Without grad, dispatch calls fused_mlp_fwd itself: no placeholder outputs (decode's host time).
+    out = dispatch(
+        _fwd_op, _FusedMLPFunction, fused_mlp_fwd, x2, w_gate_up.contiguous(), w_down.contiguous(), activation, save_pre
+    )[0]
     return out if x.dim() == 2 else out.view(shape)
 
 
