@@ -507,6 +507,156 @@ def sweep_flce_gemms() -> list[dict]:
     return out
 
 
+def _nvml_handle():
+    """An NVML handle for the current CUDA device, or None where pynvml is missing."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    except Exception:
+        return None
+
+
+def _energy_record(fn: Callable[[], object], handle, seconds: float = 3.0) -> dict:
+    """Run ``fn`` back to back for about ``seconds`` (after one timed call to size the loop) and read
+    NVML's energy counter around the loop: ms and joules a call, the mean power, and from a thread
+    polling every 10 ms the median power and SM clock and the share of samples whose clock was held
+    down by the software power cap (NVML's throttle-reason bit 0x4) or by heat (0x8 | 0x20 | 0x40)."""
+    import threading
+
+    import pynvml
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    calls = max(3, int(seconds / max(time.perf_counter() - t0, 1e-4)))
+    samples: list[tuple[float, int, int]] = []
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            samples.append((pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
+                            pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)))  # fmt: skip
+            time.sleep(0.01)
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    thread = threading.Thread(target=poll, daemon=True)
+    e0 = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    start.record()
+    thread.start()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    e1 = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    stop.set()
+    thread.join()
+    ms = start.elapsed_time(end) / calls
+    joules = (e1 - e0) / 1e3 / calls
+    busy = samples[len(samples) // 10 :] or samples  # skip the loop's first tenth (launch ramp)
+    return dict(
+        calls=calls, loop_ms=ms, joules=joules, mean_w=joules / (ms / 1e3),
+        median_w=statistics.median(s[0] for s in busy), median_sm_mhz=statistics.median(s[1] for s in busy),
+        power_capped=sum(bool(s[2] & 0x4) for s in busy) / len(busy),
+        thermal=sum(bool(s[2] & 0x68) for s in busy) / len(busy),
+    )  # fmt: skip
+
+
+def sweep_flce_energy() -> list[dict]:
+    """Whether the FLCE's time at the goal shape (8192 tokens, H 4096, V 128256, bf16, fwd + bwd through
+    autograd as `bench mlp_ce` times it) follows its energy: for ours, ours with more logits memory
+    (the growing chunks' scratch x1.5 / x2 / x3, fixed 512 / 1024-token chunks), eager, Liger, the three
+    GEMMs alone at full size (25.8 TFLOP, no CE: what every schedule must compute), a 1 GiB copy and an
+    8192^3 GEMM: do_bench's median, then NVML's energy counter over ~3 s of back-to-back calls
+    (:func:`_energy_record`), each after the same heating, the shipped plan first and last."""
+    ce = importlib.import_module("fuseformer.ops.cross_entropy")
+    mlp_ce = importlib.import_module("fuseformer.bench.mlp_ce")
+    handle = _nvml_handle()
+    n, h, v = 8192, 4096, 128256
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5).requires_grad_()
+    target = torch.randint(0, v, (n,), device="cuda")
+    shipped_plan = ce._growing_plan
+    out: list[dict] = []
+    try:
+        limit_w = __import__("pynvml").nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3
+    except Exception:
+        limit_w = None
+
+    def scaled_plan(f):
+        return lambda n, h, v, c, first: shipped_plan(n, h, v, int(c * f), first)
+
+    def autograd_step(loss_fn):
+        def step():
+            hidden.grad = weight.grad = None
+            loss_fn().backward()
+
+        return step
+
+    def ours(chunk=None):
+        return autograd_step(lambda: ce.fused_linear_cross_entropy(hidden, weight, target, chunk_size=chunk))
+
+    logits = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
+    dh = torch.empty(n, h, device="cuda", dtype=torch.bfloat16)
+    dw = torch.empty(v, h, device="cuda", dtype=torch.bfloat16)
+    hd, wd = hidden.detach(), weight.detach()
+
+    def gemms():  # logits, grad_hidden, grad_weight at full size: the FLOPs of every schedule
+        torch.matmul(hd, wd.T, out=logits)
+        torch.matmul(logits, wd, out=dh)
+        torch.matmul(logits.T, hd, out=dw)
+
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    cases: list[tuple[str, Callable[[], object], float | None, dict]] = [
+        ("fuseformer", ours(), 1.0, {}),
+        ("fuseformer scratch x1.5", ours(), 1.5, {}),
+        ("fuseformer scratch x2", ours(), 2.0, {}),
+        ("fuseformer scratch x3", ours(), 3.0, {}),
+        ("fuseformer fixed 512", ours(512), None, {}),
+        ("fuseformer fixed 1024", ours(1024), None, {}),
+        ("eager", autograd_step(lambda: torch.nn.functional.cross_entropy(hidden @ weight.T, target)), None, {}),
+        ("gemms alone", gemms, None, dict(tflop=3 * 2 * n * h * v / 1e12)),
+        ("copy 1 GiB", lambda: dst.copy_(src), None, dict(gb=2 * src.numel() * 2 / 1e9)),
+        ("gemm 8192^3", lambda: square @ square, None, dict(tflop=2 * 8192**3 / 1e12)),
+        ("fuseformer", ours(), 1.0, {}),
+    ]
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+        liger = autograd_step(lambda: LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, target)[0])
+        cases.insert(7, ("liger", liger, None, {}))
+    except Exception as exc:
+        out.append(dict(kind="flce_energy", impl="liger", error=f"{type(exc).__name__}: {exc}"[:300]))
+    for name, fn, scale, extra in cases:
+        rec = dict(kind="flce_energy", impl=name, power_limit_w=limit_w, **extra)
+        ce._growing_plan = scaled_plan(scale) if scale not in (None, 1.0) else shipped_plan
+        try:
+            fn()
+            hidden.grad = weight.grad = None
+            if name.startswith(("fuseformer", "eager", "liger")):
+                rec["peak_gib_above_inputs"] = peak_gib_above(fn)
+                hidden.grad = weight.grad = None
+            mlp_ce._heat()
+            rec["ms"] = bench_ms(fn, rep=300)
+            if handle is not None:
+                rec.update(_energy_record(fn, handle))
+            if "tflop" in extra:
+                rec["tflop_s"] = extra["tflop"] / rec["ms"] * 1e3
+        except Exception as exc:
+            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            ce._growing_plan = shipped_plan
+        hidden.grad = weight.grad = None
+        out.append(rec)
+        print(json.dumps(rec), flush=True)
+    return out
+
+
 def sweep_attention() -> list[dict]:
     from fuseformer.bench.attention import sweep_attention_configs
 
@@ -1168,6 +1318,7 @@ SWEEPS = {
     "train_profile": sweep_train_profile,
     "flce": sweep_flce,
     "flce_gemms": sweep_flce_gemms,
+    "flce_energy": sweep_flce_energy,
     "mlp_decode": sweep_mlp_decode,
     "mlp_decode_timeline": sweep_mlp_decode_timeline,
     "mlp_decode_timeline_t32": lambda: sweep_mlp_decode_timeline(tokens=(1, 32)),
