@@ -657,61 +657,6 @@ def sweep_flce_energy() -> list[dict]:
     return out
 
 
-def sweep_flce_vocab_major() -> list[dict]:
-    """The prototype vocabulary-major FLCE schedule (ops/cross_entropy.py `_vocab_major`: every token
-    at once, the vocabulary in pieces, half of the logits recomputed, grad_weight written once) against
-    the shipped token chunks at the goal shape (8192 tokens, H 4096, V 128256, bf16), fwd + bwd through
-    autograd, alternated: peak memory, do_bench ms, NVML energy, the kernels of one call, and each
-    gradient's max error against an fp32 reference (both schedules' bf16 results)."""
-    ce = importlib.import_module("fuseformer.ops.cross_entropy")
-    mlp_ce = importlib.import_module("fuseformer.bench.mlp_ce")
-    handle = _nvml_handle()
-    n, h, v = 8192, 4096, 128256
-    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5).requires_grad_()
-    target = torch.randint(0, v, (n,), device="cuda")
-    target[::37] = -100
-    hf, wf = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
-    ref_loss = torch.nn.functional.cross_entropy(hf @ wf.T, target)
-    ref_loss.backward()
-    ref = (ref_loss.detach(), hf.grad, wf.grad)
-    del hf, wf
-    torch.cuda.empty_cache()
-
-    def step():
-        hidden.grad = weight.grad = None
-        loss = ce.fused_linear_cross_entropy(hidden, weight, target)
-        loss.backward()
-        return loss
-
-    out = []
-    for vm in (False, True, False, True):
-        ce._VOCAB_MAJOR = vm
-        rec = dict(kind="flce_vocab_major", schedule="vocab-major" if vm else "token chunks (shipped)")
-        try:
-            loss = step()
-            rec["err_loss"] = abs(float(loss) - float(ref[0]))
-            rec["err_dh"] = float((hidden.grad.float() - ref[1]).abs().max())
-            rec["err_dw"] = float((weight.grad.float() - ref[2]).abs().max())
-            hidden.grad = weight.grad = None
-            rec["peak_gib_above_inputs"] = peak_gib_above(step)
-            hidden.grad = weight.grad = None
-            mlp_ce._heat()
-            rec["ms"] = bench_ms(step, rep=300)
-            if handle is not None:
-                rec.update(_energy_record(step, handle))
-            if len(out) < 2:
-                rec["kernels"] = gpu_kernels(step)[:14]
-        except Exception as exc:
-            rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
-        finally:
-            ce._VOCAB_MAJOR = False
-        hidden.grad = weight.grad = None
-        out.append(rec)
-        print(json.dumps({k: x for k, x in rec.items() if k != "kernels"}), flush=True)
-    return out
-
-
 def sweep_attention() -> list[dict]:
     from fuseformer.bench.attention import sweep_attention_configs
 
@@ -1374,7 +1319,6 @@ SWEEPS = {
     "flce": sweep_flce,
     "flce_gemms": sweep_flce_gemms,
     "flce_energy": sweep_flce_energy,
-    "flce_vocab_major": sweep_flce_vocab_major,
     "mlp_decode": sweep_mlp_decode,
     "mlp_decode_timeline": sweep_mlp_decode_timeline,
     "mlp_decode_timeline_t32": lambda: sweep_mlp_decode_timeline(tokens=(1, 32)),

@@ -532,119 +532,6 @@ def _first_chunk_in_dw(
         dw[j0:j1].copy_(tmp)
 
 
-# Prototype (session 18, sweep `flce_vocab_major`): the vocabulary-major schedule, off by default.
-_VOCAB_MAJOR = False
-
-
-def _cols_stats_into(xt, target_local, part, run):
-    """The column stats kernel over ``xt`` (V', C) (one piece of the vocabulary, ``target_local`` the
-    targets relative to its first row), its partials reduced into ``run`` (3, C): max, sum of
-    exponentials, target logit."""
-    v, c = xt.shape
-    cfg = dict(_COLS_CONFIG)
-    bt, bv = cfg["BLOCK_T"], cfg["BLOCK_V"]
-    splits, rows = _cols_splits(c, v, bt, bv, cfg.pop("PROGRAMS"))
-    p = part[: splits * 4 * c]
-    _cross_entropy_cols_stats_kernel[(triton.cdiv(c, bt), splits)](
-        xt, target_local, p, xt.stride(0), c, v, rows, HAS_SMOOTHING=False, **cfg
-    )  # fmt: skip
-    p = p.view(splits, 4, c)
-    m_k, s_k = p[:, 0], p[:, 1]
-    m = torch.maximum(run[0], m_k.amax(0))
-    shift = torch.where(m == -float("inf"), 0.0, m)
-    run[1] = run[1] * torch.exp(run[0] - shift) + (s_k * torch.exp(m_k - shift)).sum(0)
-    run[0] = m
-    run[2] += p[:, 3].sum(0)
-
-
-def _cols_grad_given(xt, target_local, ignore_local, loss, lse, scale, fake):
-    """dlogits^T in place over ``xt`` (V', C) with the lse known (``fake``: one partial (4, C) holding
-    lse, 1, 0 and the target logit), the loss written where ``loss`` is given."""
-    v, c = xt.shape
-    cfg = dict(_COLS_CONFIG)
-    bt, bv = cfg["BLOCK_T"], cfg["BLOCK_V"]
-    splits, rows = _cols_splits(c, v, bt, bv, cfg.pop("PROGRAMS"))
-    _cross_entropy_cols_grad_kernel[(triton.cdiv(c, bt), splits)](
-        xt, target_local, loss if loss is not None else lse, lse, scale, fake,
-        xt.stride(0), scale.stride(0) if scale.dim() else 0,
-        c, v, rows, 1, ignore_local, 0.0, 0.0,
-        WRITE_LOSS=loss is not None, WRITE_GRAD=True, HAS_SMOOTHING=False, HAS_Z_LOSS=False, **cfg,
-    )  # fmt: skip
-
-
-def _vocab_major(hidden, weight, target, ignore_index, scale, loss, lse, dh, dw, free):
-    """Every token at once, the vocabulary in pieces (N > H, no bias, smoothing or z-loss):
-    1. logits^T of vocabulary rows [0, Vx) for all N tokens in grad_weight's memory (Vx = V H / N),
-       the rest in slices through ``free`` (the arena: grad_hidden's rows and the scratch), for the
-       statistics only: lse per token;
-    2. dlogits^T in place on the first piece; grad_hidden = its GEMM; grad_weight rows [0, Vx) in
-       slices written straight into rows whose logits are consumed (the first through the scratch);
-    3. rows [Vx, V) recomputed in slices into grad_weight's free rows (last ones in the scratch):
-       dlogits^T, grad_hidden += , grad_weight rows written once.
-    No pass over grad_weight is read back; the logits of rows [Vx, V) are computed twice (+V-Vx
-    rows of the logits GEMM)."""
-    n, h = hidden.shape
-    v = weight.shape[0]
-    dev = hidden.device
-    vx = min(v, (v * h) // n)
-    small = 8 * 4 * n + 4 * n  # the stats partials (<= 8 splits) and the fake partial, fp32
-    floats = free.view(-1)[-(2 * small + 64) :].view(torch.uint8)
-    off = (-floats.data_ptr()) % 16
-    tail = floats[off : off + 4 * small].view(torch.float32)
-    part, fake = tail[: 8 * 4 * n], tail[8 * 4 * n :].view(4, n)
-    free = free.view(-1)[: free.numel() - (2 * small + 64)]
-    run = torch.empty(3, n, dtype=torch.float32, device=dev)
-    run[0] = -float("inf")
-    run[1:] = 0
-    ltx = dw.view(-1)[: vx * n].view(vx, n)
-    torch.matmul(weight[:vx], hidden.T, out=ltx)
-    _cols_stats_into(ltx, target, part, run)
-    sy = free.numel() // n
-    assert sy > 0 and free.numel() - n * h >= max(h, n), "the arena holds a slice of every token's logits"
-    for y0 in range(vx, v, sy):
-        y1 = min(v, y0 + sy)
-        ly = free[: (y1 - y0) * n].view(y1 - y0, n)
-        torch.matmul(weight[y0:y1], hidden.T, out=ly)
-        _cols_stats_into(ly, target - y0, part, run)
-    shift = torch.where(run[0] == -float("inf"), 0.0, run[0])
-    torch.add(shift, torch.log(run[1]), out=lse)
-    fake[0] = lse
-    fake[1] = 1.0
-    fake[2] = 0.0
-    fake[3] = run[2]
-    _cols_grad_given(ltx, target, ignore_index, loss, lse, scale, fake)
-    torch.matmul(ltx.T, weight[:vx], out=dh)
-    # grad_weight rows [0, Vx): ltx row j lies at grad_weight elements [j n, (j + 1) n), so rows
-    # [j0, j1) written straight from ltx[j0:j1] overlap nothing pending when j1 h <= j0 n.
-    scratch = free[n * h :]
-    s0 = min(vx, scratch.numel() // h)
-    tmp = scratch[: s0 * h].view(s0, h)
-    torch.matmul(ltx[:s0], hidden, out=tmp)
-    dw[:s0].copy_(tmp)
-    j0 = s0
-    while j0 < vx:
-        j1 = min(vx, j0 * n // h)
-        torch.matmul(ltx[j0:j1], hidden, out=dw[j0:j1])
-        j0 = j1
-    fake[3] = 0.0
-    y1 = v
-    s_rows = scratch.numel() // n
-    flat = dw.view(-1)
-    while y1 > vx:
-        sy = (y1 - vx) * h // (n + h)
-        if sy < s_rows:
-            sy = min(y1 - vx, s_rows)
-            buf = scratch[: sy * n].view(sy, n)
-        else:
-            buf = flat[vx * h : vx * h + sy * n].view(sy, n)
-        y0 = y1 - sy
-        torch.matmul(weight[y0:y1], hidden.T, out=buf)
-        _cols_grad_given(buf, target - y0, ignore_index - y0, None, lse, scale, fake)
-        dh.addmm_(buf.T, weight[y0:y1])
-        torch.matmul(buf, hidden, out=dw[y0:y1])
-        y1 = y0
-
-
 def _chunks(
     hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse, want_dh, dw, db, chunk_size
 ):  # fmt: skip
@@ -679,10 +566,6 @@ def _chunks(
     elif want_dh and write_grad:
         dh = empty((n, h), dtype=dtype, device=device)
     buf = empty((min(c, n), v), dtype=dtype, device=device) if arena is None and n else None
-    if (_VOCAB_MAJOR and arena is not None and dw is not None and n > h and bias is None
-            and label_smoothing == 0.0 and z_loss == 0.0 and loss is not None):  # fmt: skip
-        _vocab_major(hidden, weight, target, ignore_index, scale, loss, lse, dh, dw, arena)
-        return dh
     if first:
         # Room for _first_chunk_in_dw's grad_weight slices: grad_hidden's rows past the first chunk and
         # the scratch, or the logits buffer.
