@@ -147,37 +147,56 @@ def _mlp_records(t: int, decode: bool) -> list[Record]:
     return out
 
 
-def _ce_records(quick: bool) -> list[Record]:
-    dtype, dev = torch.bfloat16, DEVICE
-    n = CE_TOKENS
-    hidden = torch.randn(n, H, device=dev, dtype=dtype, requires_grad=True)
-    weight = (torch.randn(V, H, device=dev, dtype=dtype) / H**0.5).requires_grad_()
-    target = torch.randint(0, V, (n,), device=dev)
-    case = dict(op="linear_cross_entropy", pass_="fwd_bwd", tokens=n, H=H, V=V, dtype="bfloat16")
-    impls: dict[str, Callable[[], torch.Tensor]] = {
+def ce_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FLCE goal's inputs (CE_TOKENS tokens, H, V, bf16, random): hidden and weight requiring
+    grad, target."""
+    hidden = torch.randn(CE_TOKENS, H, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(V, H, device=DEVICE, dtype=torch.bfloat16) / H**0.5).requires_grad_()
+    target = torch.randint(0, V, (CE_TOKENS,), device=DEVICE)
+    return hidden, weight, target
+
+
+def ce_loss_fns(hidden, weight, target) -> dict[str, Callable[[], torch.Tensor] | Exception]:
+    """The loss of each implementation (ours, eager with bf16 logits, Liger's FLCE); Liger's entry is
+    its import error where it is not installed."""
+    fns: dict[str, Callable[[], torch.Tensor] | Exception] = {
         "fuseformer": lambda: F.fused_linear_cross_entropy(hidden, weight, target),
         "eager": lambda: TF.cross_entropy(hidden @ weight.T, target),
     }
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
-        impls["liger"] = lambda: LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, target)
+        def liger():
+            loss = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, target)
+            return loss[0] if isinstance(loss, tuple) else loss  # (loss, z_loss, ...) in 0.8.5
+
+        fns["liger"] = liger
     except Exception as exc:  # not installed: recorded as an error row
-        impls["liger"] = None
-        liger_error = exc
+        fns["liger"] = exc
+    return fns
+
+
+def ce_step(loss_fn: Callable[[], torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor) -> Callable[[], None]:
+    """One fwd + bwd as the bench times it: the gradients dropped first (no accumulation into old
+    ones: their traffic, their memory), then the loss and its backward."""
+
+    def step():
+        hidden.grad = weight.grad = None
+        loss_fn().backward()
+
+    return step
+
+
+def _ce_records(quick: bool) -> list[Record]:
+    hidden, weight, target = ce_inputs()
+    case = dict(op="linear_cross_entropy", pass_="fwd_bwd", tokens=CE_TOKENS, H=H, V=V, dtype="bfloat16")
     records = []
-    for name, loss_fn in impls.items():
+    for name, loss_fn in ce_loss_fns(hidden, weight, target).items():
         rec: Record = dict(case, impl=name)
-        if loss_fn is None:
-            records.append(_error(rec, liger_error))
+        if isinstance(loss_fn, Exception):
+            records.append(_error(rec, loss_fn))
             continue
-
-        def step(loss_fn=loss_fn):
-            hidden.grad = weight.grad = None  # no accumulation into old grads (its traffic, its memory)
-            loss = loss_fn()
-            loss = loss[0] if isinstance(loss, tuple) else loss
-            loss.backward()
-
+        step = ce_step(loss_fn, hidden, weight)
         try:
             step()
             hidden.grad = weight.grad = None

@@ -418,19 +418,15 @@ def sweep_flce_plan() -> list[dict]:
     save the last 32-token chunk: 14 chunks), the plan before it (241 tokens: 15), and chunks aligned to 64 and 128
     tokens (cuBLAS's tiles), each with its peak memory above the inputs and its chunk sizes."""
     ce = importlib.import_module("fuseformer.ops.cross_entropy")
-    n, h, v = 8192, 4096, 128256
-    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5).requires_grad_()
-    target = torch.randint(0, v, (n,), device="cuda")
+    mlp_ce = importlib.import_module("fuseformer.bench.mlp_ce")
+    hidden, weight, target = mlp_ce.ce_inputs()
+    (n, h), v = hidden.shape, weight.shape[0]
     shipped = (ce._growing_plan, ce._CHUNK_ALIGN)
 
     def unchanged(n, h, v, c, first):  # the plan before: the scratch as _chunk_size gives it
         return c, ce._growing_chunks(n, h, v, c * v, first)
 
-    def step():
-        hidden.grad = weight.grad = None
-        ce.fused_linear_cross_entropy(hidden, weight, target).backward()
-
+    step = mlp_ce.ce_step(lambda: ce.fused_linear_cross_entropy(hidden, weight, target), hidden, weight)
     out = []
     variants = (("shipped", None, 16), ("scratch 241", unchanged, 16), ("align 64", None, 64),
                 ("align 128", None, 128), ("shipped", None, 16), ("scratch 241", unchanged, 16))  # fmt: skip
@@ -520,9 +516,10 @@ def _nvml_handle():
 
 def _energy_record(fn: Callable[[], object], handle, seconds: float = 3.0) -> dict:
     """Run ``fn`` back to back for about ``seconds`` (after one timed call to size the loop) and read
-    NVML's energy counter around the loop: ms and joules a call, the mean power, and from a thread
-    polling every 10 ms the median power and SM clock and the share of samples whose clock was held
-    down by the software power cap (NVML's throttle-reason bit 0x4) or by heat (0x8 | 0x20 | 0x40)."""
+    NVML's energy counter around the loop: ms and joules a call, the mean power, the enforced power
+    limit, and from a thread polling every 10 ms the median power and SM clock and the share of
+    samples whose clock was held down by the software power cap (NVML's throttle-reason bit 0x4) or
+    by heat (0x8 | 0x20 | 0x40)."""
     import threading
 
     import pynvml
@@ -559,6 +556,7 @@ def _energy_record(fn: Callable[[], object], handle, seconds: float = 3.0) -> di
     busy = samples[len(samples) // 10 :] or samples  # skip the loop's first tenth (launch ramp)
     return dict(
         calls=calls, loop_ms=ms, joules=joules, mean_w=joules / (ms / 1e3),
+        power_limit_w=pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3,
         median_w=statistics.median(s[0] for s in busy), median_sm_mhz=statistics.median(s[1] for s in busy),
         power_capped=sum(bool(s[2] & 0x4) for s in busy) / len(busy),
         thermal=sum(bool(s[2] & 0x68) for s in busy) / len(busy),
@@ -575,29 +573,16 @@ def sweep_flce_energy() -> list[dict]:
     ce = importlib.import_module("fuseformer.ops.cross_entropy")
     mlp_ce = importlib.import_module("fuseformer.bench.mlp_ce")
     handle = _nvml_handle()
-    n, h, v = 8192, 4096, 128256
-    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5).requires_grad_()
-    target = torch.randint(0, v, (n,), device="cuda")
+    hidden, weight, target = mlp_ce.ce_inputs()
+    (n, h), v = hidden.shape, weight.shape[0]
     shipped_plan = ce._growing_plan
-    out: list[dict] = []
-    try:
-        limit_w = __import__("pynvml").nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3
-    except Exception:
-        limit_w = None
 
     def scaled_plan(f):
         return lambda n, h, v, c, first: shipped_plan(n, h, v, int(c * f), first)
 
-    def autograd_step(loss_fn):
-        def step():
-            hidden.grad = weight.grad = None
-            loss_fn().backward()
-
-        return step
-
     def ours(chunk=None):
-        return autograd_step(lambda: ce.fused_linear_cross_entropy(hidden, weight, target, chunk_size=chunk))
+        return mlp_ce.ce_step(lambda: ce.fused_linear_cross_entropy(hidden, weight, target, chunk_size=chunk),
+                              hidden, weight)  # fmt: skip
 
     logits = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
     dh = torch.empty(n, h, device="cuda", dtype=torch.bfloat16)
@@ -612,30 +597,31 @@ def sweep_flce_energy() -> list[dict]:
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    cases: list[tuple[str, Callable[[], object], float | None, dict]] = [
+    peers = mlp_ce.ce_loss_fns(hidden, weight, target)
+    cases: list[tuple[str, Callable[[], object] | Exception, float | None, dict]] = [
         ("fuseformer", ours(), 1.0, {}),
         ("fuseformer scratch x1.5", ours(), 1.5, {}),
         ("fuseformer scratch x2", ours(), 2.0, {}),
         ("fuseformer scratch x3", ours(), 3.0, {}),
         ("fuseformer fixed 512", ours(512), None, {}),
         ("fuseformer fixed 1024", ours(1024), None, {}),
-        ("eager", autograd_step(lambda: torch.nn.functional.cross_entropy(hidden @ weight.T, target)), None, {}),
+        *(
+            (name, fn if isinstance(fn, Exception) else mlp_ce.ce_step(fn, hidden, weight), None, {})
+            for name, fn in peers.items()
+            if name != "fuseformer"
+        ),  # fmt: skip
         ("gemms alone", gemms, None, dict(tflop=3 * 2 * n * h * v / 1e12)),
         ("copy 1 GiB", lambda: dst.copy_(src), None, dict(gb=2 * src.numel() * 2 / 1e9)),
         ("gemm 8192^3", lambda: square @ square, None, dict(tflop=2 * 8192**3 / 1e12)),
         ("fuseformer", ours(), 1.0, {}),
     ]
-    try:
-        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
-
-        liger = autograd_step(lambda: LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, target)[0])
-        cases.insert(7, ("liger", liger, None, {}))
-    except Exception as exc:
-        out.append(dict(kind="flce_energy", impl="liger", error=f"{type(exc).__name__}: {exc}"[:300]))
+    out: list[dict] = []
     for name, fn, scale, extra in cases:
-        rec = dict(kind="flce_energy", impl=name, power_limit_w=limit_w, **extra)
+        rec = dict(kind="flce_energy", impl=name, **extra)
         ce._growing_plan = scaled_plan(scale) if scale not in (None, 1.0) else shipped_plan
         try:
+            if isinstance(fn, Exception):
+                raise fn
             fn()
             hidden.grad = weight.grad = None
             if name.startswith(("fuseformer", "eager", "liger")):
