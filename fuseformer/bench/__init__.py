@@ -77,6 +77,11 @@ def run_suites(suites: list[str], out_dir: str = "bench-results", quick: bool = 
 
             records = bench_serve(quick)
             print(format_table(records))
+        elif suite == "optimize":
+            from fuseformer.bench.optimize import bench_optimize, format_table
+
+            records = bench_optimize(quick)
+            print(format_table(records))
         elif suite == "train":
             from fuseformer.train.bench import bench_train
 
@@ -92,7 +97,7 @@ def run_suites(suites: list[str], out_dir: str = "bench-results", quick: bool = 
             for r in records:
                 print(json.dumps(r))
         else:
-            print(f"fuseformer bench: unknown suite {suite!r} (ops, attention, mlp_ce, engine, serve, train, sweep)")
+            print(f"fuseformer bench: unknown suite {suite!r} (ops, attention, mlp_ce, engine, serve, train, optimize, sweep)")
             return 2
         with open(os.path.join(out_dir, f"{suite}.json"), "w") as f:
             json.dump(dict(env=env, records=records), f, indent=1)
