@@ -42,11 +42,21 @@ from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from fuseformer.fusion.base import Candidate, PassResult, Skipped
-from fuseformer.fusion.fx_patterns import MATCHERS, Match, validate
+from fuseformer.fusion.fx_attention import match_attention
+from fuseformer.fusion.fx_patterns import Match, match_glu, match_linear_ce, match_norm_ops, match_rms_hand, validate
 
 # The attribute (a parameter-free nn.Module) under which a traced module holds its fused slots.
 CONTAINER = "_fuseformer_fx"
 _SIMPLE = (type(None), bool, int, float, str)
+# (kind, matcher), in the order they claim nodes: norms first, so that an add -> norm is taken
+# whole; the rest do not overlap.
+MATCHERS: tuple[tuple[str, Callable[[fx.GraphModule, bool], list[Match]]], ...] = (
+    ("norm", match_rms_hand),
+    ("norm", match_norm_ops),
+    ("mlp", match_glu),
+    ("attention", match_attention),
+    ("loss", match_linear_ce),
+)
 
 
 def find_candidates(
