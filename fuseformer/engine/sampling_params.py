@@ -8,6 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The sampler computes in fp32 (engine/sampler.py), where 1e-40 is subnormal and 1e-50 is 0: a
+# temperature of 1e-50 became 0 there and sampled as if it were 1, 1e-40 overflowed logits / T to inf
+# (NaN probabilities, empty completions), and so did a top_p or repetition_penalty that rounds to 0.
+# Positive values from 1e-6 keep logits / T and logits / penalty below fp32's 3.4e38 for any logit
+# under 1e32, and below it every such value already acts as its limit (greedy, top token only).
+MIN_SAMPLING_VALUE = 1e-6
+MAX_REPETITION_PENALTY = 1e6  # above fp32's max it is inf, and a logit of 0 times inf is NaN
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -24,12 +32,15 @@ class SamplingParams:
     Args:
         n: completions per prompt (the ``LLM`` layer fans a prompt out into ``n`` requests).
         max_tokens: output tokens at most.
-        temperature: 0 is greedy (argmax); otherwise logits are divided by it before sampling.
+        temperature: 0 is greedy (argmax); otherwise logits are divided by it before sampling; 0 or
+            at least ``MIN_SAMPLING_VALUE`` (1e-6).
         top_k: keep the k most likely tokens; -1 or 0 keeps all.
-        top_p: keep the smallest set of most likely tokens whose probability reaches top_p; in (0, 1].
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p; in
+            [``MIN_SAMPLING_VALUE``, 1].
         min_p: drop tokens whose probability is below ``min_p`` times the top token's; in [0, 1].
-        repetition_penalty: > 0; tokens seen in the prompt or output have positive logits divided
-            by it and negative ones multiplied by it (1 = off).
+        repetition_penalty: in [1e-6, 1e6] (``MIN_SAMPLING_VALUE``, ``MAX_REPETITION_PENALTY``); tokens
+            seen in the prompt or output have positive logits divided by it and negative ones
+            multiplied by it (1 = off).
         presence_penalty: in [-2, 2]; subtracted once from the logit of every token in the output.
         frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it is in the output.
         seed: a per-request seed: the same seed gives the same tokens whatever else is in the batch.
@@ -78,14 +89,23 @@ class SamplingParams:
             raise bad("max_tokens", "must be at least 1")
         if self.temperature < 0 or self.temperature == float("inf"):
             raise bad("temperature", "must be finite and >= 0 (0 is greedy)")
+        if 0 < self.temperature < MIN_SAMPLING_VALUE:
+            raise bad("temperature", f"must be 0 (greedy) or at least {MIN_SAMPLING_VALUE:g} (below, fp32 underflows)")
         if self.top_k < -1:
             raise bad("top_k", "must be -1 or 0 (off) or a positive count")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
+        if self.top_p < MIN_SAMPLING_VALUE:
+            raise bad("top_p", f"must be at least {MIN_SAMPLING_VALUE:g} (below, fp32 underflows)")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
         if not 0 < self.repetition_penalty < float("inf"):
             raise bad("repetition_penalty", "must be finite and > 0 (1 is off)")
+        if not MIN_SAMPLING_VALUE <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad(
+                "repetition_penalty",
+                f"must be in [{MIN_SAMPLING_VALUE:g}, {MAX_REPETITION_PENALTY:g}] (outside, fp32 under- or overflows)",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise bad(name, "must be in [-2, 2]")

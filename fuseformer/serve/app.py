@@ -5,10 +5,21 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (each streaming 
 ``GET /metrics`` (Prometheus).
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter
-(``param`` names the field), malformed JSON, a prompt over the context length, a ``max_tokens`` that
-does not fit, an unknown model; 401 without the API key (when one is set: the ``/v1`` routes only;
-``/health`` and ``/metrics`` stay open for probes and scrapers, as in vLLM); 404/405 for wrong
-routes; 503 while shutting down. User input never gives a 500.
+(``param`` names the field), malformed JSON, text that is not valid Unicode, a prompt over the context
+length, a ``max_tokens`` that does not fit, a chat template that fails on the messages; 401 without
+the API key (when one is set: every ``/v1`` path, checked from the headers before the body is read;
+``/health`` and ``/metrics`` stay open for probes and scrapers, as in vLLM); 404 ``model_not_found``
+for a model this server does not serve, as OpenAI and vLLM answer; 404/405 for wrong routes; 413 for a
+body over ``max_body_bytes``; 503 while shutting down, and for requests still running when the
+shutdown timeout ends them (a stream gets an error event, then ``data: [DONE]``). User input never
+gives a 500; an unexpected error gives a 500 in the same shape and the connection stays usable.
+
+Limits (each a client's 4xx, not a slow or stuck server): the body (``max_body_bytes``, 16 MiB by
+default), stop strings (``protocol.MAX_STOP_STRINGS`` of at most ``MAX_STOP_STRING_CHARS``),
+completions (``MAX_N``) and logprobs per request. The prompt of a large body (over
+``_INLINE_BODY_BYTES``) is tokenized, and its chat template rendered, on a worker thread with the
+GIL released, so that it does not stop the other clients; token-id prompts over the context length
+are refused before any text is tokenized, and a list of prompts stops at the first that is too long.
 
 A client that disconnects has its requests aborted, and their KV blocks freed, at once: a watcher
 task per request waits on the ASGI receive channel for "http.disconnect" and closes the request's
@@ -27,17 +38,22 @@ JSON is a template around one encoded string.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
+import hmac
 import itertools
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -57,6 +73,72 @@ from fuseformer.serve.protocol import (
 
 # Union members' tags in pydantic's error locations ("prompt", "list[int]", 0): not request fields.
 _TYPE_TAGS = {"str", "int", "float", "bool", "none"}
+
+logger = logging.getLogger("fuseformer.serve")
+
+# Bodies over this get 413 (``create_app(max_body_bytes=)``, ``serve --max-body-bytes``): 16x the body
+# of the longest prompt of a 128K-token model (~1 MB as JSON token ids, about as much as text), so that
+# a 1M-token model's longest prompt fits too. JSON parsing stays on the event loop (~0.1 s at 16 MiB).
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+# Bodies over this have their prompt prepared (tokenized, the chat template rendered) on a worker
+# thread: the tests' byte-level BPE takes ~1 us a character, the 5 MB prompt of issue 30 held the
+# event loop, and every client with it, for 12 s. Below it the thread hop (0.1-1 ms while the engine
+# thread holds the GIL) would cost more than it saves.
+_INLINE_BODY_BYTES = 4096
+_PREPARE_THREADS = 4  # large prompts tokenized at once, at most; the others queue
+# The body's size, as the guard middleware read it, in the ASGI scope.
+_BODY_BYTES = "fuseformer.body_bytes"
+
+
+def check_api_key(api_key: str | None) -> None:
+    """Raise ValueError for an API key no client can send: empty, or with a character outside
+    printable ASCII or a space (HTTP clients strip, split or refuse those in a header)."""
+    if api_key is None:
+        return
+    if not api_key:
+        raise ValueError("the API key must not be empty")
+    bad = [c for c in api_key if not "!" <= c <= "~"]
+    if bad:
+        raise ValueError(
+            f"the API key has {bad[0]!r}: a key must be printable ASCII without spaces, so that a client "
+            "can send it in an Authorization header"
+        )
+
+
+def _encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens)``, with the GIL released while the Rust tokenizer
+    runs (``tokenizers``' ``encode`` holds it throughout; ``encode_batch`` releases it), so that a long
+    text tokenized on a worker thread does not stop the event loop. The BOS/EOS rule is
+    ``Tokenizer.encode``'s; a tokenizer of another kind is called as it is."""
+    inner = getattr(tokenizer, "_tok", None)
+    if inner is None or not hasattr(inner, "encode_batch"):
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    ids = inner.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    if add_special_tokens:
+        bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+        if tokenizer.add_bos_token and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        if tokenizer.add_eos_token and eos is not None and (not ids or ids[-1] != eos):
+            ids = [*ids, eos]
+    return ids
+
+
+def _check_unicode(text: str, where: str) -> None:
+    """400 for a lone surrogate (JSON's ``"\ud800"``): no tokenizer takes it, and it has no UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(
+            f"{where} is not valid Unicode: a lone surrogate {text[exc.start]!r} at character {exc.start}", where
+        ) from None
+
+
+@dataclass(slots=True, eq=False)
+class _Running:
+    """The streams of one request being answered; ``cut`` once the shutdown timeout ended it unfinished."""
+
+    streams: list[RequestStream]
+    cut: bool = False
 
 
 @dataclass(slots=True)
@@ -78,6 +160,9 @@ class _Server:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._default_params: SamplingParams | None = None
+        self.running: set[_Running] = set()
+        self.ended = False  # end_unfinished ran: no new requests
+        self._pool: ThreadPoolExecutor | None = None
         # Response ids: a random prefix per server and a counter, not uuid4 per request (its urandom
         # call releases the GIL, and the engine thread then holds it for the switch interval, 5 ms).
         self._id_prefix = secrets.token_hex(8)
@@ -91,6 +176,30 @@ class _Server:
             self._default_params = self.engine.default_sampling_params()  # reads config only
         return self._default_params
 
+    def end_unfinished(self) -> None:
+        """End every request still running (the shutdown timeout passed): each gets a 503 in OpenAI's
+        shape, or an SSE error event and ``data: [DONE]``, and its engine request is aborted. Requests
+        that arrive afterwards get a 503 at once."""
+        self.ended = True
+        for run in list(self.running):
+            if not all(s.finished for s in run.streams):
+                run.cut = True
+                for s in run.streams:
+                    s.close()
+
+    async def prepare(self, http_request: Request, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``: on the event loop for a small request, on a worker thread for a large body
+        (``_INLINE_BODY_BYTES``), so that tokenizing it does not stop the other clients."""
+        if http_request.scope.get(_BODY_BYTES, 0) <= _INLINE_BODY_BYTES:
+            return fn(*args)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_PREPARE_THREADS, thread_name_prefix="fuseformer-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
     # ---- checks ----------------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
@@ -98,7 +207,22 @@ class _Server:
             raise APIError(
                 f"The model {model!r} does not exist; this server serves {self.model_name!r}",
                 "model",
+                status=404,
                 code="model_not_found",
+            )
+
+    def check_fields(self, req: Any, asked: int | None) -> None:
+        """Raise the APIError of a sampling field out of range, before any prompt is tokenized (and so
+        before a length error). ``asked``: the max tokens the request gave, else None."""
+        req.to_sampling_params(self.default_params(), 1 if asked is None else asked)
+
+    def check_prompt_length(self, num_tokens: int, where: str) -> None:
+        if num_tokens >= self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the {where} has {num_tokens} "
+                f"tokens (at most {self.max_model_len - 1}, to leave room for one output token)",
+                where,
+                code="context_length_exceeded",
             )
 
     def check_lengths(self, prompts: list[list[int]], req: Any, where: str, max_tokens_field: str) -> int:
@@ -106,13 +230,7 @@ class _Server:
         asked = req.requested_max_tokens[0] if isinstance(req, ChatCompletionRequest) else req.max_tokens
         explicit = max_tokens_field in req.model_fields_set
         longest = max(len(p) for p in prompts)
-        if longest >= self.max_model_len:
-            raise APIError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the {where} has {longest} "
-                f"tokens (at most {self.max_model_len - 1}, to leave room for one output token)",
-                where,
-                code="context_length_exceeded",
-            )
+        self.check_prompt_length(longest, where)
         room = self.max_model_len - longest
         if asked is None:
             return room
@@ -127,40 +245,47 @@ class _Server:
             )
         return asked
 
-    def sampling_params(self, req: Any, prompts: list[list[int]], where: str, field: str, asked: int | None):
-        """The request's SamplingParams, max_tokens as ``check_lengths`` gives it. A field out of range
-        is reported before a length error (``asked``: the max tokens the request gave, else None)."""
-        try:
-            max_tokens = self.check_lengths(prompts, req, where, field)
-        except APIError:
-            if asked is not None:
-                req.to_sampling_params(self.default_params(), asked)  # raises the range error, if any
-            raise
-        return req.to_sampling_params(self.default_params(), max_tokens)
+    def sampling_params(self, req: Any, prompts: list[list[int]], where: str, field: str) -> SamplingParams:
+        """The request's SamplingParams, max_tokens as ``check_lengths`` gives it (its fields' ranges
+        were checked by ``check_fields``)."""
+        return req.to_sampling_params(self.default_params(), self.check_lengths(prompts, req, where, field))
 
-    def encode(self, text: str, where: str) -> list[int]:
+    def encode(self, text: str, where: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise APIError("the model has no tokenizer.json: give the prompt as token ids", where)
-        return self.tokenizer.encode(text)
+        _check_unicode(text, where)
+        try:
+            return _encode_text(self.tokenizer, text, add_special_tokens)
+        except Exception as exc:  # the tokenizer refused the client's text: a 400, with its reason
+            raise APIError(f"{where} could not be tokenized: {type(exc).__name__}: {exc}", where) from exc
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Token ids of each prompt. Token-id prompts over the context length are refused before any
+        text is tokenized, and texts are tokenized one by one up to the first that is too long."""
         p = req.prompt
         if isinstance(p, str):
-            return [self.encode(p, "prompt")]
-        if not p:
+            items: list[Any] = [p]
+        elif not p:
             raise APIError("prompt must not be empty", "prompt")
-        if all(isinstance(t, int) for t in p):
-            return [list(p)]
-        out = []
-        for item in p:
+        elif all(isinstance(t, int) for t in p):
+            items = [p]
+        else:
+            items = p
+        for item in items:
             if isinstance(item, str):
-                out.append(self.encode(item, "prompt"))
-            elif isinstance(item, list) and all(isinstance(t, int) for t in item):
-                out.append(list(item))
-            else:
+                continue
+            if not isinstance(item, list) or not all(isinstance(t, int) for t in item):
                 raise APIError("prompt must be a string, a list of token ids, or a list of either", "prompt")
-        if any(not ids for ids in out):
-            raise APIError("prompt must not be empty", "prompt")
+            if not item:
+                raise APIError("prompt must not be empty", "prompt")
+            self.check_prompt_length(len(item), "prompt")
+        out = []
+        for item in items:
+            ids = self.encode(item, "prompt") if isinstance(item, str) else list(item)
+            if not ids:
+                raise APIError("prompt must not be empty", "prompt")
+            self.check_prompt_length(len(ids), "prompt")
+            out.append(ids)
         return out
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
@@ -176,16 +301,24 @@ class _Server:
                 d["content"] = "".join(parts)
             messages.append(d)
         try:
-            ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **(req.chat_template_kwargs or {}))
-        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **(req.chat_template_kwargs or {}))
+        except jinja2.TemplateError as exc:
             raise APIError(f"messages: the chat template failed: {exc}", "messages") from exc
+        except Exception as exc:  # the template's own limits (range(), recursion, ...) met by these messages
+            raise APIError(f"messages: the chat template failed: {type(exc).__name__}: {exc}", "messages") from exc
+        if not isinstance(text, str):
+            raise APIError("messages: the chat template did not render to text", "messages")
+        ids = self.encode(text, "messages", add_special_tokens=False)  # the template writes the special tokens
         if not ids:
             raise APIError("messages render to an empty prompt", "messages")
+        self.check_prompt_length(len(ids), "messages")
         return ids
 
     # ---- running requests ------------------------------------------------------------------------
 
-    async def add(self, base_id: str, prompts: list[list[int]], params: SamplingParams, where: str):
+    async def add(self, base_id: str, prompts: list[list[int]], params: SamplingParams, where: str) -> _Running:
+        if self.ended:
+            raise EngineShutdownError("the server is shutting down")
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
@@ -199,7 +332,9 @@ class _Server:
             for s in streams:
                 s.close()
             raise
-        return streams
+        run = _Running(streams)
+        self.running.add(run)
+        return run
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -243,11 +378,13 @@ async def _watch_disconnect(http_request: Request, streams: list[RequestStream])
 
 
 async def _merged(
-    http_request: Request, streams: list[RequestStream]
+    http_request: Request, server: _Server, run: _Running
 ) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
-    """Batches of (prompt index, delta) from all streams: each batch is everything that arrived since
-    the previous one (one write per batch when the client falls behind). Leaving early, the client
-    disconnecting (a watcher task closes the streams) or a cancellation aborts every unfinished stream."""
+    """Batches of (prompt index, delta) from all of ``run``'s streams: each batch is everything that
+    arrived since the previous one (one write per batch when the client falls behind). Leaving early,
+    the client disconnecting (a watcher task closes the streams) or a cancellation aborts every
+    unfinished stream. At the end ``run`` leaves ``server.running``."""
+    streams = run.streams
     watcher = asyncio.ensure_future(_watch_disconnect(http_request, streams))
     tasks = [watcher]
     try:
@@ -284,6 +421,7 @@ async def _merged(
             if batch:
                 yield batch
     finally:
+        server.running.discard(run)
         for s in streams:
             s.close()
         for t in tasks:
@@ -346,6 +484,26 @@ class _Events:
         return f"{self._prefix}{choice}]{self._suffix}"
 
 
+def _shutdown_error() -> APIError:
+    return APIError(
+        "the server shut down before the request finished (serve --shutdown-timeout)",
+        None,
+        status=503,
+        type="service_unavailable_error",
+        code="server_shutdown",
+    )
+
+
+def _stream_error(exc: Exception) -> APIError:
+    """The SSE error event of an exception raised while a response streams."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, (EngineDeadError, EngineShutdownError)):
+        return APIError(str(exc), None, status=503, type="service_unavailable_error")
+    logger.error("error while streaming a response", exc_info=exc)
+    return APIError(f"{type(exc).__name__}: {exc}", None, status=500, type="internal_server_error")
+
+
 def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -385,18 +543,122 @@ def _chat_logprobs(server: _Server, token_ids: list[int], logprobs: list[dict[in
     return dict(content=content)
 
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, shutdown_grace_s: float = 0.0):
+async def _send_error(send: Any, err: APIError) -> None:
+    body = json.dumps(err.body(), ensure_ascii=False).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if err.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class _Guard:
+    """The app's outer layer (ASGI), before FastAPI reads anything:
+
+    - the API key, on ``/v1`` paths, from the headers before the body is read: ``Bearer`` in any case,
+      compared as SHA-256 digests with ``hmac.compare_digest`` (the time taken says nothing about the
+      key, its length included);
+    - the body's size: 413 from Content-Length before reading, else once the chunks read pass it; the
+      body is read here once and handed on (its size in the scope, for ``_Server.prepare``);
+    - an exception nothing else handled: a 500 in OpenAI's shape, logged, with the connection kept
+      (Starlette's own error middleware re-raises, and uvicorn then closes the connection).
+
+    The send channel is not wrapped (a call per streamed chunk): a response already started is
+    seen as the error sending the 500 raises, and the exception then goes on to uvicorn."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.key_digest = None if api_key is None else hashlib.sha256(api_key.encode()).digest()
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = self._refusal(scope)
+        if error is not None:
+            await _send_error(send, error)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body: nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await _send_error(send, self._too_large())
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        scope[_BODY_BYTES] = size
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> dict[str, Any]:
+            return pending.pop() if pending else await receive()
+
+        try:
+            await self.app(scope, replay, send)
+        except Exception as exc:
+            err = APIError(f"{type(exc).__name__}: {exc}", None, status=500, type="internal_server_error")
+            try:
+                await _send_error(send, err)
+            except Exception:  # the response had started (a stream): uvicorn closes the connection
+                raise exc from None
+            logger.error("unexpected error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+
+    def _refusal(self, scope: dict[str, Any]) -> APIError | None:
+        """The error to answer from the headers alone, or None."""
+        headers = dict(reversed(scope["headers"]))  # the first of each name (names are lower case)
+        path = scope.get("path", "")
+        if self.key_digest is not None and (path == "/v1" or path.startswith("/v1/")):
+            scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
+            digest = hashlib.sha256(token.strip()).digest()
+            if not (hmac.compare_digest(digest, self.key_digest) and scheme.lower() == b"bearer"):
+                return APIError(
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    None,
+                    status=401,
+                    code="invalid_api_key",
+                )
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return self._too_large()
+        return None
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            f"the request body is over {self.max_body_bytes} bytes (serve --max-body-bytes)",
+            None,
+            status=413,
+            code="request_too_large",
+        )
+
+
+def create_app(
+    engine: AsyncEngine,
+    model_name: str,
+    api_key: str | None = None,
+    shutdown_grace_s: float = 0.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+):
     """The FastAPI app serving ``engine`` as ``model_name``.
 
     Args:
         engine: the AsyncEngine (started on the app's startup if it is not yet; shut down on exit).
         model_name: the id clients give as ``model`` (and ``/v1/models`` lists).
-        api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>`` (else 401).
+        api_key: when set, ``/v1`` paths need ``Authorization: Bearer <api_key>`` (else 401; the scheme's
+            case does not matter). ValueError for a key no client can send (``check_api_key``).
         shutdown_grace_s: at shutdown, seconds the engine lets unfinished requests run before aborting
             them (uvicorn has already waited for its in-flight requests by then).
+        max_body_bytes: larger request bodies get 413, unread.
     """
     from fuseformer import __version__
 
+    check_api_key(api_key)
+    if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
+        raise ValueError(f"create_app: max_body_bytes must be a positive int, got {max_body_bytes!r}")
     server = _Server(engine, model_name)
     # Streams leave out deltas that add no text (held back: an incomplete character, a possible stop
     # string), except without a tokenizer (token-id prompts, text always empty): then every delta is
@@ -412,6 +674,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         yield
         await server.engine.shutdown(shutdown_grace_s)
         server.engine = None
+        server.close()
 
     app = FastAPI(title="fuseformer", version=__version__, lifespan=lifespan)
     app.state.server = server
@@ -460,24 +723,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
         return JSONResponse(APIError(str(exc)).body(), status_code=400)
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        err = APIError(f"{type(exc).__name__}: {exc}", None, status=500, type="internal_server_error")
-        return JSONResponse(err.body(), status_code=500)
-
-    async def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), api_key.encode())):
-            raise APIError(
-                "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                None,
-                status=401,
-                code="invalid_api_key",
-            )
-
-    auth = [Depends(check_key)]
+    # The API key, the body's size and any other exception: _Guard, around all of this.
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     # ---- routes ----------------------------------------------------------------------------------
 
@@ -493,11 +740,11 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         stats = server.engine.get_stats() if server.engine is not None else SchedulerStats()
         return Response(server.metrics.render(stats), media_type=server.metrics.content_type)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=server.max_model_len)]).model_dump()
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http_request: Request):
         arrival = time.monotonic()
         server.check_model(req.model)
@@ -505,11 +752,12 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError("echo is not supported", "echo")
         if req.suffix is not None:
             raise APIError("suffix is not supported", "suffix")
-        prompts = server.completion_prompts(req)
         asked = req.max_tokens if "max_tokens" in req.model_fields_set else None
-        params = server.sampling_params(req, prompts, "prompt", "max_tokens", asked)
+        server.check_fields(req, asked)
+        prompts = await server.prepare(http_request, server.completion_prompts, req)
+        params = server.sampling_params(req, prompts, "prompt", "max_tokens")
         request_id = f"cmpl-{server.next_id()}"
-        streams = await server.add(request_id, prompts, params, "prompt")
+        run = await server.add(request_id, prompts, params, "prompt")
         server.metrics.count_tokens(prompt=sum(len(p) for p in prompts))
         created = int(time.time())
         n = params.n
@@ -524,7 +772,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             async def events() -> AsyncIterator[str]:
                 sse = _Events(head(), req.include_usage)
                 try:
-                    async for batch in _merged(http_request, streams):
+                    async for batch in _merged(http_request, server, run):
                         chunks = []
                         for index, c in _by_choice(batch, n):
                             ch = server.record(choices[index], c, arrival)
@@ -543,18 +791,22 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                             chunks.append(sse.choice(choice))
                         if chunks:
                             yield "".join(chunks)
-                    if req.include_usage:
+                    if run.cut:
+                        yield _sse(_shutdown_error().body())
+                    elif req.include_usage:
                         usage = _usage(num_prompt, sum(len(ch.token_ids) for ch in choices))
                         yield _sse(head() | dict(choices=[], usage=usage))
-                except (EngineDeadError, EngineShutdownError) as exc:
-                    yield _sse(APIError(str(exc), None, status=503, type="service_unavailable_error").body())
+                except Exception as exc:  # headers are sent: the error goes in the stream, then [DONE]
+                    yield _sse(_stream_error(exc).body())
                 yield _sse("[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        async for batch in _merged(http_request, streams):
+        async for batch in _merged(http_request, server, run):
             for index, c in _by_choice(batch, n):
                 server.record(choices[index], c, arrival)
+        if run.cut:
+            raise _shutdown_error()
         if await http_request.is_disconnected():
             return Response(status_code=499)
         body_choices = []
@@ -566,16 +818,17 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         usage = _usage(num_prompt, sum(len(ch.token_ids) for ch in choices))
         return head() | dict(choices=body_choices, usage=usage)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, http_request: Request):
         arrival = time.monotonic()
         server.check_model(req.model)
-        ids = server.chat_prompt(req)
         asked, field_name = req.requested_max_tokens
-        params = server.sampling_params(req, [ids], "messages", field_name, asked)
+        server.check_fields(req, asked)
+        ids = await server.prepare(http_request, server.chat_prompt, req)
+        params = server.sampling_params(req, [ids], "messages", field_name)
         top = req.top_logprobs or 0
         request_id = f"chatcmpl-{server.next_id()}"
-        streams = await server.add(request_id, [ids], params, "messages")
+        run = await server.add(request_id, [ids], params, "messages")
         server.metrics.count_tokens(prompt=len(ids))
         created = int(time.time())
         choices = [_Choice() for _ in range(params.n)]
@@ -591,7 +844,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     for index in range(params.n):
                         delta = dict(role="assistant", content="")
                         yield sse.choice(dict(index=index, delta=delta, logprobs=None, finish_reason=None))
-                    async for batch in _merged(http_request, streams):
+                    async for batch in _merged(http_request, server, run):
                         chunks = []
                         for _, c in _by_choice(batch, params.n):
                             server.record(choices[c.index], c, arrival)
@@ -607,18 +860,22 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                             chunks.append(sse.choice(choice))
                         if chunks:
                             yield "".join(chunks)
-                    if req.include_usage:
+                    if run.cut:
+                        yield _sse(_shutdown_error().body())
+                    elif req.include_usage:
                         usage = _usage(len(ids), sum(len(ch.token_ids) for ch in choices))
                         yield _sse(head() | dict(choices=[], usage=usage))
-                except (EngineDeadError, EngineShutdownError) as exc:
-                    yield _sse(APIError(str(exc), None, status=503, type="service_unavailable_error").body())
+                except Exception as exc:  # headers are sent: the error goes in the stream, then [DONE]
+                    yield _sse(_stream_error(exc).body())
                 yield _sse("[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        async for batch in _merged(http_request, streams):
+        async for batch in _merged(http_request, server, run):
             for _, c in _by_choice(batch, params.n):
                 server.record(choices[c.index], c, arrival)
+        if run.cut:
+            raise _shutdown_error()
         if await http_request.is_disconnected():
             return Response(status_code=499)
         body_choices = []

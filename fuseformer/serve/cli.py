@@ -5,14 +5,21 @@ it (exit code 0 after a graceful shutdown, SIGTERM or Ctrl-C included; 2 for bad
 the model cannot be loaded or the port cannot be bound). ``python -m fuseformer.serve.cli serve ...``
 runs it alone.
 
-Shutdown: uvicorn stops accepting connections, waits up to ``--shutdown-timeout`` seconds for
-in-flight requests to finish, cancels the rest (which aborts them in the engine), then the app's
-lifespan stops the engine.
+Shutdown: uvicorn stops accepting connections and waits up to ``--shutdown-timeout`` seconds for
+in-flight requests to finish; the app then ends the rest with an error in OpenAI's shape (a 503, or
+an SSE error event and ``data: [DONE]``), aborting them in the engine; ``_FLUSH_S`` later uvicorn
+cancels what is left (a client not reading), and the app's lifespan stops the engine.
+
+Connections: one that sends no complete request head (request line and headers) within
+``--header-timeout`` seconds of opening, or of the head's first bytes, is closed; so is one idle for
+``--timeout-keep-alive`` seconds after a response (uvicorn's). A head over the HTTP parser's limit
+(h11: 16 KiB) gets uvicorn's 400, a body over ``--max-body-bytes`` a 413.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import functools
 import gc
@@ -21,12 +28,21 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --async-scheduling schedules ahead steps of this many requests or more: below, the host work hidden
 # is ~1 ms a step at the 8B shape, and a request arriving would wait for the step scheduled ahead too
 # (run 30: 1 req/s p50 TTFT 1.27x a lone request's with every step scheduled ahead).
 ASYNC_MIN_SEQS = 8
+# Connection timeouts (seconds). The request head: nginx's client_header_timeout is 60 s, Node's
+# headersTimeout 60 s; a client on the same network sends it in milliseconds, so 10 s closes a
+# connection that sends nothing, or trickles its headers, well before it matters. Keep-alive: uvicorn's.
+HEADER_TIMEOUT_S = 10.0
+KEEP_ALIVE_S = 5.0
+# From ending the requests left at --shutdown-timeout to uvicorn cancelling what is left: time for
+# their error responses (a few hundred bytes each) to go out.
+_FLUSH_S = 1.0
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -36,7 +52,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the /v1 routes")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the /v1 routes (printable ASCII, no spaces; default: none)",
+    )
     p.add_argument("--dtype", default="auto", choices=_DTYPES, help="weights' dtype (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per request at most")
@@ -91,7 +111,32 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "tokens go out every few steps in larger chunks (0: every step; default 0.05)",
     )
     p.add_argument(
-        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish at shutdown"
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish at shutdown; then each gets a 503 error (a stream: an "
+        "error event and [DONE]) (default 30)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="request bodies over this many bytes get 413 (default 16 MiB: 16x the longest prompt of a "
+        "128K-token model). Per request also: at most 16 stop strings of 256 characters, 64 stop_token_ids, "
+        "n up to 128, 20 logprobs",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_TIMEOUT_S,
+        help=f"close a connection whose request line and headers have not all arrived within this many seconds "
+        f"(default {HEADER_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=KEEP_ALIVE_S,
+        help=f"close a connection idle this many seconds after a response (default {KEEP_ALIVE_S:g})",
     )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run_serve)
@@ -145,6 +190,81 @@ def _on_cuda_unless_set(args: argparse.Namespace, value: bool | None) -> bool:
     return torch.cuda.is_available()
 
 
+def make_uvicorn_server(
+    app: Any,
+    *,
+    shutdown_timeout: float = 30.0,
+    header_timeout: float = HEADER_TIMEOUT_S,
+    timeout_keep_alive: float = KEEP_ALIVE_S,
+    **config: Any,
+) -> Any:
+    """A ``uvicorn.Server`` for ``app`` (``create_app``'s), with uvicorn's ``Config`` keywords ``config``,
+    that at shutdown ends the requests left after ``shutdown_timeout`` seconds with an error
+    (``_Server.end_unfinished``) and closes connections that do not send a request head within
+    ``header_timeout`` seconds (the module doc says when)."""
+    import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    end_unfinished = app.state.server.end_unfinished
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            timer = asyncio.get_running_loop().call_later(shutdown_timeout, end_unfinished)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return Server(
+        uvicorn.Config(
+            app,
+            http=_with_header_timeout(AutoHTTPProtocol, header_timeout),
+            timeout_keep_alive=timeout_keep_alive,
+            timeout_graceful_shutdown=shutdown_timeout + _FLUSH_S,
+            **config,
+        )
+    )
+
+
+def _with_header_timeout(base: type, timeout_s: float) -> type:
+    """uvicorn's HTTP protocol ``base``, closing a connection whose request head has not all arrived
+    ``timeout_s`` after the connection opened or the head's first bytes arrived: uvicorn has no such
+    limit (its keep-alive timeout ends when a request's first bytes arrive), so a client that connects
+    and sends nothing, or one header byte a minute, held its connection forever. Uses uvicorn's
+    ``cycle`` (the request being answered; both its h11 and httptools protocols have it)."""
+
+    class Protocol(base):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            self._head_timer = self.loop.call_later(timeout_s, self._head_timed_out)
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_timer is None and self._between_requests():  # a later request's first bytes
+                self._head_timer = self.loop.call_later(timeout_s, self._head_timed_out)
+            super().data_received(data)
+            if self._head_timer is not None and not self._between_requests():  # the head is in
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+        def _between_requests(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self._between_requests() and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``fuseformer serve``; returns the exit code."""
     from fuseformer.engine.cli import check_model_args
@@ -154,12 +274,19 @@ def run_serve(args: argparse.Namespace) -> int:
         return _error(error, 2)
     if not 0 <= args.port < 65536:
         return _error(f"--port must be in [0, 65535], got {args.port}", 2)
-    if args.api_key is not None and not args.api_key:
-        return _error("--api-key must not be empty", 2)
+    from fuseformer.serve.app import check_api_key
+
+    try:
+        check_api_key(args.api_key)
+    except ValueError as exc:
+        return _error(f"--api-key: {exc}", 2)
     if not 0 <= args.max_stream_overhead < 1:
         return _error(f"--max-stream-overhead must be in [0, 1), got {args.max_stream_overhead}", 2)
-
-    import uvicorn
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        return _error(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}", 2)
+    for flag in ("shutdown_timeout", "header_timeout", "timeout_keep_alive"):
+        if not getattr(args, flag) > 0:
+            return _error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}", 2)
 
     from fuseformer.engine.async_engine import AsyncEngine
     from fuseformer.engine.llm import LLM
@@ -195,18 +322,24 @@ def run_serve(args: argparse.Namespace) -> int:
             llm = LLM(model, **llm_kwargs)
         except (FileNotFoundError, ValueError) as exc:
             return _error(str(exc), 1)
+        try:  # generation_config.json's values in SamplingParams' ranges (its types: checked at load)
+            llm.get_default_sampling_params()
+        except (TypeError, ValueError) as exc:
+            return _error(f"{Path(model) / 'generation_config.json'}: {exc}", 1)
         engine = AsyncEngine(
             llm, start=False, max_stream_overhead=args.max_stream_overhead, overlap_prefill=overlap_prefill
         )
-    app = create_app(engine, name, api_key=args.api_key)
-    config = uvicorn.Config(
+    body = {} if args.max_body_bytes is None else dict(max_body_bytes=args.max_body_bytes)
+    app = create_app(engine, name, api_key=args.api_key, **body)
+    server = make_uvicorn_server(
         app,
+        shutdown_timeout=args.shutdown_timeout,
+        header_timeout=args.header_timeout,
+        timeout_keep_alive=args.timeout_keep_alive,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    server = uvicorn.Server(config)
     # uvicorn handles SIGTERM/SIGINT itself (graceful shutdown), then restores the handlers it found and
     # raises the signal again, so that the process would die by it (exit status -15). After a graceful
     # shutdown we exit 0: the handlers it finds and restores are these no-ops.

@@ -69,3 +69,26 @@ def test_bad_type_names_field(field, value):
 def test_seed_outside_generator_range_is_rejected(seed):
     with pytest.raises(ValueError, match="seed must be in"):
         SamplingParams(seed=seed)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", 1e-40),  # subnormal in fp32: logits / T overflowed to inf, NaN probabilities
+        ("temperature", 1e-50),  # 0 in fp32: sampled as if the temperature were 1
+        ("temperature", 9.9e-7),
+        ("top_p", 1e-50),  # 0 in fp32: every token dropped
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 1e300),  # inf in fp32: a logit of 0 times inf is NaN
+    ],
+)
+def test_values_that_fp32_cannot_hold_are_rejected(field, value):
+    with pytest.raises(ValueError, match=f"{field} .*fp32"):
+        SamplingParams(**{field: value})
+
+
+def test_fp32_bounds_are_inclusive():
+    from fuseformer.engine.sampling_params import MAX_REPETITION_PENALTY, MIN_SAMPLING_VALUE
+
+    SamplingParams(temperature=MIN_SAMPLING_VALUE, top_p=MIN_SAMPLING_VALUE, repetition_penalty=MIN_SAMPLING_VALUE)
+    SamplingParams(repetition_penalty=MAX_REPETITION_PENALTY)

@@ -60,12 +60,22 @@ def checkpoint(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running_server(checkpoint, api_key=None, timeout=120.0, backend="reference", overlap_prefill=False, **llm_kwargs):
-    """Yield (base URL, AsyncEngine) of a server on 127.0.0.1 (a free port), stopped on exit.
-    ``checkpoint``: a model directory, an LLM to serve as it is, or an engine (a ProcessEngine)."""
-    import uvicorn
-
+def running_server(
+    checkpoint,
+    api_key=None,
+    timeout=120.0,
+    backend="reference",
+    overlap_prefill=False,
+    app_kwargs=None,
+    server_kwargs=None,
+    **llm_kwargs,
+):
+    """Yield (base URL, AsyncEngine) of a server on 127.0.0.1 (a free port), stopped on exit, built as
+    ``fuseformer serve`` builds it (``make_uvicorn_server``). ``checkpoint``: a model directory, an LLM
+    to serve as it is, or an engine (a ProcessEngine). ``app_kwargs``: more ``create_app`` arguments;
+    ``server_kwargs``: ``make_uvicorn_server``'s (shutdown_timeout 5 s unless given)."""
     from fuseformer.serve.app import create_app
+    from fuseformer.serve.cli import make_uvicorn_server
 
     with fuseformer.use_backend(backend):
         if isinstance(checkpoint, ProcessEngine):
@@ -73,15 +83,14 @@ def running_server(checkpoint, api_key=None, timeout=120.0, backend="reference",
         else:
             llm = checkpoint if isinstance(checkpoint, LLM) else LLM(checkpoint, **(LLM_KWARGS | llm_kwargs))
             engine = AsyncEngine(llm, start=False, overlap_prefill=overlap_prefill)
-        app = create_app(engine, MODEL, api_key=api_key)
+        app = create_app(engine, MODEL, api_key=api_key, **(app_kwargs or {}))
         # IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (uvicorn's own do);
         # without it a reused connection's first chunk waits ~40 ms for the client's delayed ACK.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        server = uvicorn.Server(config)
+        server = make_uvicorn_server(app, **(dict(shutdown_timeout=5, log_level="warning") | (server_kwargs or {})))
         thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
         thread.start()
         deadline = time.monotonic() + 30

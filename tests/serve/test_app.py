@@ -202,7 +202,16 @@ BAD_REQUESTS = [
     ("/v1/completions", dict(prompt=[5, 100000]), "prompt"),
     ("/v1/completions", dict(prompt={"a": 1}), "prompt"),
     ("/v1/completions", dict(), "prompt"),
-    ("/v1/completions", dict(prompt="hi", model="gpt-4"), "model"),
+    ("/v1/completions", dict(prompt=[1] * 64), "prompt"),  # token ids: refused before anything is tokenized
+    ("/v1/completions", dict(prompt=["hi", _LONG, "there"]), "prompt"),
+    # Values that pass the ranges but not fp32 (the sampler's): empty completions, or sampled at 1.
+    ("/v1/completions", dict(prompt="hi", temperature=1e-40), "temperature"),
+    ("/v1/completions", dict(prompt="hi", temperature=1e-50), "temperature"),
+    ("/v1/completions", dict(prompt="hi", top_p=1e-50), "top_p"),
+    ("/v1/completions", dict(prompt="hi", repetition_penalty=1e-300), "repetition_penalty"),
+    ("/v1/completions", dict(prompt="hi", stop=[f"s{i}" for i in range(17)]), "stop"),
+    ("/v1/completions", dict(prompt="hi", stop="x" * 257), "stop"),
+    ("/v1/completions", dict(prompt="hi", stop_token_ids=list(range(65))), "stop_token_ids"),
     ("/v1/completions", dict(prompt="hi", echo=True), "echo"),
     ("/v1/chat/completions", dict(messages=[]), "messages"),
     ("/v1/chat/completions", dict(messages=[{"content": "no role"}]), "messages.0.role"),
@@ -225,7 +234,8 @@ BAD_REQUESTS = [
         "top_logprobs",
     ),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": [{"type": "image"}]}]), "messages"),
-    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], model="nope"), "model"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], temperature=1e-40), "temperature"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], stop=["a"] * 17), "stop"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], temperature=None, n=-1), "n"),
 ]
 
@@ -246,6 +256,46 @@ def test_bad_request_is_400_naming_the_field_and_the_server_keeps_serving(server
     ok = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens == 2
     assert engine.num_unfinished_requests == 0 and engine.get_stats().kv_cache_usage == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_unknown_model_is_404_model_not_found(server, client, path):
+    """As OpenAI and vLLM answer (it was a 400)."""
+    url, _ = server
+    body = dict(model="gpt-4", prompt="hi", messages=[{"role": "user", "content": "hi"}])
+    for stream in (False, True):
+        r = httpx.post(f"{url}{path}", json=body | dict(stream=stream))
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "model_not_found", error
+        assert error["param"] == "model" and "gpt-4" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+
+
+# Raw bodies: JSON's "\ud800" escape is a lone surrogate in Python, which httpx will not encode.
+LONE_SURROGATES = [
+    ("/v1/completions", b'{"prompt": "abc\\ud800def"}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "\\udfff"]}', "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["\\ud800"], "model": "\\ud800"}', "model"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "\\udc00", "content": "a"}]}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path, content, param", LONE_SURROGATES)
+def test_lone_surrogate_is_4xx_not_500(server, client, path, content, param):
+    url, engine = server
+    for stream in (b"false", b"true"):
+        body = content[:-1] + b', "max_tokens": 2, "stream": ' + stream + b"}"
+        r = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == (404 if param == "model" else 400), r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+    assert engine.num_unfinished_requests == 0
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"", b"[1, 2]", b'"text"', b"\xff\xfe"])
@@ -288,6 +338,15 @@ def test_api_key(checkpoint, start_server):
         good = openai.OpenAI(base_url=f"{url}/v1", api_key="sekrit", max_retries=0)
         assert good.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
         assert [m.id for m in good.models.list().data] == [MODEL]
+        # The scheme in any case (RFC 9110); the key exactly.
+        body = dict(model=MODEL, prompt="Hello", max_tokens=2)
+        for header in ("bearer sekrit", "BEARER sekrit", "Bearer  sekrit"):
+            r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": header})
+            assert r.status_code == 200, (header, r.text)
+        for header in ("Basic sekrit", "Bearer sekri", "Bearer sekrit2", "Bearer SEKRIT", "sekrit", "Bearer"):
+            r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": header})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", header
+        assert httpx.get(f"{url}/v1/nothing").status_code == 401  # every /v1 path, as OpenAI's
         # Probes and scrapers stay open.
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/metrics").status_code == 200

@@ -194,7 +194,8 @@ def _free_port():
 @pytest.mark.parametrize("finishes", [True, False], ids=["in-flight-finishes", "past-timeout-aborted"])
 def test_sigterm_stops_accepting_and_exits_0(checkpoint, finishes, engine_process):
     """SIGTERM mid-stream: the in-flight request finishes (within --shutdown-timeout) or, past it, is
-    cut off and aborted; new connections are refused; the process exits 0."""
+    aborted and its stream ends with an error event and [DONE]; new connections are refused; the
+    process exits 0."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"FUSEFORMER_BACKEND": "reference"}
     cmd = [
@@ -233,7 +234,8 @@ def test_sigterm_stops_accepting_and_exits_0(checkpoint, finishes, engine_proces
             assert not cut and rest[-1] == "data: [DONE]"
             assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
         else:
-            assert cut or not rest or rest[-1] != "data: [DONE]"
+            assert not cut and rest[-1] == "data: [DONE]", rest[-3:]
+            assert json.loads(rest[-2][6:])["error"]["code"] == "server_shutdown"
         assert proc.wait(timeout=30) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=1)
