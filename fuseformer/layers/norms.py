@@ -79,12 +79,16 @@ def _size_of(cls: str, m: nn.Module) -> int:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim: ``y = x * rsqrt(mean(x^2) + eps) * weight``.
+    """RMSNorm over the last dim: ``y = x * rsqrt(mean(x^2) + eps) * (offset + weight)``.
 
     Args:
         hidden_size: N, an int or a 1-tuple (torch's ``normalized_shape``).
         eps: added to mean(x^2). None means ``torch.finfo(x.dtype).eps``, as in torch.nn.RMSNorm.
-        elementwise_affine: hold a learnable ``weight`` (N,), initialized to ones.
+        elementwise_affine: hold a learnable ``weight`` (N,), initialized to ones (to zeros with an
+            offset, so that the scale starts at one either way).
+        offset: added to the weight before it scales; 0 (Llama) or 1 (Gemma's ``x * (1 + w)``). With
+            an offset the scale ``offset + weight`` is formed in fp32, as Gemma does, so a bf16 weight
+            near zero keeps its precision.
 
     State dict: ``weight``, as torch.nn.RMSNorm and HF LlamaRMSNorm. ``variance_epsilon`` (HF's
     name) reads and writes ``eps``. Output dtype is x's dtype (HF LlamaRMSNorm returns the promoted
@@ -97,10 +101,14 @@ class RMSNorm(nn.Module):
         eps: float | None = 1e-6,
         elementwise_affine: bool = True,
         *,
+        offset: float = 0.0,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+            raise ValueError(f"RMSNorm: offset must be a float, got {offset!r}")
+        self.offset = float(offset)
         self.hidden_size = _single_dim("RMSNorm", hidden_size)
         self.normalized_shape = (self.hidden_size,)
         _check_eps("RMSNorm", eps, allow_none=True)
@@ -114,7 +122,7 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         if self.weight is not None:
-            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.weight) if self.offset else nn.init.ones_(self.weight)
 
     @property
     def variance_epsilon(self) -> float | None:
@@ -132,23 +140,31 @@ class RMSNorm(nn.Module):
         """x (..., N) -> y (..., N); with ``residual`` (like x): (norm(x + residual), x + residual)."""
         _check_last_dim("RMSNorm", x, self.hidden_size)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return F.rms_norm(x, self.weight, eps=eps, residual=residual)
+        weight = self.weight
+        if self.offset and weight is not None:
+            # (N,) fp32: Gemma scales in fp32 by (1 + w); rms_norm takes a weight of any float dtype.
+            weight = self.offset + weight.float()
+        elif self.offset and self.offset != 1.0:
+            weight = torch.full((self.hidden_size,), self.offset, device=x.device)
+        return F.rms_norm(x, weight, eps=eps, residual=residual)
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        offset = f", offset={self.offset}" if self.offset else ""
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{offset}"
 
     @classmethod
-    def from_module(cls, m: nn.Module) -> RMSNorm:
+    def from_module(cls, m: nn.Module, *, offset: float = 0.0) -> RMSNorm:
         """An RMSNorm sharing ``m``'s weight (the same Parameter object) and epsilon.
 
         ``m``: a torch.nn.RMSNorm, an HF LlamaRMSNorm, or any module computing
-        ``x * rsqrt(mean(x^2) + eps) * weight`` with a ``weight`` (N,) (or None) and ``eps`` or
-        ``variance_epsilon``. Variants such as Gemma's ``* (1 + weight)`` look the same from
-        outside; the fusion pass's numeric check is what catches those.
+        ``x * rsqrt(mean(x^2) + eps) * (offset + weight)`` with a ``weight`` (N,) (or None) and ``eps``
+        or ``variance_epsilon``. Gemma's ``* (1 + weight)`` looks the same from outside: the caller
+        says ``offset=1.0`` (the fusion pass knows it by the architecture, and its numeric check
+        catches a wrong guess).
         """
         eps = _eps_of("RMSNorm", m)
         n = _size_of("RMSNorm", m)
-        new = cls(n, eps=eps, elementwise_affine=False)
+        new = cls(n, eps=eps, elementwise_affine=False, offset=offset)
         weight = _shared_param("RMSNorm", m, "weight", n)
         if weight is not None:
             new.weight = weight

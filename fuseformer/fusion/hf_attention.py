@@ -1,0 +1,236 @@
+"""fuseformer's flash attention as a Hugging Face transformers attention function.
+
+transformers (5.x) looks up each attention module's kernel by name,
+``ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]``; :func:`register` adds ``"fuseformer"``
+to that registry (and to the mask registry, so that a model *loaded* with
+``attn_implementation="fuseformer"`` still gets its masks). Registration is one global registry
+entry and changes nothing by itself: only attention modules whose config names ``"fuseformer"`` use
+it. The fusion pass (``fusion/hf.py``) gives each attention module it replaces its own shallow copy
+of the config naming it, so one layer can be reverted without the others, and two models in one
+process can differ.
+
+The masks stay the model's own: the model keeps building them for its own implementation (sdpa's
+boolean 4D mask or None, eager's additive 4D mask, flash-attention-2's 2D padding mask), and
+:func:`fuseformer_attention` reads them. A 4D mask is reduced to what the kernel takes, once per
+mask tensor (all layers share it): the keys and queries that any position sees (padding, left,
+right or in the middle after a right-padded prompt, and unfilled static-cache slots drop out), and
+a check that the mask restricted to those is exactly bottom-right causal (with the layer's sliding
+window), which is what the kernel computes. Then the kernel runs batched (B, S, H, D) when nothing
+drops out, or packed varlen (T, H, D) with cu_seqlens otherwise. A mask of any other shape
+(bidirectional, packed documents, a custom 4D mask) fails the check and runs on an exact masked
+reference instead: slower, never wrong. So do attention dropout in training and logit soft-capping,
+which the kernel lacks (the pass skips those models; this is the safety net).
+
+KV cache: transformers updates the cache before calling the attention function, so the function
+sees all keys; causal alignment is bottom-right (query i of Sq sees keys j <= i + Sk - Sq), the same
+as the masks transformers builds for a cache, and as flash-attn's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as tnf
+
+import fuseformer.ops as F
+from fuseformer.ops.attention import attention_mask as _window_mask
+
+NAME = "fuseformer"
+MAX_HEAD_DIM = 256
+
+_registered = False
+
+
+def register() -> str:
+    """Add ``"fuseformer"`` to transformers' attention (and mask) registries; returns the name."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(NAME, fuseformer_attention)
+        try:  # the mask a model loaded with attn_implementation="fuseformer" builds: sdpa's form
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+            AttentionMaskInterface.register(NAME, sdpa_mask)
+        except ImportError:  # pragma: no cover - every 5.x has both
+            pass
+        _registered = True
+    return NAME
+
+
+def _bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A 4D mask as booleans, True = visible (sdpa's bool mask, or eager's additive 0 / min)."""
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def _plan_4d(mask: torch.Tensor, b: int, sq: int, sk: int, left: int):
+    """What the kernel needs to compute what ``mask`` (B|1, 1|H, Sq, Sk+) allows, or None when it
+    cannot: the mask is not bottom-right causal (+ window ``left``) on the rows it keeps.
+
+    A row is kept when it sees a key no earlier row sees (its own token: a real query in a causal
+    mask). The other rows that see anything are padding queries after the last token (right
+    padding), which see every kept key of their sequence: they run as a second, non-causal varlen
+    call over the same keys, so they match the original exactly too. Rows that see nothing give 0.
+    """
+    valid = _bool_mask(mask)[..., :sk]
+    if valid.shape[1] != 1:
+        if not torch.equal(valid, valid[:, :1].expand_as(valid)):
+            return None
+    valid = valid[:, 0].expand(b, sq, sk)  # (B, Sq, Sk)
+    cols = torch.arange(sk, device=valid.device)
+    last = torch.where(valid, cols, -1).amax(-1)  # (B, Sq) the last key each row sees, -1: none
+    before = tnf.pad(last.cummax(1).values[:, :-1], (1, 0), value=-1)
+    kept = last > before  # (B, Sq)
+    seen = valid & kept[:, :, None]
+    kv_keep = seen.any(1)  # (B, Sk)
+    nq, nk = kept.sum(1), kv_keep.sum(1)
+    rq, rk = kept.cumsum(1) - 1, kv_keep.cumsum(1) - 1  # ranks among the kept ones
+    diff = rk[:, None, :] - rq[:, :, None] - (nk - nq)[:, None, None]  # j' - (i' + Sk' - Sq')
+    expected = kept[:, :, None] & kv_keep[:, None, :] & (diff <= 0)
+    if left >= 0:
+        expected &= diff >= -left
+    if not torch.equal(expected, seen):
+        return None
+    extra = ~kept & valid.any(2)  # (B, Sq) right-padding queries
+    has_extra = bool(extra.any())
+    if has_extra and not torch.equal(valid & extra[:, :, None], extra[:, :, None] & kv_keep[:, None, :]):
+        return None
+    if not has_extra and bool(kept.all()) and bool(kv_keep.all()):
+        return ("dense",)
+    return _varlen_plan(kept, kv_keep, extra if has_extra else None)
+
+
+def _varlen_plan(q_keep: torch.Tensor, kv_keep: torch.Tensor, extra: torch.Tensor | None = None):
+    nq, nk = q_keep.sum(1), kv_keep.sum(1)
+    cu_q = tnf.pad(nq.cumsum(0), (1, 0)).to(torch.int32)
+    cu_k = tnf.pad(nk.cumsum(0), (1, 0)).to(torch.int32)
+    q_idx = q_keep.flatten().nonzero().squeeze(1)
+    kv_idx = kv_keep.flatten().nonzero().squeeze(1)
+    extra_plan = None
+    if extra is not None:
+        ne = extra.sum(1)
+        cu_e = tnf.pad(ne.cumsum(0), (1, 0)).to(torch.int32)
+        extra_plan = (extra.flatten().nonzero().squeeze(1), cu_e, int(ne.max()))
+    return ("varlen", q_idx, kv_idx, cu_q, cu_k, int(nq.max()), int(nk.max()), extra_plan)
+
+
+def _plan(mask: torch.Tensor | None, b: int, sq: int, sk: int, left: int, causal: bool):
+    if mask is None:
+        return ("dense",) if causal or sq == 1 else ("full",)
+    if mask.dim() == 2:  # flash-attention-2 form: (B, Sk) padding, 1 = token; causal bottom-right
+        kv_keep = mask[:, -sk:].bool()
+        q_keep = kv_keep[:, -sq:]
+        if bool(kv_keep.all()):
+            return ("dense",)
+        return _varlen_plan(q_keep, kv_keep)
+    if mask.dim() != 4 or not causal:
+        return None
+    if torch.compiler.is_compiling():
+        return _plan_4d(mask, b, sq, sk, left)
+    # Every layer of a forward gets the same mask tensor: reduce it once.
+    key = (b, sq, sk, left)
+    plans = mask.__dict__.setdefault("_fuseformer_plans", {})
+    if key not in plans:
+        plans[key] = _plan_4d(mask, b, sq, sk, left)
+    return plans[key]
+
+
+def _reference(q, k, v, mask, scale, left, causal, softcap, dropout, training):
+    """Exact masked attention in fp32 (the safety net): q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D)."""
+    b, hq, sq, _ = q.shape
+    sk = k.shape[2]
+    rep = hq // k.shape[1]
+    kf = k.float().repeat_interleave(rep, dim=1)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        valid = _window_mask(sq, sk, causal, (left, 0 if causal else -1), q.device) if causal or left >= 0 else None
+    elif mask.dim() == 2:
+        valid = mask[:, None, None, -sk:].bool() & _window_mask(sq, sk, True, (left, 0), q.device)
+    else:
+        valid = _bool_mask(mask)[..., :sk]
+    if valid is not None:
+        scores = scores.masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if dropout and training:
+        probs = tnf.dropout(probs, p=dropout)
+    out = torch.matmul(probs, vf).to(q.dtype)
+    return out.transpose(1, 2).contiguous()  # (B, Sq, Hq, D)
+
+
+def fuseformer_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D)
+    (the cache already updated), ``attention_mask`` as the model built it; returns
+    (out (B, Sq, Hq, D), None)."""
+    b, hq, sq, d = query.shape
+    sk = key.shape[2]
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
+    left = sliding_window - 1 if sliding_window else -1
+    causal = getattr(module, "is_causal", True)
+    training = module.training
+    if (
+        softcap
+        or (dropout and training)
+        or kwargs.get("s_aux") is not None
+        or d > MAX_HEAD_DIM
+        or hq % key.shape[1]
+        or (attention_mask is not None and not isinstance(attention_mask, torch.Tensor))
+    ):
+        return _reference(query, key, value, attention_mask, scale, left, causal, softcap, dropout, training), None
+    plan = _plan(attention_mask, b, sq, sk, left, causal)
+    if plan is None:
+        return _reference(query, key, value, attention_mask, scale, left, causal, softcap, dropout, training), None
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
+    if plan[0] in ("dense", "full"):
+        out = F.flash_attention(q, k, v, causal=plan[0] == "dense", softmax_scale=scale, window_size=(left, -1))
+        return out, None
+    _, q_idx, kv_idx, cu_q, cu_k, max_q, max_k, extra = plan
+    hkv = k.shape[2]
+    qp = q.reshape(b * sq, hq, d).index_select(0, q_idx)  # (Tq, Hq, D)
+    kp = k.reshape(b * sk, hkv, d).index_select(0, kv_idx)  # (Tk, Hkv, D)
+    vp = v.reshape(b * sk, hkv, d).index_select(0, kv_idx)
+    outp = F.flash_attention(
+        qp,
+        kp,
+        vp,
+        causal=True,
+        softmax_scale=scale,
+        window_size=(left, 0),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+    )
+    # Rows that see nothing (left-padding queries) are 0, as flash-attention-2 in transformers gives.
+    out = outp.new_zeros(b * sq, hq, d).index_copy(0, q_idx, outp)
+    if extra is not None:  # right-padding queries: each sees all kept keys of its sequence
+        e_idx, cu_e, max_e = extra
+        oute = F.flash_attention(
+            q.reshape(b * sq, hq, d).index_select(0, e_idx),
+            kp,
+            vp,
+            causal=False,
+            softmax_scale=scale,
+            cu_seqlens_q=cu_e,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=max_e,
+            max_seqlen_k=max_k,
+        )
+        out = out.index_copy(0, e_idx, oute)
+    return out.view(b, sq, hq, d), None

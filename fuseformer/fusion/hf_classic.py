@@ -1,0 +1,461 @@
+"""The fusion pass for the classic Hugging Face Transformers: GPT-2, BERT, RoBERTa (and MiniLM-style
+small BERTs, bare ``BertModel`` as sentence-transformers loads it, and the task heads on top).
+
+``fusion/hf.py`` sends ``config.model_type`` in {"gpt2", "bert", "roberta"} here. Detection is by
+module structure (child names, types, forward signatures), never by importing a model class, so
+that any transformers 5.x works (5.17 names the cache ``past_key_values``, 5.25 ``cache``). What each
+candidate replaces (docs/optimize.md, "GPT-2, BERT, RoBERTa"):
+
+- norm, post-LN add (BERT/RoBERTa ``*SelfOutput`` / ``*Output``: ``LayerNorm(dropout(dense(h)) + x)``):
+  the module gets an instance-bound ``forward`` running ``layer_norm(dropout(dense(h)), w, b,
+  residual=x)``, the add inside the kernel. Path: that module.
+- norm, GPT-2 block (``ln_2(attn_out + residual)``): the block gets an instance-bound ``forward`` with
+  that add fused into ``ln_2``; the sum comes back as the residual stream for the MLP's add. The block
+  stays the same GradientCheckpointingLayer object. Path: the block. Blocks with cross-attention
+  keep theirs.
+- norm, every other ``nn.LayerNorm`` (GPT-2 ``ln_1``/``ln_f``, embeddings, MLM heads): a
+  ``fuseformer.layers.LayerNorm`` sharing its Parameters, set on its parent.
+- mlp: skipped. The GELU MLPs are not gated and ``fuseformer.ops`` has no standalone (bias +) GELU
+  op: only ``swiglu``/``geglu`` (act(gate) * up) and ``fused_mlp`` (gated).
+- attention: the attention module gets its own shallow copy of the config naming a registered
+  transformers attention function. GPT-2 (causal) uses ``"fuseformer"`` (``fusion/hf_attention.py``);
+  BERT/RoBERTa encoders (bidirectional) use ``"fuseformer_encoder"`` (:func:`encoder_attention`,
+  here). The model keeps building its own masks for its own implementation; the function reads them.
+- loss (training, ``GPT2LMHeadModel`` only): ``fusion/hf.py``'s fused linear cross-entropy forward.
+
+Every ``apply`` / ``undo`` touches this instance only; ``undo`` puts back the same objects. State-dict
+names never change (bound forwards add no parameters; the LayerNorm twin names its own ``weight``
+and ``bias``).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+
+import torch
+import torch.nn.functional as tnf
+from torch import nn
+
+import fuseformer.ops as F
+from fuseformer.fusion import hf_attention
+from fuseformer.fusion.base import Candidate, PassResult, Skipped
+from fuseformer.fusion.hf import _ATTR, _del_bound_forward, _loss_candidate, _set_bound_forward
+from fuseformer.layers.norms import LayerNorm
+
+MODEL_TYPES = frozenset({"gpt2", "bert", "roberta"})
+ENCODER_NAME = "fuseformer_encoder"
+MAX_HEAD_DIM = hf_attention.MAX_HEAD_DIM
+
+_registered = False
+
+
+def find_candidates(model: nn.Module, *, training: bool, kinds: frozenset[str]) -> PassResult:
+    """The replacements this pass can make on a GPT-2, BERT or RoBERTa model (any head on top).
+
+    Nothing is changed until a candidate's ``apply`` runs. A model of another ``model_type``, or one
+    whose modules are not laid out as expected, gets a result with only ``skipped`` entries."""
+    result = PassResult(name="hf_classic")
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_TYPES:
+        result.skipped.append(
+            Skipped(path="", kind="norm", reason=f"model_type {model_type!r} is not gpt2/bert/roberta")
+        )
+        return result
+    gpt2 = model_type == "gpt2"
+    fused: set[int] = set()  # the LayerNorms fused with their residual add
+    if "norm" in kinds:
+        if gpt2:
+            _gpt2_block_candidates(model, fused, result)
+        else:
+            _post_ln_candidates(model, fused, result)
+        _layer_norm_candidates(model, fused, result)
+    if "mlp" in kinds:
+        _mlp_skips(model, gpt2, result)
+    if "attention" in kinds:
+        _attention_candidates(model, gpt2, training, result)
+    if "loss" in kinds:
+        if gpt2 and hasattr(model, "lm_head") and not hasattr(model, "multiple_choice_head"):
+            _loss_candidate(model, training, result)
+        else:
+            result.skipped.append(Skipped(path="", kind="loss", reason=f"{type(model).__name__} is not a causal LM"))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Norms
+# ---------------------------------------------------------------------------------------------
+def _is_layer_norm(m: object) -> bool:
+    return isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1
+
+
+def _params_of(cls: type) -> list[str]:
+    """The names of ``cls.forward``'s positional parameters after ``self`` (through decorators)."""
+    try:
+        sig = inspect.signature(cls.forward)
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in sig.parameters.values() if p.kind in kinds][1:]
+
+
+def _add_layer_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(x + residual), x + residual) in one kernel. Mixed dtypes (autocast: a bf16 GEMM
+    output added to an fp32 stream) are promoted first, as the ``+`` they replace would."""
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    return F.layer_norm(x.to(dtype), norm.weight, norm.bias, eps=norm.eps, residual=residual.to(dtype))
+
+
+def _post_ln_forward(self, hidden_states, input_tensor):
+    """BERT/RoBERTa ``*SelfOutput`` / ``*Output``: LayerNorm(dropout(dense(h)) + input_tensor)."""
+    h = self.dropout(self.dense(hidden_states))
+    return _add_layer_norm(h, input_tensor, self.LayerNorm)[0]
+
+
+def _post_ln_candidates(model: nn.Module, fused: set[int], result: PassResult) -> None:
+    for path, m in model.named_modules():
+        if not type(m).__name__.endswith("Output") or not _is_layer_norm(getattr(m, "LayerNorm", None)):
+            continue
+        if not (
+            isinstance(getattr(m, "dense", None), nn.Linear) and isinstance(getattr(m, "dropout", None), nn.Dropout)
+        ):
+            continue
+        if _params_of(type(m)) != ["hidden_states", "input_tensor"]:
+            result.skipped.append(
+                Skipped(path=path, kind="norm", reason=f"{type(m).__name__}.forward has an unknown signature")
+            )
+            continue
+        fused.add(id(m.LayerNorm))
+
+        def apply(m=m):
+            if "forward" not in m.__dict__:
+                _set_bound_forward(m, _post_ln_forward, {})
+
+        def undo(m=m):
+            _del_bound_forward(m)
+
+        result.candidates.append(
+            Candidate(
+                path=path,
+                kind="norm",
+                original=f"{type(m).__name__} residual add + LayerNorm",
+                replacement="fuseformer layer_norm (+ residual add)",
+                apply=apply,
+                undo=undo,
+                note="LayerNorm(dropout(dense(h)) + x) with the add in the kernel",
+            )
+        )
+
+
+def _gpt2_block_forward(self, hidden_states, *args, **kwargs):
+    """GPT2Block's forward with ``ln_2(attn_out + residual)`` as one fused add + LayerNorm.
+
+    Arguments are matched to the class's own parameter names (positional as GPT2Model passes them,
+    the cache named as this transformers names it) and passed on to ``self.attn`` as the class's
+    forward passes them. With cross-attention inputs, or arguments it does not recognize, the
+    class's forward runs."""
+    names, cache = self.__dict__[_ATTR]["params"], self.__dict__[_ATTR]["cache"]
+    if len(args) > len(names) - 1:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    kw = dict(zip(names[1:], args))
+    if kw.keys() & kwargs.keys():
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    kw.update(kwargs)
+    if cache != "past_key_values" and "past_key_values" in kw and cache not in kw:
+        kw[cache] = kw.pop("past_key_values")  # the deprecated name the class's decorator renames
+    if kw.pop("encoder_hidden_states", None) is not None:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    kw.pop("encoder_attention_mask", None)
+    kw.pop("hidden_states", None)
+    residual = hidden_states
+    attn_output = self.attn(self.ln_1(hidden_states), **kw)[0]
+    h, residual = _add_layer_norm(attn_output, residual, self.ln_2)
+    return residual + self.mlp(h)
+
+
+def _gpt2_block_candidates(model: nn.Module, fused: set[int], result: PassResult) -> None:
+    for path, m in model.named_modules():
+        if not (isinstance(m, nn.ModuleList) and len(m) and all(hasattr(b, "attn") and hasattr(b, "mlp") for b in m)):
+            continue
+        for i, block in enumerate(m):
+            bpath = f"{path}.{i}"
+            names = _params_of(type(block))
+            cache = "cache" if "cache" in names else "past_key_values"
+            expected = {"hidden_states", cache, "attention_mask", "encoder_hidden_states", "use_cache"}
+            if hasattr(block, "crossattention"):
+                result.skipped.append(
+                    Skipped(path=bpath, kind="norm", reason="block with cross-attention: ln_2's add is not fused")
+                )
+                continue
+            if not (
+                _is_layer_norm(getattr(block, "ln_1", None))
+                and _is_layer_norm(getattr(block, "ln_2", None))
+                and names[:1] == ["hidden_states"]
+                and expected <= set(names)
+            ):
+                result.skipped.append(
+                    Skipped(path=bpath, kind="norm", reason=f"{type(block).__name__} is not laid out as GPT2Block")
+                )
+                continue
+            fused.add(id(block.ln_2))
+            state = {"params": names, "cache": cache}
+
+            def apply(block=block, state=state):
+                if "forward" not in block.__dict__:
+                    _set_bound_forward(block, _gpt2_block_forward, dict(state))
+
+            def undo(block=block):
+                _del_bound_forward(block)
+
+            result.candidates.append(
+                Candidate(
+                    path=bpath,
+                    kind="norm",
+                    original=f"{type(block).__name__} residual add + ln_2",
+                    replacement="fuseformer layer_norm (+ residual add)",
+                    apply=apply,
+                    undo=undo,
+                    note="ln_2(attn_out + residual) with the add in the kernel",
+                )
+            )
+        return
+
+
+def _layer_norm_candidates(model: nn.Module, fused: set[int], result: PassResult) -> None:
+    for path, m in list(model.named_modules()):
+        if not path or id(m) in fused or not isinstance(m, nn.LayerNorm):
+            continue
+        if not _is_layer_norm(m):
+            result.skipped.append(
+                Skipped(path=path, kind="norm", reason=f"normalized_shape {tuple(m.normalized_shape)}: one dim only")
+            )
+            continue
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        new = LayerNorm.from_module(m)
+
+        def apply(parent=parent, name=name, new=new):
+            setattr(parent, name, new)
+
+        def undo(parent=parent, name=name, old=m):
+            setattr(parent, name, old)
+
+        result.candidates.append(
+            Candidate(
+                path=path,
+                kind="norm",
+                original="LayerNorm",
+                replacement="fuseformer LayerNorm",
+                apply=apply,
+                undo=undo,
+                note="shares the weight and bias Parameters",
+            )
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# MLPs
+# ---------------------------------------------------------------------------------------------
+_NO_GELU_OP = (
+    "plain (non-gated) GELU MLP: fuseformer.ops has no standalone bias + GELU op (only swiglu/geglu "
+    "and the gated fused_mlp), so it stays as it is"
+)
+
+
+def _mlp_skips(model: nn.Module, gpt2: bool, result: PassResult) -> None:
+    for path, m in model.named_modules():
+        if (gpt2 and type(m).__name__.endswith("MLP") and hasattr(m, "c_fc")) or (
+            not gpt2 and type(m).__name__.endswith("Intermediate") and hasattr(m, "dense")
+        ):
+            result.skipped.append(Skipped(path=path, kind="mlp", reason=_NO_GELU_OP))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+def register() -> str:
+    """Add ``"fuseformer_encoder"`` to transformers' attention registry; returns the name. One
+    global registry entry, used only by attention modules whose config names it."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ENCODER_NAME, encoder_attention)
+        _registered = True
+    return ENCODER_NAME
+
+
+def _attention_candidates(model: nn.Module, gpt2: bool, training: bool, result: PassResult) -> None:
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == "flex_attention" or (isinstance(impl, str) and impl.startswith("paged")):
+        result.skipped.append(
+            Skipped(path="", kind="attention", reason=f"model uses {impl!r} attention, whose masks we do not read")
+        )
+        return
+    for path, m in model.named_modules():
+        name = type(m).__name__
+        if gpt2:
+            if not (name.endswith("Attention") and hasattr(m, "c_attn") and hasattr(m, "head_dim")):
+                continue
+            head_dim, cross = m.head_dim, getattr(m, "is_cross_attention", False)
+            dropout = getattr(getattr(m, "attn_dropout", None), "p", 0.0)
+        else:
+            if not (name.endswith("Attention") and all(hasattr(m, n) for n in ("query", "key", "value"))):
+                continue
+            head_dim, cross = getattr(m, "attention_head_size", None), "Cross" in name
+            dropout = getattr(getattr(m, "dropout", None), "p", 0.0)
+        if cross:
+            result.skipped.append(Skipped(path=path, kind="attention", reason="cross-attention is left as it is"))
+            continue
+        if not isinstance(head_dim, int) or head_dim > MAX_HEAD_DIM:
+            result.skipped.append(Skipped(path=path, kind="attention", reason=f"head dim {head_dim} is above 256"))
+            continue
+        if training and dropout > 0:
+            result.skipped.append(
+                Skipped(path=path, kind="attention", reason=f"attention dropout {dropout} while training")
+            )
+            continue
+        if not hasattr(m, "config"):
+            result.skipped.append(Skipped(path=path, kind="attention", reason="attention module has no config"))
+            continue
+        causal = bool(getattr(m, "is_causal", gpt2))
+        fn = hf_attention.register() if causal else register()
+        state: dict = {}
+
+        def apply(m=m, state=state, fn=fn):
+            if "original" in state:
+                return
+            state["original"] = m.config
+            own = copy.copy(m.config)
+            # The field itself: the property's setter would also rename shared sub-configs.
+            own.__dict__["_attn_implementation_internal"] = fn
+            m.config = own
+
+        def undo(m=m, state=state):
+            if "original" in state:
+                m.config = state.pop("original")
+
+        result.candidates.append(
+            Candidate(
+                path=path,
+                kind="attention",
+                original=f"{name} ({impl})",
+                replacement="fuseformer flash_attention" + ("" if causal else " (bidirectional, varlen when padded)"),
+                apply=apply,
+                undo=undo,
+                note=f"transformers AttentionInterface {fn!r}; the model's own masks{' and cache' if causal else ''}",
+            )
+        )
+
+
+def _keep_of(mask: torch.Tensor, b: int, sq: int, sk: int) -> torch.Tensor | None:
+    """The (B, Sk) bool keys every query sees, when ``mask`` is key padding and nothing else (the
+    same row for every query and head); None for any other mask. A float mask must be additive 0 /
+    "minus infinity" (<= finfo.min / 2): a bias of other values is not padding."""
+    if mask.dim() == 2:  # flash-attention-2's form: (B, Sk), 1 = token
+        return mask[:, -sk:].bool() if mask.shape[0] == b and mask.shape[1] >= sk else None
+    if mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[2] not in (1, sq) or mask.shape[3] < sk:
+        return None
+    m = mask[..., :sk]
+    if m.dtype == torch.bool:
+        valid = m
+    else:
+        valid = m == 0
+        if not bool((valid | (m <= torch.finfo(m.dtype).min / 2)).all()):
+            return None
+    keep = valid[:, :1, :1, :]  # (B|1, 1, 1, Sk)
+    if not torch.equal(valid, keep.expand_as(valid)):
+        return None
+    return keep[:, 0, 0, :].expand(b, sk)
+
+
+def _encoder_plan(mask: torch.Tensor | None, b: int, sq: int, sk: int):
+    """("full",) without padding, ("varlen", kv_idx, cu_k, max_k) with, None for a mask that is
+    not key padding. Every layer of a forward gets the same mask tensor: it is read once."""
+    if mask is None:
+        return ("full",)
+    key = ("encoder", b, sq, sk)
+    plans = None if torch.compiler.is_compiling() else mask.__dict__.setdefault("_fuseformer_plans", {})
+    if plans is not None and key in plans:
+        return plans[key]
+    keep = _keep_of(mask, b, sq, sk)
+    if keep is None:
+        plan = None
+    elif bool(keep.all()):
+        plan = ("full",)
+    else:
+        nk = keep.sum(1)
+        cu_k = tnf.pad(nk.cumsum(0), (1, 0)).to(torch.int32)
+        plan = ("varlen", keep.flatten().nonzero().squeeze(1), cu_k, int(nk.max()))
+    if plans is not None:
+        plans[key] = plan
+    return plan
+
+
+def _fallback(module, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """transformers' own sdpa attention, for what the kernel does not do (dropout while training,
+    a mask that is not padding); a 2D padding mask becomes sdpa's (B, 1, 1, Sk) bool form."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None and attention_mask.dim() == 2:
+        attention_mask = attention_mask[:, None, None, -key.shape[2] :].bool()
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=False, **kwargs
+    )
+
+
+def encoder_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Bidirectional attention (BERT, RoBERTa) as a transformers attention function.
+
+    query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D); ``attention_mask`` as the model built it: None
+    (no padding), sdpa's (B, 1, Sq, Sk) bool, eager's additive float, or a (B, Sk) padding mask.
+    Without padding: ``flash_attention`` on (B, S, H, D) views. With padding: packed varlen, every
+    query (pad positions included, so they get what transformers gives them: attention over the
+    real tokens) against only the real keys. Returns (out (B, Sq, Hq, D), None)."""
+    kwargs.pop("is_causal", None)
+    b, hq, sq, d = query.shape
+    sk, hkv = key.shape[2], key.shape[1]
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
+    if (
+        (dropout and module.training)
+        or d > MAX_HEAD_DIM
+        or hq % hkv
+        or query.numel() == 0
+        or key.numel() == 0
+        or (attention_mask is not None and not isinstance(attention_mask, torch.Tensor))
+    ):
+        return _fallback(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+    plan = _encoder_plan(attention_mask, b, sq, sk)
+    if plan is None:
+        return _fallback(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
+    if plan[0] == "full":
+        return F.flash_attention(q, k, v, causal=False, softmax_scale=scale), None
+    _, kv_idx, cu_k, max_k = plan
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    qp = q.reshape(b * sq, hq, d)  # (B * Sq, Hq, D): every query
+    kp = k.reshape(b * sk, hkv, d).index_select(0, kv_idx)  # (Tk, Hkv, D): the real keys
+    vp = v.reshape(b * sk, hkv, d).index_select(0, kv_idx)
+    out = F.flash_attention(
+        qp,
+        kp,
+        vp,
+        causal=False,
+        softmax_scale=scale,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=sq,
+        max_seqlen_k=max_k,
+    )
+    return out.view(b, sq, hq, d), None
