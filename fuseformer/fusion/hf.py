@@ -446,7 +446,8 @@ def _causal_lm_forward(self, *args, **kwargs):
         bias=head.bias,
         ignore_index=-100,
         reduction="sum" if num_items is not None else "mean",
-    ).float()
+        out_dtype=torch.float32,  # as HF's loss on upcast logits: a bf16 loss of ~7 is good to ~0.03 only
+    )
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     from transformers.modeling_outputs import CausalLMOutputWithPast

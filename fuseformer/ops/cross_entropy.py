@@ -992,6 +992,8 @@ def fused_linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     chunk_size: int | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, target, ...)`` without the full (N, V) logits.
 
@@ -1013,16 +1015,21 @@ def fused_linear_cross_entropy(
             passes over grad_weight (one read and write of it per chunk): at that shape, fwd + bwd
             on an H200 (2026-12-03, BENCHMARKS.md runs 106-107) took 46.2-46.6 ms at 1.10 GiB above
             the inputs with None, 45.0 ms at 1.16 GiB with 512, 41.6 ms at 1.29 GiB with 1024.
+        out_dtype: the loss's dtype; None is hidden's. torch.float32 returns the fp32 accumulation
+            itself, as Hugging Face's losses (computed on upcast logits) are: a bf16 loss of ~7
+            is only good to ~0.03.
 
     Under ``torch.autocast`` hidden, weight and bias are cast to the autocast dtype first (an fp32
     LM head weight included, as F.linear would).
 
     Returns:
-        The loss in hidden's dtype, accumulated in fp32: a scalar, or per token (hidden's leading
-        shape) for "none". All targets ignored gives 0 for "mean".
+        The loss in ``out_dtype`` (hidden's dtype by default), accumulated in fp32: a scalar, or per
+        token (hidden's leading shape) for "none". All targets ignored gives 0 for "mean".
     """
     op = "fused_linear_cross_entropy"
     check_tensor(op, "hidden", hidden, dtypes=FLOAT_DTYPES)
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: out_dtype must be a floating-point dtype or None, got {out_dtype!r}")
     if hidden.dim() == 0:
         raise ValueError(f"{op}: hidden must have at least 1 dim, got a scalar")
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
@@ -1046,9 +1053,8 @@ def fused_linear_cross_entropy(
         raise ValueError(f"{op}: chunk_size must be a positive int or None, got {chunk_size!r}")
     backend = choose_backend(op, hidden.device, hidden.dtype in KERNEL_DTYPES, "float64 runs on the reference")
     if backend == "reference":
-        return fused_linear_cross_entropy_ref(
-            hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss
-        )
+        loss = fused_linear_cross_entropy_ref(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss)
+        return loss if out_dtype is None else loss.to(out_dtype)
     grad = torch.is_grad_enabled()
     flags = (
         grad and hidden.requires_grad,
@@ -1061,5 +1067,5 @@ def fused_linear_cross_entropy(
         float(z_loss), *flags, int(chunk_size or 0),
     )  # fmt: skip
     loss = out[0] if isinstance(out, tuple) else out  # the eager Function returns the loss alone
-    loss = loss.to(hidden.dtype)
+    loss = loss.to(out_dtype or hidden.dtype)
     return loss.view(lead) if reduction == "none" else loss

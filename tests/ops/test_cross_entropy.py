@@ -669,3 +669,23 @@ def test_flce_backward_of_the_loss_itself_and_of_a_scaled_loss(g, device):
     (CE.fused_linear_cross_entropy_ref(*refs, t, upcast=True) * g).backward()
     for a, r in zip(leaves, refs):
         torch.testing.assert_close(a.grad.double(), r.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_flce_out_dtype_float32_keeps_the_fp32_loss(backend):
+    """out_dtype=torch.float32: the loss is the fp32 accumulation itself, not rounded to hidden's dtype
+    (fp16 here: the interpreter's dots are right in fp16), and its gradient flows as before."""
+    h = torch.randn(37, 48, dtype=torch.float16, requires_grad=True)
+    w = (torch.randn(97, 48) * 0.2).to(torch.float16).requires_grad_()
+    t = torch.randint(0, 97, (37,))
+    ref = TF.cross_entropy(h.double() @ w.double().T, t)
+    with fuseformer.use_backend(backend):
+        low = F.fused_linear_cross_entropy(h, w, t)
+        loss = F.fused_linear_cross_entropy(h, w, t, out_dtype=torch.float32)
+    assert low.dtype == torch.float16 and loss.dtype == torch.float32
+    # The same accumulation, not rounded: it rounds to the fp16 loss.
+    assert abs(loss.item() - ref.item()) < 1e-3 and loss.to(torch.float16) == low
+    loss.backward()
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+    with pytest.raises(ValueError, match="out_dtype"):
+        F.fused_linear_cross_entropy(h, w, t, out_dtype=torch.int32)
