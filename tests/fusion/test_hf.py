@@ -276,6 +276,7 @@ def test_attention_function_masks():
     module = torch.nn.Module()
     module.is_causal = True
     b, hq, hkv, d, sk = 3, 4, 2, 16, 11
+    module.num_key_value_groups = hq // hkv  # as HF attention modules have it (its SDPA path reads it)
     for sq, window, kind in [(11, None, "pad"), (11, 4, "pad"), (3, None, "pad"), (1, 4, "pad"), (11, None, "bidir")]:
         q = torch.randn(b, hq, sq, d)
         k, v = torch.randn(b, hkv, sk, d), torch.randn(b, hkv, sk, d)
