@@ -1,4 +1,4 @@
-"""The ``fuseformer`` command: ``info``, ``generate``, ``serve``, ``bench`` and ``train``."""
+"""The fuseformer command: info, generate, serve, bench, train, validate and profile."""
 
 from __future__ import annotations
 
@@ -33,9 +33,6 @@ def _info(args: argparse.Namespace) -> int:
     print(
         f"TRITON_INTERPRET={'1' if backend.INTERPRET else '0'}  FUSEFORMER_BACKEND={backend.forced_backend() or 'auto'}"
     )
-    from fuseformer.runtime import native
-
-    print(f"native     {native.status()} (eager rms_norm with grad as a C++ autograd node)")
     from fuseformer.ops import _gluon
 
     gluon = "off (FUSEFORMER_GLUON=0)" if not _gluon.ENABLED else (
@@ -55,6 +52,14 @@ def _bench(args: argparse.Namespace) -> int:
     from fuseformer.bench import run_suites
 
     if args.tune:
+        import torch
+
+        if not torch.cuda.is_available():  # tune_all would raise; a user error is a line, not a traceback
+            print(
+                "fuseformer bench: error: --tune needs a CUDA GPU (it times kernels); none is available",
+                file=sys.stderr,
+            )
+            return 2
         import json
 
         from fuseformer.runtime.autotune import tune_all
@@ -67,7 +72,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fuseformer", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="fuseformer",
+        description="fuseformer: fused Triton kernels for PyTorch Transformers, an inference engine and a trainer. "
+        "Run 'fuseformer COMMAND --help' for the options of a command.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="device, versions, and which backend each op uses and why")
@@ -83,12 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_bench)
 
     from fuseformer.engine.cli import add_generate_parser
+    from fuseformer.fusion.cli import add_parsers as add_fusion_parsers
     from fuseformer.serve.cli import add_serve_parser
     from fuseformer.train.cli import add_train_parser
 
     add_generate_parser(sub)
     add_serve_parser(sub)
     add_train_parser(sub)
+    add_fusion_parsers(sub)
     return parser
 
 

@@ -4,6 +4,9 @@
 #
 #   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune|serve|attention|gluon] [bench suites...]
 #
+# sweep: the lab's sweeps (benchmarks/sweeps.py, not the installed package): SWEEPS="name ..." picks them
+# (default: every one; `python3 benchmarks/sweeps.py --list` names them).
+#
 # gluon (not part of all): the GPU tests of the Gluon attention kernels at head dim 64 and of the fused
 # MLP's Gluon gate-up, then sweeps attention_gluon, attention_gluon_bwd and mlp_gluon (configs, peers,
 # the gate-up's token crossover).
@@ -39,7 +42,8 @@ if [[ "$stage" == all || "$stage" == tests ]]; then
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ "$stage" == all || "$stage" == sweep ]]; then
-    python3 -m fuseformer.cli bench sweep --out "$out" > "$out/sweep.log" 2>&1 || status=1
+    python3 benchmarks/sweeps.py ${SWEEPS:-$(python3 benchmarks/sweeps.py --list | cut -d' ' -f1)} --out "$out" \
+        > "$out/sweep.log" 2>&1 || status=1
     tail -n 3 "$out/sweep.log"
 fi
 if [[ "$stage" == attention ]]; then
@@ -53,8 +57,8 @@ if [[ "$stage" == gluon ]]; then
     python3 -m pytest -q -m gpu tests/ops/test_attention.py tests/ops/test_mlp.py -k "hd64 or gluon_gate_up" \
         2>&1 | tee "$out/gpu-tests-gluon.log" | tail -n 15
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-    FUSEFORMER_SWEEPS=attention_gluon,attention_gluon_bwd,mlp_gluon \
-        python3 -m fuseformer.cli bench sweep --out "$out" > "$out/sweep-gluon.log" 2>&1 || status=1
+    python3 benchmarks/sweeps.py attention_gluon attention_gluon_bwd mlp_gluon --out "$out" \
+        > "$out/sweep-gluon.log" 2>&1 || status=1
     tail -n 3 "$out/sweep-gluon.log"
 fi
 if [[ "$stage" == serve ]]; then

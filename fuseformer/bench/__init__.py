@@ -1,7 +1,8 @@
 """Benchmarks: our kernels side by side with the peers a user would pick, in one process and run.
 
-``run_suites(["ops", "attention", "sweep"], out_dir)`` prints a table per suite and writes
+``run_suites(["ops", "attention"], out_dir)`` prints a table per suite and writes
 ``<suite>.json`` (records plus the environment and the two ceilings) and PNG plots to ``out_dir``.
+Config sweeps and one-off investigations are the lab's, outside the package: ``benchmarks/sweeps.py``.
 """
 
 from __future__ import annotations
@@ -88,16 +89,8 @@ def run_suites(suites: list[str], out_dir: str = "bench-results", quick: bool = 
             records = bench_train(quick)
             for r in records:
                 print(json.dumps(r))
-        elif suite == "sweep":
-            from fuseformer.bench.sweep import SWEEPS
-
-            # FUSEFORMER_SWEEPS=rms_norm,attention picks sweeps (default: all of them).
-            names = [n for n in os.environ.get("FUSEFORMER_SWEEPS", ",".join(SWEEPS)).split(",") if n]
-            records = [r for name in names for r in SWEEPS[name]()]
-            for r in records:
-                print(json.dumps(r))
         else:
-            print(f"fuseformer bench: unknown suite {suite!r} (ops, attention, mlp_ce, engine, serve, train, optimize, sweep)")
+            print(f"fuseformer bench: unknown suite {suite!r} (ops, attention, mlp_ce, engine, serve, train, optimize)")
             return 2
         with open(os.path.join(out_dir, f"{suite}.json"), "w") as f:
             json.dump(dict(env=env, records=records), f, indent=1)

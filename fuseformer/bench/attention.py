@@ -8,30 +8,21 @@ H 32, S 512..16384, head dim 64/128/256, causal and not (quick: the three goal c
 TFLOP/s as flash-attn counts them: forward 4 * B * S^2 * H * D (half of it when causal), backward
 2.5x the forward, forward + backward 3.5x; also as a percentage of the bf16 GEMM ceiling measured in
 the same run. Each figure is a do_bench median; the backward is autograd.grad on a kept graph.
-
-``sweep_attention_configs`` times the kernels over block sizes, warps and stages (and the dq mode)
-on the goal shapes, for choosing the tables in ops/attention.py.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import torch
 
 import fuseformer.ops as F
 from fuseformer.bench._timing import bench_ms, gemm_ceiling_tflop_s, tflop_per_s
-from fuseformer.ops._utils import next_pow2
 
 Record = dict
 TOKENS, HEADS = 16384, 32
 # (head dim, seqlen, causal) of the goals: fwd causal S4096, fwd full S16384, bwd causal S4096.
 GOAL_CASES = [(128, 4096, True), (128, 16384, False)]
-
-# The modules, not the functions of the same names that fuseformer.ops exports.
-_attn = importlib.import_module("fuseformer.ops.attention")
-_attn_bwd = importlib.import_module("fuseformer.ops.attention_bwd")
 
 
 def attention_flops(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool) -> float:
@@ -142,75 +133,3 @@ def bench_attention(quick: bool = False) -> list[Record]:
         records += _bench_case(d, s, c)
         torch.cuda.empty_cache()
     return records
-
-
-# --------------------------------------------------------------------------------------------
-# Config sweep (for the tables in ops/attention.py)
-# --------------------------------------------------------------------------------------------
-def sweep_attention_configs(quick: bool = False, head_dims: tuple[int, ...] = (128,)) -> list[Record]:
-    """Time the forward, dk/dv and dq kernels over the candidates of ops/attention.py's tuner
-    (``candidate_configs``: the full grid, or around the current tables when ``quick``) on the goal
-    shapes (bf16, H 32): causal S4096 for all three kernels, full S16384 for the forward (and, not
-    quick, the backward).
-
-    Each record: kernel, case, config (as requested; a config that does not fit falls back, see
-    ``launch``), ms, TFLOP/s (the forward's count for fwd; the backward's 2.5x for the whole
-    backward with that dk/dv or dq config), or an error.
-    """
-    records = []
-    for d in head_dims:
-        records += _sweep_case(d, 4096, True, quick, backward=True)
-        torch.cuda.empty_cache()
-        records += _sweep_case(d, 16384, False, quick, backward=not quick)
-        torch.cuda.empty_cache()
-    return records
-
-
-def _sweep_case(d: int, seqlen: int, causal: bool, quick: bool, backward: bool) -> list[Record]:
-    batch = TOKENS // seqlen
-    case = dict(batch=batch, seqlen=seqlen, heads=HEADS, head_dim=d, causal=causal)
-    flops = attention_flops(batch, seqlen, HEADS, d, causal)
-    q, k, v = (t.detach() for t in _inputs(batch, seqlen, d))
-    scale = d**-0.5
-    right = 0 if causal else -1
-    args = (q, k, v, None, None, seqlen, seqlen, scale, -1, right)
-    out, lse = _attn.flash_attention_fwd(*args)
-    dout = torch.randn_like(out)
-    block_d = max(16, next_pow2(d))
-
-    def fwd():
-        _attn.flash_attention_fwd(*args)
-
-    def bwd(dq_mode):
-        _attn_bwd.flash_attention_bwd(
-            dout, q, k, v, out, lse, None, None, None, seqlen, seqlen, scale, -1, right, dq_mode=dq_mode
-        )
-
-    records = []
-    for cfg in _attn.candidate_configs("fwd", block_d, causal, quick):
-        with _attn.tuning_config("fwd", cfg):
-            records.append(_record(dict(case, kernel="fwd", **cfg), "fuseformer", "fwd", flops, fwd))
-    if not backward:
-        return records
-    for mode in ("separate", "atomic"):
-        for cfg in _attn.candidate_configs("bwd_dkdv", block_d, causal, quick):
-            with _attn.tuning_config("bwd_dkdv", cfg):
-                rec = dict(case, kernel=f"bwd_dkdv[{mode}]", **cfg)
-                records.append(_record(rec, "fuseformer", "bwd", 2.5 * flops, lambda mode=mode: bwd(mode)))
-    for cfg in _attn.candidate_configs("bwd_dq", block_d, causal, quick):
-        with _attn.tuning_config("bwd_dq", cfg):
-            rec = dict(case, kernel="bwd_dq", **cfg)
-            records.append(_record(rec, "fuseformer", "bwd", 2.5 * flops, lambda: bwd("separate")))
-    return records
-
-
-def best_configs(records: list[Record]) -> dict[str, Record]:
-    """The fastest record per (kernel, case) of a sweep."""
-    best: dict[str, Record] = {}
-    for r in records:
-        if "ms" not in r:
-            continue
-        key = f"{r['kernel']} d{r['head_dim']} S{r['seqlen']} {'causal' if r['causal'] else 'full'}"
-        if key not in best or r["ms"] < best[key]["ms"]:
-            best[key] = r
-    return best

@@ -128,38 +128,8 @@ def _rms_norm_eager(x, w, eps=1e-6):
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _with_native(fn: Callable, on: bool) -> Callable | None:
-    """``fn`` called with the native autograd node (runtime/native.py) on or off. Turning it on builds
-    it here, before any timing; None where it cannot be built or launch."""
-    from fuseformer.runtime import native
-
-    was = native.enabled()
-    if on:
-        native.set_enabled(True)
-        try:
-            ok = native.module(wait=True) is not None and native.cuda_module() is not None
-        finally:
-            native.set_enabled(was)
-        if not ok:
-            return None
-    if on == was:  # already so: time exactly what a user's call runs
-        return fn
-
-    def call(*args):
-        native.set_enabled(on)
-        try:
-            return fn(*args)
-        finally:
-            native.set_enabled(was)
-
-    return call
-
-
 def bench_rms_norm(quick: bool) -> list[Record]:
     dtype, dev = torch.bfloat16, "cuda"
-    # The default path is the native autograd node where it builds; the Python autograd.Function beside it.
-    ours = _with_native(lambda x, w: F.rms_norm(x, w), True)
-    ours_python = _with_native(lambda x, w: F.rms_norm(x, w), False)
     shapes = [(32768, 4096), (4096, 1024)] if quick else [
         (131072, 1024), (65536, 2048), (32768, 4096), (16384, 8192), (8192, 16384), (4096, 32768),
         (2048, 65536), (4096, 1024),
@@ -171,8 +141,7 @@ def bench_rms_norm(quick: bool) -> list[Record]:
         w = (1 + 0.1 * torch.randn(n, device=dev, dtype=dtype)).requires_grad_()
         es = x.element_size()
         impls = {
-            "fuseformer": ours or ours_python,
-            **({"fuseformer Python autograd": ours_python} if ours is not None else {}),
+            "fuseformer": lambda x, w: F.rms_norm(x, w),
             "eager": _rms_norm_eager,
             "torch.compile": compiled,
             "F.rms_norm": lambda x, w, n=n: TF.rms_norm(x, (n,), w, 1e-6),

@@ -28,7 +28,6 @@ import functools
 import gc
 import json
 import multiprocessing
-import os
 import socket
 import statistics
 import threading
@@ -494,34 +493,33 @@ def format_table(records: list[Record]) -> str:
     return "\n".join(lines)
 
 
-def bench_serve(quick: bool = False, cuda_graphs: bool | None = None) -> list[Record]:
+def bench_serve(
+    quick: bool = False,
+    *,
+    cuda_graphs: bool = True,
+    async_scheduling: bool = True,
+    overlap_prefill: bool = True,
+    engines: tuple[str, ...] = ("thread", "process"),
+) -> list[Record]:
     """Issue 6's measurement on a CUDA GPU: 256 requests x (256 in, 256 out) at the Llama-3-8B shape,
     then 30 lone requests and 30 at 1 req/s; ``quick``: the Llama-3.2-1B shape, 64 requests, 4 + 8.
 
-    ``FUSEFORMER_BENCH_SERVE_ENGINES`` (default "thread,process"): which engines serve (``run_serve_case``).
-    ``cuda_graphs`` (default: ``FUSEFORMER_BENCH_CUDA_GRAPHS``, "1" unless set to "0"): the engine
-    replays decode steps as CUDA graphs in both the offline and the server runs, as
-    ``fuseformer serve --cuda-graphs`` does; at light load a decode step is then short, so a new
-    request waits less for the step in flight (the TTFT bar).
-    ``FUSEFORMER_BENCH_ASYNC_SCHEDULING`` ("1" unless set to "0"): ``LLM(async_scheduling=True)`` from
-    ``fuseformer serve``'s ``ASYNC_MIN_SEQS`` requests on, as the server runs on CUDA, in the offline
-    run (after a synchronous one, recorded too) and the server's (``run_serve_case``).
-    ``FUSEFORMER_BENCH_OVERLAP_PREFILL`` ("1" unless set to "0"): the server with ``overlap_prefill`` and
-    ``LLM(prefill_stream=True)``, as ``fuseformer serve`` runs on CUDA (the other settings are timed at
-    1 req/s beside it)."""
+    ``engines``: which engines serve (``run_serve_case``). ``cuda_graphs``: the engine replays decode
+    steps as CUDA graphs in both the offline and the server runs, as ``fuseformer serve --cuda-graphs``
+    does; at light load a decode step is then short, so a new request waits less for the step in
+    flight (the TTFT bar). ``async_scheduling``: ``LLM(async_scheduling=True)`` from ``fuseformer
+    serve``'s ``ASYNC_MIN_SEQS`` requests on, as the server runs on CUDA, in the offline run (after a
+    synchronous one, recorded too) and the server's (``run_serve_case``). ``overlap_prefill``: the
+    server with ``overlap_prefill`` and ``LLM(prefill_stream=True)``, as ``fuseformer serve`` runs on
+    CUDA (the other settings are timed at 1 req/s beside it). (Until session 19 these four were read
+    from FUSEFORMER_BENCH_* environment variables.)"""
     from fuseformer.bench.engine import SHAPES
-
-    if cuda_graphs is None:
-        cuda_graphs = os.environ.get("FUSEFORMER_BENCH_CUDA_GRAPHS", "1") != "0"
     from fuseformer.serve.cli import ASYNC_MIN_SEQS
 
-    ahead = {}
-    if os.environ.get("FUSEFORMER_BENCH_ASYNC_SCHEDULING", "1") != "0":
-        ahead = dict(async_scheduling=True, async_scheduling_min_seqs=ASYNC_MIN_SEQS)
-    overlap = os.environ.get("FUSEFORMER_BENCH_OVERLAP_PREFILL", "1") != "0"
+    ahead = dict(async_scheduling=True, async_scheduling_min_seqs=ASYNC_MIN_SEQS) if async_scheduling else {}
+    overlap = overlap_prefill
     name = "llama3.2-1b" if quick else "llama3-8b"
     n, lone, rated = (64, 4, 8) if quick else (256, 30, 30)
-    engines = tuple(e for e in os.environ.get("FUSEFORMER_BENCH_SERVE_ENGINES", "thread,process").split(",") if e)
     records = run_serve_case(
         SHAPES[name], n, 256, 256, num_lone=lone, num_rated=rated, shape_name=name, cuda_graphs=cuda_graphs,
         engines=engines, overlap_prefill=overlap, prefill_stream=overlap, **ahead,

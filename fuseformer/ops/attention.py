@@ -20,15 +20,15 @@ sequence end go through the masked loop; blocks no row sees are never visited.
 
 The backward (``attention_bwd.py``): delta = rowsum(o * do); dk/dv by a kernel looping over q tiles
 per k tile (and over the q heads of its GQA group, so the group sum stays in registers); dq by a
-separate kernel over k tiles (deterministic), or by fp32 atomics inside the dk/dv kernel.
+separate kernel over k tiles (deterministic).
 
 Head dims up to 256 run in the kernel, padded to the next power of two with masks. fp16 and bf16
 run in the kernel; fp32/fp64 run on the reference. Streamed tiles come through TMA descriptors
-on sm_90+ when the layout allows one (``USE_TMA``), else through pointer loads. Block sizes come
+on sm_90+ when the layout allows one (``_use_tma``), else through pointer loads. Block sizes come
 from the autotune cache (``kernel_config``; ``attention_fwd``, ``attention_bwd_dkdv``, ``attention_bwd_dq``
 keyed by padded head dim, causal/full and dtype), whose defaults are the per-head-dim tables below,
-overridable with ``CONFIG_OVERRIDES`` or ``FUSEFORMER_ATTN_FWD/_BWD_DKDV/_BWD_DQ`` for sweeps; a
-config that does not fit falls back.
+overridable with ``CONFIG_OVERRIDES`` (the tuner's ``tuning_config``); a config that does not fit
+falls back.
 Varlen rows past ``cu_seqlens_q[-1]`` (and their gradients) are not written, as in flash-attn.
 """
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -208,7 +207,8 @@ def _fwd_loop(
     WS: warp-specialize the loop (Triton's producer/consumer warp groups; TMA loads only).
     FOLD_SCALE (qk_scale > 0): the scale goes into one FMA with the max subtraction, qk * s - m,
     instead of a multiply of the whole tile and then a subtraction (the row max of the raw scores
-    times s is the max of the scaled ones when s > 0)."""
+    times s is the max of the scaled ones when s > 0). Run 39 (H200): +2.9% at hd 128 full, +3% at hd
+    64, level at hd 128 causal; a zero or negative scale takes the multiply."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = tl.arange(0, BLOCK_D) < HEAD_DIM
     diag = sk - sq
@@ -369,7 +369,7 @@ class KernelConfig:
 
 
 # Starting points for the H100/H200 (sm_90), keyed by the padded head dim (BLOCK_D); not yet timed
-# on the H200 (bench/attention.py has ``sweep_attention_configs`` for that). Chosen so that ptxas
+# on the H200 (benchmarks/sweeps.py has the ``attention`` sweep for that). Chosen so that ptxas
 # (Triton 3.6, sm_90a, bf16, offline compile) reports no register spills:
 # fwd with TMA K/V: hd 64 128x128/3 stages 171 regs; hd 128 128x128/2 stages 206 regs, 161 KiB smem
 # (3 stages: 225 KiB, just fits); hd 256 128x64/2 stages 232 regs. Pointer loads (no TMA) need more:
@@ -416,31 +416,8 @@ _INTERPRET_CONFIGS = {
 }
 _TABLES = {"fwd": _FWD_TABLE, "bwd_dkdv": _BWD_DKDV_TABLE, "bwd_dq": _BWD_DQ_TABLE}
 
-# The forward folds the softmax scale into the exponent's FMA (qk * s - m) when the scale is
-# positive; False restores a multiply of the whole score tile first (a sweep compares the two).
-FOLD_SCALE = True
-
-# Sweeps and experiments: fields set here (e.g. CONFIG_OVERRIDES["fwd"] = {"BLOCK_N": 64}) replace
-# the table's for every head dim. Environment variables FUSEFORMER_ATTN_FWD / _BWD_DKDV / _BWD_DQ
-# ("BLOCK_M=128,BLOCK_N=64,num_warps=8,num_stages=3") do the same from outside.
+# The tuner's config (``tuning_config``) replaces the cached one's fields for every head dim while set.
 CONFIG_OVERRIDES: dict[str, dict[str, int]] = {"fwd": {}, "bwd_dkdv": {}, "bwd_dq": {}}
-
-
-def _env_override(kind: str) -> dict[str, int]:
-    text = os.environ.get(f"FUSEFORMER_ATTN_{kind.upper()}", "").strip()
-    if not text:
-        return {}
-    try:
-        pairs = (item.split("=") for item in text.split(",") if item.strip())
-        out = {key.strip(): int(value) for key, value in pairs}
-    except ValueError as exc:
-        raise ValueError(
-            f"FUSEFORMER_ATTN_{kind.upper()}: expected 'BLOCK_M=128,BLOCK_N=64,...', got {text!r}"
-        ) from exc
-    unknown = set(out) - set(KernelConfig.__slots__)
-    if unknown:
-        raise ValueError(f"FUSEFORMER_ATTN_{kind.upper()}: unknown fields {sorted(unknown)}")
-    return out
 
 
 # The autotune cache's kernel names (runtime/autotune.py); a stored config has every KernelConfig field.
@@ -483,10 +460,10 @@ def kernel_config(
     """The config of kernel ``kind`` ("fwd", "bwd_dkdv", "bwd_dq") for padded head dim ``block_d``;
     ``bounded``: a causal or window bound (masked diagonal blocks) rather than full attention.
 
-    The cached lookup (:func:`cached_config`), then ``CONFIG_OVERRIDES`` and ``FUSEFORMER_ATTN_*``
-    on top, read on every call so that sweeps can change them between calls."""
+    The cached lookup (:func:`cached_config`), then ``CONFIG_OVERRIDES`` on top (the tuner's
+    :func:`tuning_config`), read on every call."""
     cfg = cached_config(kind, block_d, bounded, dtype, device)
-    fields = {**CONFIG_OVERRIDES.get(kind, {}), **_env_override(kind)}
+    fields = CONFIG_OVERRIDES.get(kind)
     return replace(cfg, **fields) if fields else cfg
 
 
@@ -548,13 +525,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 # The forward streams K and V through TMA descriptors (sm_90+, and the interpreter) when their
 # layout allows: one async bulk copy per tile instead of per-thread address math and loads.
-# FUSEFORMER_ATTN_TMA=0, or USE_TMA = False, keeps the pointer loads.
-USE_TMA = True
-
-
 def _use_tma(t: torch.Tensor) -> bool:
-    if not USE_TMA or os.environ.get("FUSEFORMER_ATTN_TMA", "1") == "0":
-        return False
     if t.is_cuda:
         return torch.cuda.get_device_capability(t.device)[0] >= 9
     return INTERPRET
@@ -604,12 +575,15 @@ def flash_attention_fwd(
     softmax_scale: float,
     window_left: int,
     window_right: int,
+    *,
+    gluon: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward launcher: q (B, Sq, Hq, D) / (Tq, Hq, D), k, v (B, Sk, Hkv, D) / (Tk, Hkv, D), fp16 or bf16.
 
     window_right = 0 is causal; -1 unbounded. Varlen when ``cu_seqlens_q`` is given (then
     ``max_seqlen_q/k`` must bound every sequence). Returns out like q (contiguous) and lse fp32
-    (B, Hq, Sq) or (Hq, Tq).
+    (B, Hq, Sq) or (Hq, Tq). ``gluon=False`` keeps the Triton kernel where the Gluon one would run
+    (sweeps and tests compare the two).
     """
     varlen = cu_seqlens_q is not None
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
@@ -628,7 +602,7 @@ def flash_attention_fwd(
     # Varlen rows after cu_seqlens_q[-1] belong to no sequence; no program writes them (as flash-attn).
     if q.numel() == 0 or batch == 0 or seqlen_q == 0:
         return out, lse
-    if _GLUON_FWD and attention_hopper.usable(q, k, v, varlen, window_left, window_right, softmax_scale):
+    if gluon and _GLUON_FWD and attention_hopper.usable(q, k, v, varlen, window_left, window_right, softmax_scale):
         return attention_hopper.forward(q, k, v, softmax_scale, causal=window_right == 0, out=out, lse=lse)
     block_d = max(16, next_pow2(d))
     cfg = kernel_config("fwd", block_d, window_left >= 0 or window_right >= 0, q.dtype, q.device)
@@ -657,7 +631,7 @@ def flash_attention_fwd(
         HAS_RIGHT=window_right >= 0,
         KV_DESC=kv_desc,
         WS=bool(cfg.warp_specialize) and kv_desc,  # warp specialization needs TMA loads (fallbacks keep it)
-        FOLD_SCALE=FOLD_SCALE and softmax_scale > 0,
+        FOLD_SCALE=softmax_scale > 0,
     )
     launch(
         _flash_attention_fwd_kernel,
@@ -867,7 +841,7 @@ def flash_attention(
 
 # --------------------------------------------------------------------------------------------
 # Tuning (``fuseformer bench --tune`` through autotune.tune_all), in the spirit of
-# bench/attention.py's sweep_attention_configs times the same candidates; the backward's tuner is in
+# benchmarks/sweeps.py's attention sweep times the same candidates; the backward's tuner is in
 # attention_bwd.py
 # --------------------------------------------------------------------------------------------
 TUNE_TOKENS, TUNE_HEADS = 16384, 32  # B * S and H of the goal shapes (bf16)
@@ -877,10 +851,7 @@ TUNE_CASES = tuple((d, s, c) for d in (64, 128, 256) for s, c in ((4096, True), 
 
 @contextlib.contextmanager
 def tuning_config(kind: str, cfg: dict):
-    """Run ``kind`` with exactly ``cfg`` inside the block (through CONFIG_OVERRIDES, every field);
-    FUSEFORMER_ATTN_* set in the environment would override it, so it is an error here."""
-    if _env_override(kind):
-        raise RuntimeError(f"tuning {KERNELS[kind]}: unset FUSEFORMER_ATTN_{kind.upper()} first")
+    """Run ``kind`` with exactly ``cfg`` inside the block (through CONFIG_OVERRIDES, every field)."""
     previous = CONFIG_OVERRIDES.get(kind, {})
     CONFIG_OVERRIDES[kind] = dict(cfg)
     try:
@@ -940,7 +911,7 @@ def tune_attention_fwd(quick: bool = False) -> list[dict]:
         def bench(cfg, args=args):
             def run():
                 with tuning_config("fwd", cfg):
-                    flash_attention_fwd(*args)
+                    flash_attention_fwd(*args, gluon=False)  # the Triton kernel's config is tuned
 
             return run
 
@@ -948,7 +919,7 @@ def tune_attention_fwd(quick: bool = False) -> list[dict]:
             best = autotune.tune(
                 KERNELS["fwd"], candidate_configs("fwd", block_d, causal, quick), bench, key, force=True
             )
-            ms = bench_ms(lambda args=args: flash_attention_fwd(*args))
+            ms = bench_ms(lambda args=args: flash_attention_fwd(*args, gluon=False))
             flops = 4.0 * TUNE_TOKENS * seqlen * TUNE_HEADS * d / (2 if causal else 1)
             records.append(dict(kernel=KERNELS["fwd"], key=key, config=best, ms=ms, tflop_s=flops / (ms * 1e-3) / 1e12))
         except Exception as exc:

@@ -9,15 +9,12 @@ With p = exp(scale * q k^T - lse) recomputed tile by tile (never stored):
 The dk/dv kernel owns BLOCK_N key rows of one kv head and streams the q tiles that see them, for
 every q head of its GQA group in turn, so the group sum of dk/dv stays in registers (no atomics).
 dq comes from a second kernel that owns BLOCK_M q rows and streams key tiles (as the forward does):
-deterministic, at the cost of recomputing q k^T and do v^T. Or, with ``DQ_MODE = "atomic"``, the dk/dv
-kernel adds each tile's ds k into an fp32 buffer with atomics (5 matmuls per tile pair instead of 7;
-not deterministic). Deterministic mode (``DETERMINISTIC``, ``FUSEFORMER_DETERMINISTIC=1`` or
-``torch.use_deterministic_algorithms(True)``) always takes the separate kernel.
+deterministic, at the cost of recomputing q k^T and do v^T. (fp32 atomics of ds k from the dk/dv kernel,
+5 matmuls per tile pair instead of 7, measured slower at hd 64: 2.89 against 2.32 ms for the whole
+backward, run 39; removed in session 19 with FUSEFORMER_DETERMINISTIC, which only turned them off.)
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -48,26 +45,12 @@ from fuseformer.ops.attention import (
 )
 from fuseformer.runtime import autotune
 
-# "separate" (dq kernel) or "atomic" (fp32 atomics in the dk/dv kernel); the lead's sweep decides.
-DQ_MODE = "separate"
 # The Gluon dK/dV kernel (ops/attention_hopper.py) for what the Gluon forward takes: run 84, the whole
-# backward 362.7 -> 392.8 TFLOP/s (causal S4096), 397.2 -> 450.9 (full S16384). FUSEFORMER_GLUON=0
-# turns it off with the forward.
+# backward 362.7 -> 392.8 TFLOP/s (causal S4096), 397.2 -> 450.9 (full S16384). With it, dq from the
+# Gluon dq kernel too at the head dims of attention_hopper.DQ_HEAD_DIMS (else the Triton dq kernel; hd 64
+# keeps it: run 89): run 85, the causal S4096 backward 390.8 -> 418.0 TFLOP/s (dq 1547 -> 1343 µs), full
+# S16384 450.1 -> 476.8. FUSEFORMER_GLUON=0 turns both off with the forward.
 _GLUON_BWD = _gluon.ENABLED
-# With it, dq from the Gluon dq kernel too (else the Triton dq kernel): run 85, the causal S4096
-# backward 390.8 -> 418.0 TFLOP/s (dq 1547 -> 1343 µs), full S16384 450.1 -> 476.8; at the head dims of
-# attention_hopper.DQ_HEAD_DIMS (hd 64 keeps the Triton dq kernel: run 89).
-_GLUON_DQ = True
-# Force the deterministic path (same as FUSEFORMER_DETERMINISTIC=1).
-DETERMINISTIC = False
-# Varlen dk/dv reads lse and delta from padded, 16-aligned copies (False: a sweep's baseline).
-PAD_VARLEN_STATS = True
-
-
-def deterministic() -> bool:
-    """Whether the backward must avoid atomics."""
-    env = os.environ.get("FUSEFORMER_DETERMINISTIC", "0").strip().lower() in ("1", "true", "yes")
-    return DETERMINISTIC or env or torch.are_deterministic_algorithms_enabled()
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,9 +134,9 @@ def _pad_stats_kernel(
 
 @triton.jit
 def _dkdv_loop(
-    dk, dv, k, v, Q, DO, q_base, do_base, dq_base, lse_base, delta_base, q_offs, stride_qs, q_row0, q_col,
-    cols, sq, sk, sm_scale, qk_scale, window_left, window_right, start, end,
-    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    dk, dv, k, v, Q, DO, q_base, do_base, lse_base, delta_base, q_offs, stride_qs, q_row0, q_col,
+    cols, sq, sk, qk_scale, window_left, window_right, start, end,
+    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, QD_DESC: tl.constexpr,
     PAD_STATS: tl.constexpr,
 ):  # fmt: skip
@@ -163,8 +146,8 @@ def _dkdv_loop(
     lse already in log2 units with +inf for rows that saw no key, every row of a tile in bounds and
     written): unmasked, aligned loads.
 
-    q, do and dq share one layout (the launcher makes them contiguous), so one int32 offset tile
-    q_offs (BLOCK_M, BLOCK_D) serves all three: fewer live registers in a kernel that spills easily."""
+    q and do share one layout (the launcher makes them contiguous), so one int32 offset tile
+    q_offs (BLOCK_M, BLOCK_D) serves both: fewer live registers in a kernel that spills easily."""
     offs_m = tl.arange(0, BLOCK_M)
     d_ok = tl.arange(0, BLOCK_D) < HEAD_DIM
     diag = sk - sq
@@ -208,19 +191,16 @@ def _dkdv_loop(
         dp_t = tl.dot(v, tl.trans(do))  # (BLOCK_N, BLOCK_M)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk = tl.dot(ds_t, q, dk)
-        if DQ_ATOMIC:
-            dq = tl.dot(tl.trans(ds_t), k) * sm_scale  # (BLOCK_M, BLOCK_D)
-            tl.atomic_add(dq_base + row_step + q_offs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _flash_attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, group_size, sm_scale, qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     QD_DESC: tl.constexpr, PAD_STATS: tl.constexpr = False,
 ):  # fmt: skip
     # Grid (cdiv(max Sk, BLOCK_N), Hkv, B). Q, DO: pointers, or with QD_DESC TMA descriptors over
@@ -287,10 +267,10 @@ def _flash_attention_bwd_dkdv_kernel(
         # the whole key block (as the forward has) measured slower (run 43: 331-336 against 348-355
         # TFLOP/s at hd 128, 280 against 289 at hd 64; and it spilled at 64x128, hd 128).
         dk, dv = _dkdv_loop(
-            dk, dv, k, v, Q, DO, q_base, do_base, DQ_ACC + head_off, lse_base, delta_base, q_offs, stride_qs,
+            dk, dv, k, v, Q, DO, q_base, do_base, lse_base, delta_base, q_offs, stride_qs,
             q_row0, h * HEAD_DIM,
-            cols, sq, sk, sm_scale, qk_scale, window_left, window_right, lo, hi,
-            True, HAS_LEFT, HAS_RIGHT, DQ_ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, QD_DESC, PAD_STATS,
+            cols, sq, sk, qk_scale, window_left, window_right, lo, hi,
+            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_M, QD_DESC, PAD_STATS,
         )  # fmt: skip
 
     mask = col_ok[:, None] & d_ok[None, :]
@@ -440,12 +420,14 @@ def flash_attention_bwd(
     softmax_scale: float,
     window_left: int,
     window_right: int,
-    dq_mode: str | None = None,
+    *,
+    gluon: bool = True,
+    dq_config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward launcher. dout, out like q; lse from the forward; dlse (lse's gradient) or None.
 
-    Returns dq, dk, dv shaped like q, k, v (contiguous). ``dq_mode`` "separate" or "atomic"
-    (default ``DQ_MODE``; "separate" whenever :func:`deterministic`).
+    Returns dq, dk, dv shaped like q, k, v (contiguous). ``gluon=False`` keeps the Triton kernels where
+    the Gluon ones would run; ``dq_config`` goes to the Gluon dq kernel (sweeps and tests).
     """
     varlen = cu_seqlens_q is not None
     # The dk/dv kernel reads q, do (and writes dq) with one set of strides, and k, v (dk, dv) with
@@ -483,17 +465,11 @@ def flash_attention_bwd(
         # d lse / d s = p, so lse's gradient enters ds = p * (dp - delta) as delta - dlse.
         delta = delta - dlse.float()
 
-    mode = dq_mode or DQ_MODE
-    if mode not in ("separate", "atomic"):
-        raise ValueError(f"flash_attention_bwd: dq_mode must be 'separate' or 'atomic', got {mode!r}")
     # The Gluon dK/dV kernel where the Gluon forward applies (dq then from the separate dq kernel).
-    gluon = _GLUON_BWD and attention_hopper.usable(q, k, v, varlen, window_left, window_right, softmax_scale)
-    atomic = mode == "atomic" and not deterministic() and not gluon
-    # The atomic path accumulates dq in fp32 (zeroed workspace, not an output), cast at the end.
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
+    gluon = gluon and _GLUON_BWD and attention_hopper.usable(q, k, v, varlen, window_left, window_right, softmax_scale)
     qk_scale = softmax_scale * 1.4426950408889634
     common = (seqlen_q, seqlen_k, hq // hkv, softmax_scale, qk_scale, window_left, window_right)
-    # TMA descriptors (see attention.USE_TMA): q, do streamed by the dk/dv kernel; k, v by the dq kernel.
+    # TMA descriptors (see attention._use_tma): q, do streamed by the dk/dv kernel; k, v by the dq kernel.
     tma = _use_tma(q)
     q_view, do_view = (_rows_view(q, varlen), _rows_view(dout, varlen)) if tma else (None, None)
     k_view, v_view = (_rows_view(k, varlen), _rows_view(v, varlen)) if tma else (None, None)
@@ -501,7 +477,7 @@ def flash_attention_bwd(
     # Varlen: the dk/dv kernel reads lse and delta from padded copies whose sequences start at
     # multiples of 16 (aligned, unmasked loads; run 40: dk/dv 30% slower without at the training
     # shape). W covers every row a BLOCK_M tile can touch past a sequence's padded start.
-    pad_stats = varlen and PAD_VARLEN_STATS
+    pad_stats = varlen
     if pad_stats:
         width = ((q.shape[0] + 16 * batch + 16 + 2 * 128) + 15) // 16 * 16
         lse_pad = torch.full((hq, width), float("inf"), dtype=torch.float32, device=q.device)
@@ -514,7 +490,7 @@ def flash_attention_bwd(
         dkdv_stats = (lse, delta, *lse_strides)
     kv_desc = k_view is not None and v_view is not None
     dkdv_rest = (
-        dkdv_stats[0], dkdv_stats[1], dk, dv, dq_acc, cu_q, cu_k,
+        dkdv_stats[0], dkdv_stats[1], dk, dv, cu_q, cu_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *dkdv_stats[2:], *common,
     )  # fmt: skip
 
@@ -531,14 +507,13 @@ def flash_attention_bwd(
             lambda c: (triton.cdiv(seqlen_k, c.BLOCK_N), hkv, batch),
             kernel_config("bwd_dkdv", block_d, bounded, q.dtype, q.device),
             dkdv_args,
-            dict(**flags, **window, DQ_ATOMIC=atomic, QD_DESC=qd_desc, PAD_STATS=pad_stats),
-            key=(q.dtype, d, varlen, atomic, qd_desc, pad_stats, tuple(window.items())),
+            dict(**flags, **window, QD_DESC=qd_desc, PAD_STATS=pad_stats),
+            key=(q.dtype, d, varlen, qd_desc, pad_stats, tuple(window.items())),
         )
-    if atomic:
-        dq.copy_(dq_acc)
-        return dq, dk, dv
-    if gluon and _GLUON_DQ and q.shape[-1] in attention_hopper.DQ_HEAD_DIMS:
-        attention_hopper.backward_dq(q, k, v, dout, lse, delta, softmax_scale, window_right == 0, dq=dq)
+    if gluon and q.shape[-1] in attention_hopper.DQ_HEAD_DIMS:
+        attention_hopper.backward_dq(
+            q, k, v, dout, lse, delta, softmax_scale, window_right == 0, config=dq_config, dq=dq
+        )
         return dq, dk, dv
     dq_rest = (
         dout, lse, delta, dq, cu_q, cu_k,
@@ -603,8 +578,8 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, s
 # --------------------------------------------------------------------------------------------
 def tune_attention_bwd(quick: bool = False) -> list[dict]:
     """Tune the dk/dv kernel, then the dq kernel (with the dk/dv config just chosen), over head dims,
-    causal and full, on this GPU (bf16), each timed as the whole backward (dq_mode "separate", as
-    bench/attention.py's sweep); one record a (kernel, key). Quick: head dim 128, causal only."""
+    causal and full, on this GPU (bf16), each timed as the whole Triton backward (as benchmarks/sweeps.py's
+    attention sweep); one record a (kernel, key). Quick: head dim 128, causal only."""
     from fuseformer.bench._timing import bench_ms
 
     records = []
@@ -624,14 +599,14 @@ def tune_attention_bwd(quick: bool = False) -> list[dict]:
             def bench(cfg, kind=kind, args=args):
                 def run():
                     with tuning_config(kind, cfg):
-                        flash_attention_bwd(*args, dq_mode="separate")
+                        flash_attention_bwd(*args, gluon=False)  # the Triton kernels' configs are tuned
 
                 return run
 
             try:
                 candidates = candidate_configs(kind, block_d, causal, quick)
                 best = autotune.tune(KERNELS[kind], candidates, bench, key, force=True)
-                ms = bench_ms(lambda args=args: flash_attention_bwd(*args, dq_mode="separate"))
+                ms = bench_ms(lambda args=args: flash_attention_bwd(*args, gluon=False))
                 records.append(dict(kernel=KERNELS[kind], key=key, config=best, ms=ms,
                                     tflop_s=flops / (ms * 1e-3) / 1e12))  # fmt: skip
             except Exception as exc:

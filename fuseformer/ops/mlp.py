@@ -23,7 +23,7 @@ stages, descriptors) uses wgmma + TMA, 147 KB of shared memory, 163 registers an
 inference; saving the pre-activation adds 20 spill stores in the epilogue (once per tile). The
 pointer path is not software-pipelined by Triton here (one stage of shared memory), so it is the
 fallback, not the fast path.
-The config (BLOCK_M/N/K, GROUP_M, warps, stages, descriptors, warp specialization) comes from the
+The config (BLOCK_M/N/K, GROUP_M, split-K, warps, stages, descriptors) comes from the
 autotune cache (runtime/autotune.py), by GPU and T bucket, with shipped H200/H100 defaults.
 
 The down projection (decode aside, below) and every backward GEMM are cuBLAS (torch.matmul): a
@@ -39,8 +39,8 @@ T 1: 3.4 waves). ``_mlp_decode_kernel`` runs both GEMMs: gate-up with the activa
 epilogue, then down, each with its own config (``decode_config``: the H200 sweep's fastest, deep
 TMA pipelines and wide weight tiles; split-K for the down GEMM only where its outputs are too few to
 give every SM a program), so the whole MLP is two or three kernels, none of them cuBLAS. The down
-GEMM is a programmatic dependent launch of the gate-up GEMM (``PDL_DECODE``), both take host-built
-tensor descriptors (``DECODE_HOST_DESC``), and after a shape's first call both launch through
+GEMM is a programmatic dependent launch of the gate-up GEMM (sm_90), both take host-built tensor
+descriptors, and after a shape's first call both launch through
 ``DescLauncher`` (the C launcher called directly: Triton's own launch path cost up to ~60 us of host
 time a GEMM on a slow host, run 62). Measured on H200s (BENCHMARKS.md, runs 57-67, L2 flushed by
 reading): 84.5-90% of the copy bandwidth at T 1-64 by machine, eager (torch.compile 69-83%); 89.5-93%
@@ -49,14 +49,12 @@ from CUDA graphs, as the engine's decode runs it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime import _allocation
 
 from fuseformer.ops import _gluon, mlp_hopper
@@ -76,7 +74,6 @@ from fuseformer.ops._utils import (
     next_pow2,
     num_sms,
     rows_2d,
-    sm_count,
 )
 from fuseformer.ops.activations import ACTIVATIONS, _act_fwd, _act_ref, glu_bwd
 from fuseformer.runtime import autotune
@@ -116,7 +113,7 @@ def _mlp_gate_up_kernel(
     stride_xm, stride_wn, stride_ym, stride_pm,
     ACTIVATION: tl.constexpr, SAVE_PRE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_DESC: tl.constexpr,
 ):  # fmt: skip
     # X (M, K), W (2N, K) = [gate rows; up rows], Y (M, N), PRE (M, 2N). M = tokens, N = I, K = H.
     # Grouped order: GROUP_M row blocks share each column block's weights while they sit in L2.
@@ -142,7 +139,7 @@ def _mlp_gate_up_kernel(
         # >= N, which the store masks off.
         x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(W, shape=[2 * N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
-        for kt in tl.range(kt_begin, kt_end, warp_specialize=WARP_SPECIALIZE):
+        for kt in tl.range(kt_begin, kt_end):
             k = kt * BLOCK_K
             x = x_desc.load([off_m, k])
             wg = w_desc.load([off_n, k])
@@ -155,7 +152,7 @@ def _mlp_gate_up_kernel(
         wu_ptrs = W + (N + rn).to(tl.int64)[:, None] * stride_wn + rk[None, :]
         m_mask = (rm < M)[:, None]
         n_mask = (rn < N)[:, None]
-        for kt in tl.range(kt_begin, kt_end, warp_specialize=WARP_SPECIALIZE):
+        for kt in tl.range(kt_begin, kt_end):
             k = kt * BLOCK_K
             k_mask = (rk < K - k)[None, :]
             x = tl.load(x_ptrs + k, mask=m_mask & k_mask, other=0.0)
@@ -181,41 +178,6 @@ def _grouped(tile, num_m, num_n, GROUP_M: tl.constexpr):
     first_m = (tile // group) * GROUP_M
     group_m = min(num_m - first_m, GROUP_M)
     return first_m + (tile % group) % group_m, (tile % group) // group_m
-
-
-@triton.jit
-def _mlp_gate_up_persistent_kernel(
-    X, W, Y, PRE,
-    M, N, K,
-    stride_xm, stride_wn, stride_ym, stride_pm,
-    ACTIVATION: tl.constexpr, SAVE_PRE: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-):  # fmt: skip
-    # The same tiles as _mlp_gate_up_kernel (descriptors, no split-K), one program per SM walking
-    # them; the tile and K loops are flattened so the next tile's loads overlap this one's epilogue.
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
-    w_desc = tl.make_tensor_descriptor(W, shape=[2 * N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
-    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True,
-                         warp_specialize=WARP_SPECIALIZE):  # fmt: skip
-        pid_m, pid_n = _grouped(tile, num_m, num_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kt in range(k_tiles):
-            k = kt * BLOCK_K
-            x = x_desc.load([off_m, k])
-            acc_g = tl.dot(x, w_desc.load([off_n, k]).T, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(x, w_desc.load([N + off_n, k]).T, acc_u, input_precision=PRECISION)
-        rm = off_m + tl.arange(0, BLOCK_M)
-        rn = off_n + tl.arange(0, BLOCK_N)
-        mask = (rm < M)[:, None] & (rn < N)[None, :]
-        _gate_up_epilogue(acc_g, acc_u, Y, PRE, rm.to(tl.int64)[:, None], rn, mask, stride_ym, stride_pm, N,
-                          ACTIVATION, SAVE_PRE)  # fmt: skip
 
 
 @triton.jit
@@ -263,55 +225,28 @@ def _mlp_split_k_epilogue_kernel(
 
 
 @triton.jit
-def _prefetch_rows_l2(W, row0, ROWS, K, stride_w, k_begin, k_end, ELEMENT_BYTES: tl.constexpr,
-                      BLOCK_ROWS: tl.constexpr, NBYTES: tl.constexpr):  # fmt: skip
-    # An L2 prefetch (cp.async.bulk.prefetch, sm_90) of the first NBYTES of columns [k_begin, k_end)
-    # of weight rows row0 .. row0 + BLOCK_ROWS (those < ROWS), in 4 pieces a row (one per thread at
-    # 32 rows and 4 warps). Rows are 16-byte aligned (decode_supported), so is every piece.
-    PIECES: tl.constexpr = 4
-    PIECE: tl.constexpr = NBYTES // PIECES
-    r = row0 + tl.arange(0, BLOCK_ROWS)
-    c = tl.arange(0, PIECES)
-    start = k_begin * ELEMENT_BYTES + c * PIECE  # bytes into the row
-    row_bytes = tl.minimum(k_end, K) * ELEMENT_BYTES
-    size = tl.minimum(row_bytes - start, PIECE)
-    size = tl.where((r < ROWS)[:, None] & (size > 0)[None, :], size[None, :], 0).to(tl.int32)
-    addr = W.to(tl.pointer_type(tl.int8)) + r.to(tl.int64)[:, None] * (stride_w * ELEMENT_BYTES) + start[None, :]
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _mlp_decode_kernel(
-    X, W, OUT, WS,
+    x_desc, w_desc, OUT, WS,
     M, N, K,
-    stride_xm, stride_wn, stride_om,
-    TIMES,
+    stride_om,
     GLU: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False, PREFETCH_BYTES: tl.constexpr = 0,
-    HOST_DESC: tl.constexpr = False,
+    PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
 ):  # fmt: skip
     # Decode (T <= 64): a weight-streaming GEMM, one kernel for both GEMMs of the MLP.
     #   GLU:  W (2N, K) = [gate; up] -> OUT (M, N) = act(x Wg^T) * (x Wu^T)   (N = I, K = H)
     #   else: W (N, K)               -> OUT (M, N) = x W^T                    (N = H, K = I)
     # Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): each program streams BLOCK_N weight rows
-    # (2 BLOCK_N with GLU) over one K range through tensor descriptors, num_stages deep. SPLIT_K > 1
+    # (2 BLOCK_N with GLU) over one K range through tensor descriptors built on the host (x_desc
+    # [BLOCK_M, BLOCK_K] boxes of x, w_desc [BLOCK_N, BLOCK_K] of W; kernel parameters: no per-program
+    # descriptor writes and fences at the start, no scratch memory), num_stages deep. SPLIT_K > 1
     # writes fp32 partials to WS (SPLIT_K, M, 2N or N), summed by _mlp_split_k_epilogue_kernel.
     # A tl.dot padded to 16 rows rather than a multiply + tl.sum over K on CUDA cores: Triton 3.6
     # pipelines descriptor loads only into a dot (offline sm_90 compile of the tl.sum variant: one
     # shared buffer, each load waited for), and the padding costs tensor-core time, not bytes.
     # Programmatic dependent launch (sm_90, CUDA only; see mlp_decode_fwd): PDL_TRIGGER (the gate-up
     # GEMM) lets the next kernel's programs start at once; PDL_WAIT (the down GEMM, launched with
-    # launch_pdl) sets up its descriptors, then waits for the previous kernel's writes (y) to land.
-    # PREFETCH_BYTES (with PDL_WAIT): before waiting, the first PREFETCH_BYTES of each of this
-    # program's weight rows (in its K range) are prefetched into L2; the weights do not depend on y.
-    # TIMES (sweeps only: the timeline of one launch): per program, int64 x 4 at its linear index:
-    # %globaltimer (ns) at its start, after its PDL wait (= start without), at its end; its SM.
-    if TIMES is not None:
-        t_start = globaltimer()
+    # launch_pdl) waits for the previous kernel's writes (y) to land before its first load.
     if PDL_TRIGGER:
         gdc_launch_dependents()
     off_n = tl.program_id(0) * BLOCK_N
@@ -323,25 +258,10 @@ def _mlp_decode_kernel(
     kt_end = tl.minimum(kt_begin + per_split, k_tiles)  # <= kt_begin: a split left without tiles writes 0
     # Out-of-bounds boxes read as zero and cost no bytes (rows >= M, K's tail); a gate box crossing
     # row N reads up rows into columns >= N, which the stores mask off.
-    # HOST_DESC: X and W are descriptors built on the host (kernel parameters: no per-program
-    # descriptor writes and fences at the start, no scratch memory).
-    if HOST_DESC:
-        x_desc = X
-        w_desc = W
-    else:
-        x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(W, shape=[2 * N if GLU else N, K], strides=[stride_wn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH_BYTES:  # pointer arithmetic on W: device descriptors only
-        tl.static_assert(not HOST_DESC)
-        _prefetch_rows_l2(W, off_n, (2 * N if GLU else N), K, stride_wn, kt_begin * BLOCK_K, kt_end * BLOCK_K,
-                          W.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N, PREFETCH_BYTES)  # fmt: skip
     if PDL_WAIT:
         gdc_wait()
-    if TIMES is not None:
-        t_wait = globaltimer()
     for kt in tl.range(kt_begin, kt_end):
         k = kt * BLOCK_K
         x = x_desc.load([off_m, k])
@@ -361,22 +281,12 @@ def _mlp_decode_kernel(
         _gate_up_epilogue(acc, acc_u, OUT, OUT, rows, rn, mask, stride_om, 0, N, ACTIVATION, False)
     else:
         tl.store(OUT + rows * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
-    if TIMES is not None:
-        t_end = globaltimer()
-        pid = (split * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-        tl.store(TIMES + pid * 4, t_start)
-        tl.store(TIMES + pid * 4 + 1, t_wait)
-        tl.store(TIMES + pid * 4 + 2, t_end)
-        tl.store(TIMES + pid * 4 + 3, smid().to(tl.int64))
 
 
 # --------------------------------------------------------------------------------------------
 # Launch configuration (from the autotune cache)
 # --------------------------------------------------------------------------------------------
-CONFIG_KEYS = (
-    "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages", "USE_DESC", "WARP_SPECIALIZE",
-    "PERSISTENT",
-)  # fmt: skip
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages", "USE_DESC")
 
 
 def config_key(t: int, h: int, i: int, dtype: torch.dtype) -> str:
@@ -400,27 +310,25 @@ def default_config(t: int, h: int, i: int, dtype: torch.dtype, on_gpu: bool) -> 
     """
     if not on_gpu:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, SPLIT_K=1, num_warps=4, num_stages=1,
-                    USE_DESC=False,
-                    WARP_SPECIALIZE=False, PERSISTENT=False)  # fmt: skip
+                    USE_DESC=False)  # fmt: skip
     if dtype == torch.float32:
         # fp32 dots are FMA loops (ieee precision, no tensor cores) with far more live registers:
         # offline sm_90 compiles spilled at 64x64x32 (237 spill stores) and 16x32x128; these do not.
         if t <= 16:
             return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=3,
-                        USE_DESC=True, WARP_SPECIALIZE=False, PERSISTENT=False)  # fmt: skip
+                        USE_DESC=True)  # fmt: skip
         if t <= 64:
             return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=3,
-                        USE_DESC=True, WARP_SPECIALIZE=False, PERSISTENT=False)  # fmt: skip
+                        USE_DESC=True)  # fmt: skip
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3,
-                    USE_DESC=True, WARP_SPECIALIZE=False, PERSISTENT=False)  # fmt: skip
+                    USE_DESC=True)  # fmt: skip
     if t <= 64:
         bm = max(16, next_pow2(t))
         # BLOCK_K 256 only at BLOCK_M 16: 4 stages of (64 + 2 x 32) x 256 bf16 would be 256 KB.
         return dict(BLOCK_M=bm, BLOCK_N=32 if i >= 8192 else 16, BLOCK_K=256 if bm == 16 else 128, GROUP_M=1,
-                    SPLIT_K=1, num_warps=4, num_stages=4, USE_DESC=True, WARP_SPECIALIZE=False, PERSISTENT=False)  # fmt: skip
+                    SPLIT_K=1, num_warps=4, num_stages=4, USE_DESC=True)  # fmt: skip
     # 3 stages (144 KB) rather than 4 (192 KB + the epilogue's layout conversions, near the 227 KB limit).
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3, USE_DESC=True,
-                WARP_SPECIALIZE=False, PERSISTENT=False)  # fmt: skip
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3, USE_DESC=True)
 
 
 # Decode: both GEMMs of the MLP through _mlp_decode_kernel, each with its own autotune entry.
@@ -443,7 +351,7 @@ def decode_generic_key(t: int, dtype: torch.dtype) -> str:
 
 def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = True) -> dict:
     """The decode kernel's config by rule for the H200 (132 SMs, 227 KB of shared memory per block):
-    the fastest configs of the ``bench/sweep.py mlp_decode`` sweep at Llama-3 8B's shapes (run 34,
+    the fastest configs of the ``benchmarks/sweeps.py mlp_decode`` sweep at Llama-3 8B's shapes (run 34,
     2026-11-30; offline sm_90 compiles: no spills in any of these).
 
     A decode GEMM reads each weight byte once, so it is judged by the bytes each SM keeps in flight
@@ -509,7 +417,7 @@ _DECODE_SWEEP = {
 
 
 def decode_candidates(t: int, n: int, k: int, glu: bool, sms: int = 132) -> list[dict]:
-    """The decode sweep's configs for one GEMM at T tokens (bench/sweep.py mlp_decode): the rule's
+    """The decode sweep's configs for one GEMM at T tokens (benchmarks/sweeps.py mlp_decode): the rule's
     first, then ``_DECODE_SWEEP``'s; any over the shared memory limit is left out."""
     bm = max(16, next_pow2(t))
     out = [decode_config(t, n, k, glu, sms)]
@@ -520,12 +428,12 @@ def decode_candidates(t: int, n: int, k: int, glu: bool, sms: int = 132) -> list
     return [c for c in out if decode_smem_bytes(c, glu) + 4096 <= _SMEM_LIMIT]
 
 
-def compiles_correctly(cfg: dict) -> bool:
-    """Whether a gate-up config is one Triton 3.6 compiles correctly on sm_90: warp specialization
-    needs 8 warps (on an H200, 2026-11-30, run 35, the 128x64x64 tile at 4 warps with descriptors
-    and WARP_SPECIALIZE left the saved pre-activation unwritten; 128x128x64 at 8 warps passed). The
-    tuner offers no other; a stored config failing it is ignored (``autotune.get_config``'s check)."""
-    return not (cfg.get("WARP_SPECIALIZE") and cfg["num_warps"] < 8)
+def _known_form(cfg: dict) -> bool:
+    """Whether a stored gate-up config asks for a form this kernel has: caches written before session
+    19 also hold ``WARP_SPECIALIZE`` and ``PERSISTENT`` (the warp-specialized K loop and the persistent
+    tile loop, which no shipped config used; removed): False is dropped, True is ignored with a
+    warning (``autotune.get_config``'s check) and the rule's config runs."""
+    return not (cfg.get("WARP_SPECIALIZE") or cfg.get("PERSISTENT"))
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -542,35 +450,11 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-# Scratch for device-side tensor descriptors: each launch gets a fresh buffer from the caching
-# allocator, which may hand the next launch the same block at once (stream order makes that safe).
-# Under programmatic dependent launch it is not: the down GEMM's programs start while the gate-up
-# GEMM's still run and read their descriptors from their scratch, so a down GEMM given the same
-# block would overwrite them mid-kernel. Inside ``_holding_scratch`` our allocator is the one in use
-# (whatever another library set: torch.compile's code, run before the PDL timings that hung in
-# runs 48-50 and 53, is one suspect) and every scratch buffer stays referenced until the block
-# exits, so the two launches get distinct blocks.
-_scratch_hold = threading.local()
-
-
+# Scratch for device-side tensor descriptors (the gate-up kernel's USE_DESC): a fresh buffer a launch
+# from the caching allocator, which may hand the next launch the same block (stream order makes that
+# safe; the decode kernels, whose launches overlap under PDL, take host-built descriptors instead).
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    buf = torch.empty(size, dtype=torch.int8, device="cuda")
-    held = getattr(_scratch_hold, "bufs", None)
-    if held is not None:
-        held.append(buf)
-    return buf
-
-
-@contextlib.contextmanager
-def _holding_scratch():
-    previous = getattr(_scratch_hold, "bufs", None)
-    _scratch_hold.bufs = []
-    token = _allocation._allocator.set(_scratch)
-    try:
-        yield
-    finally:
-        _allocation._allocator.reset(token)
-        _scratch_hold.bufs = previous
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 # --------------------------------------------------------------------------------------------
@@ -584,6 +468,16 @@ def _holding_scratch():
 # FUSEFORMER_GLUON=0 turns it off.
 _GLUON_GATE_UP = _gluon.ENABLED
 _GLUON_MIN_TOKENS = 512
+
+
+def cached_config(t: int, h: int, i: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The Triton gate-up kernel's launch config at T tokens (the autotune cache's, else the shipped
+    table's, else :func:`default_config`); a config a sweep passes as ``config=`` replaces it."""
+    cfg = autotune.get_config(
+        KERNEL, config_key(t, h, i, dtype), device=device, generic_key=generic_key(t, dtype),
+        default=lambda: default_config(t, h, i, dtype, torch.device(device).type == "cuda"), check=_known_form,
+    )  # fmt: skip
+    return {k: v for k, v in cfg.items() if k in CONFIG_KEYS}
 
 
 def mlp_gate_up_fwd(
@@ -614,11 +508,7 @@ def mlp_gate_up_fwd(
             pre.zero_()
         return y, pre
     assert x.stride(1) == 1 and w_gate_up.stride(1) == 1
-    cfg = config or autotune.get_config(
-        KERNEL, config_key(t, h, i, x.dtype), device=x.device, generic_key=generic_key(t, x.dtype),
-        default=lambda: default_config(t, h, i, x.dtype, x.is_cuda), check=compiles_correctly,
-    )  # fmt: skip
-    cfg = dict(cfg)
+    cfg = dict(config or cached_config(t, h, i, x.dtype, x.device))
     if cfg.get("USE_DESC") and not (_aligned(x) and _aligned(w_gate_up)):
         cfg["USE_DESC"] = False
         if cfg["BLOCK_M"] >= 64:
@@ -628,19 +518,6 @@ def mlp_gate_up_fwd(
     if cfg.get("USE_DESC") and x.is_cuda:
         _ensure_allocator()
     split = cfg.setdefault("SPLIT_K", 1)
-    persistent = cfg.setdefault("PERSISTENT", False)
-    if persistent and cfg["USE_DESC"] and split == 1:
-        tiles = triton.cdiv(t, cfg["BLOCK_M"]) * triton.cdiv(i, cfg["BLOCK_N"])
-        kernel_cfg = {k: v for k, v in cfg.items() if k not in ("SPLIT_K", "USE_DESC", "PERSISTENT")}
-        _mlp_gate_up_persistent_kernel[(min(tiles, sm_count(x)),)](
-            x, w_gate_up, y, pre if pre is not None else y,
-            t, i, h,
-            x.stride(0), w_gate_up.stride(0), y.stride(0), pre.stride(0) if pre is not None else 0,
-            ACTIVATION=activation, SAVE_PRE=save_pre,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            **kernel_cfg,
-        )  # fmt: skip
-        return y, pre
     # Split-K partials (SPLIT_K, T, 2I) fp32: 0.46 MB a split at T 1, I 14336, next to 235 MB of weights.
     ws = empty((split, t, 2 * i), dtype=torch.float32, device=x.device) if split > 1 else y
     tiles = triton.cdiv(t, cfg["BLOCK_M"]) * triton.cdiv(i, cfg["BLOCK_N"])
@@ -650,7 +527,7 @@ def mlp_gate_up_fwd(
         x.stride(0), w_gate_up.stride(0), y.stride(0), pre.stride(0) if pre is not None else 0,
         ACTIVATION=activation, SAVE_PRE=save_pre,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        **{k: v for k, v in cfg.items() if k != "PERSISTENT"},
+        **cfg,
     )  # fmt: skip
     if split > 1:
         _split_k_reduce(ws, y, pre, activation, glu=True)
@@ -674,17 +551,15 @@ def _split_k_reduce(ws: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | Non
 
 def _decode_gemm(
     x: torch.Tensor, w: torch.Tensor, glu: bool, activation: str, config: dict, pdl: str = "",
-    times: torch.Tensor | None = None, rows: int | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x (T, K), w (2N, K) = [gate; up] (``glu``) or (N, K) -> act(x Wg^T) * (x Wu^T) or x W^T (T, N),
-    x's dtype, through _mlp_decode_kernel (16-byte aligned rows: tensor descriptors).
+    x's dtype, through _mlp_decode_kernel (16-byte aligned rows: host-built tensor descriptors).
 
     ``pdl``: "" none, "trigger" (this kernel lets the next one launch early), "wait" (this kernel is
-    launched as a programmatic dependent of the previous one and waits for its writes). ``times``
-    (sweeps): int64 (programs, 4) that the kernel fills with its timeline (_mlp_decode_kernel's TIMES).
-    ``rows`` (host descriptors only): the output's rows, where they differ from x's (``DECODE_PAD_Y``):
-    more (the rows past x's come out of zero x rows: zeros after the act) or fewer (x's last rows
-    are padding)."""
+    launched as a programmatic dependent of the previous one and waits for its writes). ``rows``: the
+    output's rows, where they differ from x's (y padded, see mlp_decode_fwd): more (the rows past x's
+    come out of zero x rows: zeros after the act) or fewer (x's last rows are padding)."""
     t, k = x.shape
     m = t if rows is None else rows
     n = w.shape[0] // 2 if glu else w.shape[0]
@@ -692,60 +567,37 @@ def _decode_gemm(
     split = config["SPLIT_K"]
     # Split-K partials (SPLIT_K, T, 2N or N) fp32: 1 MB a split at T 64 for the down GEMM (N 4096).
     ws = empty((split, m, 2 * n if glu else n), dtype=torch.float32, device=x.device) if split > 1 else out
-    host_desc = _host_desc(pdl)
-    assert host_desc or m == t, "rows other than x's need host descriptors (x's own shape in them)"
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    if host_desc:  # decode_supported has checked what a descriptor needs (aligned bases and rows)
-        x_arg = HostDesc(x, (t, k), (x.stride(0), 1), (bm, bk))
-        w_arg = HostDesc(w, tuple(w.shape), (w.stride(0), 1), (bn, bk))
-    else:
-        x_arg, w_arg = x, w
-        if x.is_cuda:
-            _ensure_allocator()
+    # decode_supported has checked what a descriptor needs (aligned bases and rows).
+    x_arg = HostDesc(x, (t, k), (x.stride(0), 1), (bm, bk))
+    w_arg = HostDesc(w, tuple(w.shape), (w.stride(0), 1), (bn, bk))
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-    args = (x_arg, w_arg, out, ws, m, n, k, x.stride(0), w.stride(0), out.stride(0), times)
-    prefetch = PDL_PREFETCH_BYTES if pdl == "wait" else 0
-    lc = _decode_launch_config(
-        glu, activation, x.dtype == torch.float32, pdl, prefetch, host_desc, tuple(config.items())
-    )
-    if host_desc:
-        _decode_launcher.launch(grid, lc, _launch_key(x, w, out, ws, times), args)
-    else:
-        _mlp_decode_kernel[grid](*args, **lc.kwargs)
+    lc = _decode_launch_config(glu, activation, x.dtype == torch.float32, pdl, tuple(config.items()))
+    _decode_launcher.launch(grid, lc, _launch_key(x, w, out, ws), (x_arg, w_arg, out, ws, m, n, k, out.stride(0)))
     if split > 1:
         _split_k_reduce(ws, out, None, activation, glu)
     return out
 
 
-def _host_desc(pdl: str) -> bool:
-    """Whether a decode GEMM launched with this ``pdl`` takes host-built descriptors."""
-    return DECODE_HOST_DESC and not (pdl == "wait" and PDL_PREFETCH_BYTES)
-
-
 @functools.cache
-def _decode_launch_config(
-    glu: bool, activation: str, fp32: bool, pdl: str, prefetch: int, host_desc: bool, config: tuple
-):  # fmt: skip
+def _decode_launch_config(glu: bool, activation: str, fp32: bool, pdl: str, config: tuple):
     """The LaunchConfig of one decode GEMM (``config``: the tile config's items), built once for
-    every value of its arguments (the module's knobs among them: a sweep that sets them is keyed)."""
+    every value of its arguments."""
     return launch_config(
         GLU=glu, ACTIVATION=activation, PRECISION="ieee" if fp32 else "tf32",
         PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
-        **({"launch_pdl": True, "PREFETCH_BYTES": prefetch} if pdl == "wait" else {}),
-        HOST_DESC=host_desc,
+        **({"launch_pdl": True} if pdl == "wait" else {}),
         **dict(config),
     )  # fmt: skip
 
 
-def _launch_key(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor, times: torch.Tensor | None):
+def _launch_key(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor):
     """What, beside the launch config and the ints (in the key through the shapes and strides below),
     decides Triton's specialization of a decode launch (``DescLauncher``): dtypes, shapes and row
-    strides, each pointer's 16-byte alignment (True: all four aligned, the common case), and whether
-    there is a timeline buffer."""
+    strides, and each pointer's 16-byte alignment (True: all four aligned, the common case)."""
     px, pw, po, pws = x.data_ptr(), w.data_ptr(), out.data_ptr(), ws.data_ptr()
     aligned = not (px | pw | po | pws) & 15 or (px % 16 == 0, pw % 16 == 0, po % 16 == 0, pws % 16 == 0)
-    return (x.dtype, x.shape, x.stride(0), w.shape, w.stride(0), out.shape, out.stride(0),
-            ws.dtype, aligned, None if times is None else times.data_ptr() % 16 == 0)  # fmt: skip
+    return (x.dtype, x.shape, x.stride(0), w.shape, w.stride(0), out.shape, out.stride(0), ws.dtype, aligned)
 
 
 # Direct launches of the decode kernel with host-built descriptors (after the first, compiling one).
@@ -792,12 +644,13 @@ def mlp_decode_fwd(
     activation: str,
     gate_up_config: dict | None = None,
     down_config: dict | None = None,
-    times: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (T, H), T <= 64 -> out (T, H) and y (T, I): the gate-up GEMM with the activation, then the
     down GEMM, both through _mlp_decode_kernel (plus the split-K epilogue where a config splits).
     No pre-activation (inference only). The configs override the cached ones (sweeps, tests);
-    ``times`` (sweeps): the two GEMMs' timeline buffers (``_decode_gemm``)."""
+    ``pdl=False`` launches the down GEMM plainly where it would be a programmatic dependent launch
+    (the sweeps' and tests' baseline; the result is the same bits)."""
     t, h = x.shape
     i = w_down.shape[1]
     tb = next_pow2(t)
@@ -807,54 +660,26 @@ def mlp_decode_fwd(
         down_config = _decode_plan(DOWN_DECODE, tb, h, i, x.dtype, x.device)
     # The down GEMM as a programmatic dependent launch of the gate-up GEMM (sm_90+): its programs
     # start while the gate-up's last ones run and wait for y in-kernel, so the gap between the two
-    # (launch, program start, descriptor set-up) leaves the weight stream. Only where gate-up is one
-    # kernel (no split-K epilogue between them) and the device is sm_90+.
-    pdl = PDL_DECODE and gate_up_config["SPLIT_K"] == 1 and _pdl_capable(x.device)
-    t_gate_up, t_down = times if times is not None else (None, None)
-    # y padded to the down GEMM's row block of 16 (DECODE_PAD_Y; T < 16, where it was timed): the
-    # gate-up GEMM writes all 16 rows (those past T are zeros: x's missing rows read as zeros, and
-    # act(0) * 0 = 0) and the down GEMM reads y without out-of-bounds rows.
+    # (launch, program start) leaves the weight stream. Only where gate-up is one kernel (no split-K
+    # epilogue between them) and the device is sm_90+. Run 53 (H200, 2026-12-01, L2 flushed by
+    # reading), whole MLP at the rule's configs, us without / with PDL (the plain launch timed twice,
+    # first and last): T 1 102.5, 100.5 / 97.7; T 8 101.3, 96.4 / 93.8; T 32 108.5, 100.1 / 99.6; T 64
+    # 104.4, 100.0 / 98.3. Host-built descriptors (run 57, whole MLP with PDL, us device-built / host-
+    # built: T 1 99.3 / 97.7, T 8 96.0 / 94.4, T 32 97.9 / 94.9, T 64 99.3 / 98.9) also leave the two
+    # overlapping kernels no descriptor scratch to share (the hangs of runs 48-50).
+    pdl = pdl and gate_up_config["SPLIT_K"] == 1 and _pdl_capable(x.device)
+    # y padded to the down GEMM's row block of 16 (T < 16): the gate-up GEMM writes all 16 rows (those
+    # past T are zeros: x's missing rows read as zeros, and act(0) * 0 = 0) and the down GEMM reads y
+    # without out-of-bounds rows. Runs 60-66: the down GEMM alone ran 35.4 us at T 1, 32.9 at T 2, 30.8
+    # at T 8 (one row block of 16 each time): fewer valid rows in its x boxes, slower. Run 70 (H200,
+    # 2026-12-01): the down alone on a padded y 33.6 -> 29.8 us at T 1, 32.7 -> 28.8 at T 2, level at
+    # T 8; the whole MLP with PDL from CUDA graphs 91.9 -> 90.6-90.9 us at T 1, 92.4 -> 89.0-89.3 at T 2.
     bm = down_config["BLOCK_M"]
-    pad = (
-        DECODE_PAD_Y and DECODE_HOST_DESC and not PDL_PREFETCH_BYTES and t < bm == 16
-        and gate_up_config["BLOCK_M"] == bm and gate_up_config["SPLIT_K"] == 1
-    )  # fmt: skip
+    pad = t < bm == 16 and gate_up_config["BLOCK_M"] == bm and gate_up_config["SPLIT_K"] == 1
     y_rows, out_rows = (bm, t) if pad else (None, None)
-    if not pdl or _host_desc("wait"):  # PDL with host descriptors: no scratch to hold
-        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger" if pdl else "", t_gate_up, y_rows)
-        out = _decode_gemm(y, w_down, False, activation, down_config, "wait" if pdl else "", t_down, out_rows)
-        return out, (y[:t] if pad else y)
-    with _holding_scratch():  # the two kernels overlap: their device descriptors' scratch must not alias
-        y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger", t_gate_up, y_rows)
-        out = _decode_gemm(y, w_down, False, activation, down_config, "wait", t_down, out_rows)
-        return out, (y[:t] if pad else y)
-
-
-# Programmatic dependent launch between the two decode GEMMs: on. Run 53 (H200, 2026-12-01, sweep
-# mlp_decode_pdl, L2 flushed by reading), whole MLP at the rule's configs, us without / with PDL
-# (the plain launch timed twice, first and last): T 1 102.5, 100.5 / 97.7; T 8 101.3, 96.4 / 93.8;
-# T 32 108.5, 100.1 / 99.6; T 64 104.4, 100.0 / 98.3: 85.1, 88.7, 83.5, 84.6% of the copy ceiling.
-# Its hangs (runs 48-50, the first try of run 53) came from descriptor scratch shared between the
-# two overlapping kernels: in a process where torch.compile's code had run, Triton's allocator was
-# Inductor's (no hold), so the down GEMM could be given the gate-up GEMM's just-freed scratch block
-# and overwrite descriptors still in use. ``_holding_scratch`` now sets ours for the two launches.
-PDL_DECODE = True
-# Under PDL, the bytes of each weight row the down GEMM prefetches into L2 before it waits for y
-# (0: none). Run 53: 2 KB a row -0.5 to +1.0 points against none, 4-16 KB -0.6 to -6: off.
-PDL_PREFETCH_BYTES = 0
-# The decode kernels' TMA descriptors built on the host (TensorDescriptor kernel parameters) rather
-# than by each program in scratch memory: on. Run 57 (H200, 2026-12-01, sweep mlp_decode_pdl, median
-# of 3 rounds), whole MLP with PDL, us device / host descriptors: T 1 99.3 / 97.7, T 8 96.0 / 94.4,
-# T 32 97.9 / 94.9, T 64 99.3 / 98.9 (84.6, 87.6, 87.1, 83.6% of the clean copy ceiling). Without
-# scratch, the PDL launches need no scratch hold either (``_holding_scratch`` stays for the other form).
-DECODE_HOST_DESC = True
-# y written padded to the down GEMM's BLOCK_M rows (zeros past T), so that the down GEMM's x tiles
-# have no out-of-bounds rows. Runs 60-66 (sweep mlp_decode_timeline): the down GEMM alone with the
-# same config ran 35.4 us at T 1, 32.9 at T 2, 30.8 at T 8 (one row block of 16 each time): fewer
-# valid rows in its x boxes, slower. Run 70 (H200, 2026-12-01): the down alone on a padded y 33.6 ->
-# 29.8 us at T 1, 32.7 -> 28.8 at T 2, level at T 8; the whole MLP with PDL from CUDA graphs 91.9 ->
-# 90.6-90.9 us at T 1 and 92.4 -> 89.0-89.3 at T 2, eager 94.0 -> 93.3 at T 1; level at T 8. On.
-DECODE_PAD_Y = True
+    y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger" if pdl else "", y_rows)
+    out = _decode_gemm(y, w_down, False, activation, down_config, "wait" if pdl else "", out_rows)
+    return out, (y[:t] if pad else y)
 
 
 @functools.cache
@@ -1036,8 +861,10 @@ def _smem_bytes(cfg: dict, element_size: int = 2) -> int:
 
 
 def candidate_configs(t: int, dtype: torch.dtype) -> list[dict]:
-    """The sweep for one T bucket: tile shapes, stages, warps, split-K, descriptors, warp
-    specialization; configs whose operand stages overflow shared memory are left out."""
+    """The tuner's candidates for one T bucket: tile shapes, stages, warps, split-K, descriptors;
+    configs whose operand stages overflow shared memory are left out. (Until session 19 also the
+    warp-specialized K loop and a persistent tile loop: no tuning run picked either for a shipped
+    table; removed.)"""
     es = torch.empty((), dtype=dtype).element_size()
     return [c for c in _candidates(t) if _smem_bytes(c, es) + 16384 <= _SMEM_LIMIT]
 
@@ -1052,18 +879,16 @@ def _candidates(t: int) -> list[dict]:
                     for desc in (True, False):
                         for split in (1, 2, 4):
                             out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split,
-                                            num_warps=4, num_stages=stages, USE_DESC=desc,
-                                            WARP_SPECIALIZE=False, PERSISTENT=False))  # fmt: skip
+                                            num_warps=4, num_stages=stages, USE_DESC=desc))  # fmt: skip
         return out
     for bm, bn, warps in ((128, 128, 8), (128, 64, 4), (64, 128, 4), (128, 64, 8), (64, 64, 4)):
         if bm > max(64, next_pow2(t)):
             continue
         for stages in (3, 4, 5):
-            for desc, ws, persistent in ((True, False, False), (False, False, False), (True, True, False),
-                                         (True, False, True), (True, True, True)):  # fmt: skip
+            for desc in (True, False):
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, num_warps=warps,
-                                num_stages=stages, USE_DESC=desc, WARP_SPECIALIZE=ws, PERSISTENT=persistent))  # fmt: skip
-    return [c for c in out if compiles_correctly(c)]
+                                num_stages=stages, USE_DESC=desc))  # fmt: skip
+    return out
 
 
 def tune_mlp_gate_up(quick: bool = False) -> list[dict]:

@@ -38,7 +38,7 @@ configs under the interpreter): nothing is shipped for them in ``tuned/`` until 
 committed. An op looks its config up once per (shape bucket, flags, dtype, device) in a cache made
 with :func:`plan_cache`, never on every call; :func:`store` and :func:`clear_memory` empty those caches,
 so a config tuned in this process is used at once. Explicit overrides (``config=`` arguments, the
-``CONFIG_OVERRIDES`` of attention and paged attention, ``FUSEFORMER_ATTN_*``) apply after the lookup.
+``CONFIG_OVERRIDES`` of attention and paged attention) apply after the lookup.
 """
 
 from __future__ import annotations

@@ -107,12 +107,10 @@ def test_flash_attention_matches_reference(b, sq, sk, hq, hkv, d, causal, window
     _check(b, sq, sk, hq, hkv, d, device, causal=causal, window=window)
 
 
-@pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("scale", [0.3, -0.3])
-def test_flash_attention_scale_folding(fold, scale, device, monkeypatch):
-    """The forward with the scale folded into the exponent (FOLD_SCALE, used for positive scales)
-    and without it (negative scales always, or FOLD_SCALE off) both match the reference."""
-    monkeypatch.setattr(attn_mod, "FOLD_SCALE", fold)
+def test_flash_attention_scale_folding(scale, device):
+    """The forward with the scale folded into the exponent (FOLD_SCALE, positive scales) and without
+    it (a negative scale) both match the reference."""
     _check(1, 65, 65, 4, 2, 32, device, causal=True, scale=scale)
     _check(1, 33, 65, 2, 1, 40, device, window=(5, 3), scale=scale)
 
@@ -153,24 +151,23 @@ def test_flash_attention_other_block_sizes(device, monkeypatch):
 
 @pytest.mark.parametrize("varlen", [False, True])
 def test_flash_attention_pointer_loads_without_tma(varlen, device, monkeypatch):
-    """The non-TMA path of every kernel (taken where a layout cannot have a TMA descriptor)."""
-    monkeypatch.setattr(attn_mod, "USE_TMA", False)
+    """The non-TMA path of every kernel (taken where a layout cannot have a TMA descriptor, and below
+    sm_90)."""
+    _no_tma(monkeypatch)
     if varlen:
         _check(None, None, None, 4, 2, 32, device, lens_q=[20, 3], lens_k=[20, 9], causal=True, window=(6, -1))
     else:
         _check(1, 40, 50, 4, 1, 40, device, causal=True, window=(12, -1))
 
 
-def test_flash_attention_atomic_dq(device, monkeypatch):
-    monkeypatch.setattr(bwd_mod, "DQ_MODE", "atomic")
-    monkeypatch.delenv("FUSEFORMER_DETERMINISTIC", raising=False)
-    _check(1, 40, 50, 4, 2, 32, device, causal=True, window=(12, -1))
+def _no_tma(monkeypatch):
+    """Pointer loads in every kernel, as on a GPU below sm_90 (_use_tma is imported by attention_bwd)."""
+    monkeypatch.setattr(attn_mod, "_use_tma", lambda t: False)
+    monkeypatch.setattr(bwd_mod, "_use_tma", lambda t: False)
 
 
-def test_flash_attention_deterministic_mode_is_bitwise_repeatable(device, monkeypatch):
-    monkeypatch.setattr(bwd_mod, "DQ_MODE", "atomic")
-    monkeypatch.setenv("FUSEFORMER_DETERMINISTIC", "1")
-    assert bwd_mod.deterministic()
+def test_flash_attention_backward_is_bitwise_repeatable(device):
+    """No atomics anywhere in the backward: the same inputs give the same bits."""
     q, k, v = _inputs(1, 33, 33, 2, 1, 32, torch.float16, device)
     g = torch.randn_like(q)
     grads = []
@@ -286,12 +283,10 @@ def test_flash_attention_bad_input(args, kwargs, match):
         F.flash_attention(*args, **kwargs)
 
 
-@pytest.mark.parametrize("pad", [True, False])
 @pytest.mark.parametrize("lens", [[16, 48, 32], [1, 47, 0, 33]])
-def test_flash_attention_varlen_padded_stats(lens, pad, device, monkeypatch):
-    """The varlen dk/dv kernel with lse/delta from the padded copies (16-aligned sequence starts) and
-    without them: both match the reference, with lse's gradient too."""
-    monkeypatch.setattr(bwd_mod, "PAD_VARLEN_STATS", pad)
+def test_flash_attention_varlen_padded_stats(lens, device):
+    """The varlen dk/dv kernel with lse/delta from the padded copies (16-aligned sequence starts)
+    matches the reference, with lse's gradient too."""
     _check(None, None, None, 4, 2, 32, device, causal=True, lens_q=lens, lens_k=lens, lse_grad=True)
 
 
@@ -387,12 +382,10 @@ def test_flash_attention_varlen_gpu(lens_q, lens_k, hq, hkv, d, causal, window, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
 @pytest.mark.parametrize("tma", [True, False])
-def test_flash_attention_gpu_dq_modes_tma_and_noncontiguous(dq_mode, tma, monkeypatch):
-    monkeypatch.setattr(bwd_mod, "DQ_MODE", dq_mode)
-    monkeypatch.setattr(attn_mod, "USE_TMA", tma)
-    monkeypatch.delenv("FUSEFORMER_DETERMINISTIC", raising=False)
+def test_flash_attention_gpu_tma_and_noncontiguous(tma, monkeypatch):
+    if not tma:
+        _no_tma(monkeypatch)
     _check(2, 1025, 1025, 8, 2, 128, "cuda", causal=True, dtype=torch.bfloat16)
     _check(2, 1025, 1025, 8, 2, 128, "cuda", causal=True, dtype=torch.bfloat16, noncontig=True)
     lens = [1, 17, 97, 1025]
@@ -488,7 +481,8 @@ def test_flash_attention_gluon_backward_gpu(b, s, hq, hkv, causal, dtype, gluon_
             hopper, name, lambda *a, real=real, name=name, **kw: calls.append((name, a[-1])) or real(*a, **kw)
         )
     monkeypatch.setattr(bwd_mod, "_GLUON_BWD", True)
-    monkeypatch.setattr(bwd_mod, "_GLUON_DQ", gluon_dq)
+    if not gluon_dq:  # the Gluon dK/dV kernel with the Triton dq kernel, as at head dims outside DQ_HEAD_DIMS
+        monkeypatch.setattr(hopper, "DQ_HEAD_DIMS", ())
     _check(b, s, s, hq, hkv, 128, "cuda", causal=causal, dtype=dtype)
     assert calls == [("backward_dkdv", causal)] + ([("backward_dq", causal)] if gluon_dq else [])
 
@@ -543,7 +537,7 @@ def test_gluon_attention_kernels_compile_for_sm90_offline():
     shared memory, at head dims 128 and 64: Gluon has no interpreter, so this is what CI can check of
     them without a GPU."""
     if not _gluon.HAVE_GLUON:
-        pytest.skip("this Triton has no Gluon")
+        pytest.skip(f"Gluon kernels off: {_gluon.UNAVAILABLE}")
     compile_offline(_OFFLINE_GLUON, timeout=600)
 
 
@@ -555,7 +549,7 @@ def test_gluon_kernels_write_into_the_launchers_outputs(monkeypatch):
     from fuseformer.ops import attention_hopper as hopper
 
     if not _gluon.HAVE_GLUON:
-        pytest.skip("this Triton has no Gluon")
+        pytest.skip(f"Gluon kernels off: {_gluon.UNAVAILABLE}")
     seen = {}
 
     class Stub:
@@ -572,7 +566,6 @@ def test_gluon_kernels_write_into_the_launchers_outputs(monkeypatch):
     monkeypatch.setattr(hopper, "DQ_HEAD_DIMS", (64,))
     monkeypatch.setattr(attn_mod, "_GLUON_FWD", True)
     monkeypatch.setattr(bwd_mod, "_GLUON_BWD", True)
-    monkeypatch.setattr(bwd_mod, "_GLUON_DQ", True)
     q, k, v, do = (torch.randn(1, 128, 2, 64, dtype=torch.float16) for _ in range(4))
     out, lse = attn_mod.flash_attention_fwd(q, k, v, None, None, 128, 128, 0.125, -1, 0)
     fwd = seen["_attention_fwd_kernel"]
@@ -630,6 +623,5 @@ def test_flash_attention_gluon_hd64_gpu(b, s, hq, hkv, causal, gluon_dq, monkeyp
         monkeypatch.setattr(hopper, "DQ_HEAD_DIMS", (64, 128))
     monkeypatch.setattr(attn_mod, "_GLUON_FWD", True)
     monkeypatch.setattr(bwd_mod, "_GLUON_BWD", True)
-    monkeypatch.setattr(bwd_mod, "_GLUON_DQ", True)
     _check(b, s, s, hq, hkv, 64, "cuda", causal=causal, dtype=torch.bfloat16)
     assert calls == ["forward", "backward_dkdv"] + (["backward_dq"] if gluon_dq else [])

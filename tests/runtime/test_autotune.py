@@ -165,8 +165,7 @@ def test_bucket_and_family():
 def test_fused_mlp_launches_with_the_cached_config(monkeypatch):
     """The op asks the cache: a config stored for its key is the one the kernel is launched with."""
     t, h, i = 5, 32, 48
-    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=1, USE_DESC=False,
-               WARP_SPECIALIZE=False)  # fmt: skip
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=1, USE_DESC=False)
     autotune.store(M.KERNEL, M.config_key(t, h, i, torch.float32), cfg)
     seen = []
     real = M._mlp_gate_up_kernel
@@ -174,7 +173,7 @@ def test_fused_mlp_launches_with_the_cached_config(monkeypatch):
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                seen.append({k: kwargs[k] for k in M.CONFIG_KEYS if k != "PERSISTENT"})
+                seen.append({k: kwargs[k] for k in M.CONFIG_KEYS})
                 return real[grid](*args, **kwargs)
 
             return launch

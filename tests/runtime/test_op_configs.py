@@ -3,7 +3,7 @@
 - with nothing cached, each op resolves exactly the config it used before the cache (the H200-measured
   tables and rules, hard-coded here so that a silent change fails);
 - a config stored for the op's key is the one it launches with, and explicit overrides
-  (``config=``, attention's ``CONFIG_OVERRIDES`` and ``FUSEFORMER_ATTN_*``) still win over it;
+  (``config=``, attention's ``CONFIG_OVERRIDES``) still win over it;
 - a corrupt cache file or a stored config that does not fit is ignored with a warning;
 - the lookup happens once per plan (shape bucket, flags, dtype, device), not per call.
 """
@@ -32,8 +32,6 @@ BF16, FP32 = torch.bfloat16, torch.float32
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEFORMER_CACHE_DIR", str(tmp_path))
-    for kind in ("FWD", "BWD_DKDV", "BWD_DQ"):
-        monkeypatch.delenv(f"FUSEFORMER_ATTN_{kind}", raising=False)
     autotune.clear_memory()
     yield tmp_path
     autotune.clear_memory()
@@ -292,10 +290,7 @@ def test_attention_stored_config_under_overrides(monkeypatch):
     # Overrides go on top of the cached lookup, read on every call: never hidden by the cache.
     monkeypatch.setitem(ATT.CONFIG_OVERRIDES, "fwd", {"BLOCK_N": 32})
     assert fwd() == dict(stored, BLOCK_N=32)
-    monkeypatch.setenv("FUSEFORMER_ATTN_FWD", "num_warps=4")
-    assert fwd() == dict(stored, BLOCK_N=32, num_warps=4)
     monkeypatch.setitem(ATT.CONFIG_OVERRIDES, "fwd", {})
-    monkeypatch.delenv("FUSEFORMER_ATTN_FWD")
     assert fwd() == stored
     # The key is per (head dim, causal or full, dtype).
     assert _fields(ATT.kernel_config("fwd", 32, False, torch.float16, "cpu")) != stored
@@ -320,8 +315,7 @@ def test_attention_launchers_ask_with_their_shape(monkeypatch):
     q, k, v = (torch.randn(1, 8, 2, 32, dtype=torch.float16) for _ in range(3))
     out, lse = ATT.flash_attention_fwd(q, k, v, None, None, 8, 8, 0.2, -1, -1)
     lse.zero_()
-    ATT_BWD.flash_attention_bwd(out.zero_(), q, k, v, out, lse, None, None, None, 8, 8, 0.2, -1, -1,
-                                dq_mode="separate")  # fmt: skip
+    ATT_BWD.flash_attention_bwd(out.zero_(), q, k, v, out, lse, None, None, None, 8, 8, 0.2, -1, -1)
     assert seen == [configs["fwd"], configs["bwd_dkdv"], configs["bwd_dq"]]
 
 

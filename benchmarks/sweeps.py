@@ -1,10 +1,25 @@
-"""Launch-config sweeps for the tuning notes (docs/perf-notes.md): each config timed in one run."""
+"""The lab: launch-config sweeps and one-off investigations behind docs/perf-notes.md, each timed in one
+run on a CUDA GPU. Not part of the installed package (DESIGN.md §1; STYLE.md §15): what a sweep varies
+is an argument of the op's launcher (``config=``, ``gluon=``, ``pdl=``, ``dq_config=``, ``chunk_size=``),
+never a module global set from here.
+
+    python benchmarks/sweeps.py NAME [NAME ...] [--out DIR]     # records as JSON lines, and DIR/sweep.json
+    python benchmarks/sweeps.py --list
+
+Moved out of ``fuseformer/bench/sweep.py`` in session 19 (``fuseformer bench sweep`` and
+``FUSEFORMER_SWEEPS`` are gone). Sweeps of experiments that were measured and not shipped were deleted
+there; their results are in docs/perf-notes.md and their code in the commits before session 19:
+attention_fold, attention_layouts, flce_plan, mlp_decode_timeline (+ _t32), mlp_decode_pdl.
+"""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -254,18 +269,10 @@ def sweep_small_rows() -> list[dict]:
     x0 = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     w0 = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-    from fuseformer.bench.ops import _with_native
-
-    native_rms_norm = _with_native(lambda x, w: F.rms_norm(x, w), True)
-    python_rms_norm = _with_native(lambda x, w: F.rms_norm(x, w), False)
-    native_call = (lambda: native_rms_norm(x, w)) if native_rms_norm is not None else None
     calls = {
         "ours launcher": lambda: rn.rms_norm_fwd(x0, w0, None, 1e-6, store_rstd=False),
         "ours fwd no grad": lambda: F.rms_norm(x0, w0),
-        # The Python autograd.Function, and the native autograd node (runtime/native.py, the default
-        # where it builds; built before the timings).
-        "ours fwd": lambda: python_rms_norm(x, w),
-        **({"ours native fwd": native_call} if native_call is not None else {}),
+        "ours fwd": lambda: F.rms_norm(x, w),
         "F.rms_norm fwd": lambda: torch.nn.functional.rms_norm(x, (n,), w, 1e-6),
     }
     try:
@@ -362,7 +369,9 @@ def sweep_train_profile() -> list[dict]:
 
 def sweep_flce() -> list[dict]:
     """fused_linear_cross_entropy fwd+bwd at the goal shape (8192 tokens, H 4096, V 128256) over the
-    tokens per chunk: time, peak memory above the inputs, and (default chunk) the GPU time per kernel."""
+    tokens per chunk: time, peak memory above the inputs, and (default chunk) the GPU time per kernel.
+    (Runs 72-74 also timed the column CE kernels' tiles by setting ``_COLS_CONFIG``: 64 x 128 / 4 warps
+    shipped; that part is in the commits before session 19.)"""
     ce = importlib.import_module("fuseformer.ops.cross_entropy")
     n, h, v = 8192, 4096, 128256
     hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
@@ -388,65 +397,6 @@ def sweep_flce() -> list[dict]:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out.append(rec)
         torch.cuda.empty_cache()
-    # The default schedule's first chunk runs the column CE kernels (the vocabulary split to make about
-    # PROGRAMS programs): the whole FLCE with each candidate tile.
-    shipped = dict(ce._COLS_CONFIG)
-    # Run 73: 64 x 128 / 4 best (1.39 ms for both kernels; 32-token tiles 1.67-2.06): wider token
-    # segments (DRAM rows 8 KB apart) next.
-    for bt, bv, warps, programs in ((64, 128, 4, 1024), (128, 64, 4, 1024), (128, 64, 8, 1024), (256, 32, 8, 1024),
-                                    (256, 64, 8, 1024), (128, 128, 8, 1024), (64, 128, 4, 2048), (128, 64, 4, 512)):  # fmt: skip
-        ce._COLS_CONFIG = dict(BLOCK_T=bt, BLOCK_V=bv, num_warps=warps, PROGRAMS=programs)
-        rec = dict(kind="flce_cols_config", **ce._COLS_CONFIG)
-        try:
-            step = lambda: ce.fused_linear_cross_entropy_fwd(  # noqa: E731
-                hidden, weight, target, None, -100, "mean", 0.0, 0.0, True, True, False
-            )
-            step()
-            rec["ms"] = bench_ms(step, rep=100)
-            kernels = gpu_kernels(step)
-            rec["cols_kernel_us"] = 1e3 * sum(k["ms_per_call"] for k in kernels if "cross_entropy_cols" in k["name"])
-        except Exception as exc:
-            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        out.append(rec)
-    ce._COLS_CONFIG = shipped
-    return out
-
-
-def sweep_flce_plan() -> list[dict]:
-    """The FLCE's growing chunks at the goal shape (8192 tokens, H 4096, V 128256, bf16), fwd + bwd through
-    autograd (as `bench mlp_ce` times it), alternated: the shipped plan (the scratch grown by 3 tokens to
-    save the last 32-token chunk: 14 chunks), the plan before it (241 tokens: 15), and chunks aligned to 64 and 128
-    tokens (cuBLAS's tiles), each with its peak memory above the inputs and its chunk sizes."""
-    ce = importlib.import_module("fuseformer.ops.cross_entropy")
-    mlp_ce = importlib.import_module("fuseformer.bench.mlp_ce")
-    hidden, weight, target = mlp_ce.ce_inputs()
-    (n, h), v = hidden.shape, weight.shape[0]
-    shipped = (ce._growing_plan, ce._CHUNK_ALIGN)
-
-    def unchanged(n, h, v, c, first):  # the plan before: the scratch as _chunk_size gives it
-        return c, ce._growing_chunks(n, h, v, c * v, first)
-
-    step = mlp_ce.ce_step(lambda: ce.fused_linear_cross_entropy(hidden, weight, target), hidden, weight)
-    out = []
-    variants = (("shipped", None, 16), ("scratch 241", unchanged, 16), ("align 64", None, 64),
-                ("align 128", None, 128), ("shipped", None, 16), ("scratch 241", unchanged, 16))  # fmt: skip
-    try:
-        for name, scratch, align in variants:
-            ce._growing_plan = scratch or shipped[0]
-            ce._CHUNK_ALIGN = align
-            c, chunks = ce._growing_plan(n, h, v, ce._chunk_size(n, h, v, 2), h)
-            rec = dict(kind="flce_plan", plan=name, scratch_tokens=c, chunks=[e - s for s, e, _ in chunks])
-            try:
-                step()
-                hidden.grad = weight.grad = None  # the peak counts this call's gradients, not the last call's
-                rec["peak_gib_above_inputs"] = peak_gib_above(step)
-                rec["ms"] = bench_ms(step, rep=1000)
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            out.append(rec)
-            print(json.dumps(rec), flush=True)
-    finally:
-        ce._growing_plan, ce._CHUNK_ALIGN = shipped
     return out
 
 
@@ -566,19 +516,17 @@ def _energy_record(fn: Callable[[], object], handle, seconds: float = 3.0) -> di
 def sweep_flce_energy() -> list[dict]:
     """Whether the FLCE's time at the goal shape (8192 tokens, H 4096, V 128256, bf16, fwd + bwd through
     autograd as `bench mlp_ce` times it) follows its energy: for ours, ours with more logits memory
-    (the growing chunks' scratch x1.5 / x2 / x3, fixed 512 / 1024-token chunks), eager, Liger, the three
+    (fixed 512 / 1024-token chunks), eager, Liger, the three
     GEMMs alone at full size (25.8 TFLOP, no CE: what every schedule must compute), a 1 GiB copy and an
     8192^3 GEMM: do_bench's median, then NVML's energy counter over ~3 s of back-to-back calls
-    (:func:`_energy_record`), each after the same heating, the shipped plan first and last."""
+    (:func:`_energy_record`), each after the same heating, the shipped plan first and last. (Run 106
+    also timed the growing chunks' scratch x1.5 / x2 / x3 by replacing ``_growing_plan``; a memory-budget
+    goal would make that scratch a launcher argument, not a patched module function.)"""
     ce = importlib.import_module("fuseformer.ops.cross_entropy")
     mlp_ce = importlib.import_module("fuseformer.bench.mlp_ce")
     handle = _nvml_handle()
     hidden, weight, target = mlp_ce.ce_inputs()
     (n, h), v = hidden.shape, weight.shape[0]
-    shipped_plan = ce._growing_plan
-
-    def scaled_plan(f):
-        return lambda n, h, v, c, first: shipped_plan(n, h, v, int(c * f), first)
 
     def ours(chunk=None):
         return mlp_ce.ce_step(lambda: ce.fused_linear_cross_entropy(hidden, weight, target, chunk_size=chunk),
@@ -598,27 +546,23 @@ def sweep_flce_energy() -> list[dict]:
     dst = torch.empty_like(src)
     square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     peers = mlp_ce.ce_loss_fns(hidden, weight, target)
-    cases: list[tuple[str, Callable[[], object] | Exception, float | None, dict]] = [
-        ("fuseformer", ours(), 1.0, {}),
-        ("fuseformer scratch x1.5", ours(), 1.5, {}),
-        ("fuseformer scratch x2", ours(), 2.0, {}),
-        ("fuseformer scratch x3", ours(), 3.0, {}),
-        ("fuseformer fixed 512", ours(512), None, {}),
-        ("fuseformer fixed 1024", ours(1024), None, {}),
+    cases: list[tuple[str, Callable[[], object] | Exception, dict]] = [
+        ("fuseformer", ours(), {}),
+        ("fuseformer fixed 512", ours(512), {}),
+        ("fuseformer fixed 1024", ours(1024), {}),
         *(
-            (name, fn if isinstance(fn, Exception) else mlp_ce.ce_step(fn, hidden, weight), None, {})
+            (name, fn if isinstance(fn, Exception) else mlp_ce.ce_step(fn, hidden, weight), {})
             for name, fn in peers.items()
             if name != "fuseformer"
         ),  # fmt: skip
-        ("gemms alone", gemms, None, dict(tflop=3 * 2 * n * h * v / 1e12)),
-        ("copy 1 GiB", lambda: dst.copy_(src), None, dict(gb=2 * src.numel() * 2 / 1e9)),
-        ("gemm 8192^3", lambda: square @ square, None, dict(tflop=2 * 8192**3 / 1e12)),
-        ("fuseformer", ours(), 1.0, {}),
+        ("gemms alone", gemms, dict(tflop=3 * 2 * n * h * v / 1e12)),
+        ("copy 1 GiB", lambda: dst.copy_(src), dict(gb=2 * src.numel() * 2 / 1e9)),
+        ("gemm 8192^3", lambda: square @ square, dict(tflop=2 * 8192**3 / 1e12)),
+        ("fuseformer", ours(), {}),
     ]
     out: list[dict] = []
-    for name, fn, scale, extra in cases:
+    for name, fn, extra in cases:
         rec = dict(kind="flce_energy", impl=name, **extra)
-        ce._growing_plan = scaled_plan(scale) if scale not in (None, 1.0) else shipped_plan
         try:
             if isinstance(fn, Exception):
                 raise fn
@@ -635,47 +579,88 @@ def sweep_flce_energy() -> list[dict]:
                 rec["tflop_s"] = extra["tflop"] / rec["ms"] * 1e3
         except Exception as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        finally:
-            ce._growing_plan = shipped_plan
         hidden.grad = weight.grad = None
         out.append(rec)
         print(json.dumps(rec), flush=True)
     return out
 
 
-def sweep_attention() -> list[dict]:
-    from fuseformer.bench.attention import sweep_attention_configs
+def sweep_attention_configs(quick: bool = False, head_dims: tuple[int, ...] = (128,)) -> list[dict]:
+    """Time the Triton forward, dk/dv and dq kernels over the candidates of ops/attention.py's tuner
+    (``candidate_configs``: the full grid, or around the current tables when ``quick``) on the goal
+    shapes (bf16, H 32): causal S4096 for all three kernels, full S16384 for the forward (and, not
+    quick, the backward). ``gluon=False``: where the Gluon kernels would run, the Triton ones are timed.
 
-    return sweep_attention_configs(quick=True)
+    Each record: kernel, case, config (as requested; a config that does not fit falls back, see
+    ``launch``), ms, TFLOP/s (the forward's count for fwd; the backward's 2.5x for the whole
+    backward with that dk/dv or dq config), or an error.
+    """
+    records = []
+    for d in head_dims:
+        records += _attention_configs_case(d, 4096, True, quick, backward=True)
+        torch.cuda.empty_cache()
+        records += _attention_configs_case(d, 16384, False, quick, backward=not quick)
+        torch.cuda.empty_cache()
+    return records
 
 
-def sweep_attention_fold() -> list[dict]:
-    """The forward's FOLD_SCALE (the softmax scale inside the exponent's FMA) on and off at the
-    default configs, on the goal shapes (hd 128: causal S4096, full S16384) and the training case's
-    hd 64 causal, with SDPA's cuDNN kernel in the same run. (Run 43 also timed a loop issuing the
-    next block's q k^T before this block's softmax: 17-35% slower, removed.)"""
+def _attention_configs_case(d: int, seqlen: int, causal: bool, quick: bool, backward: bool) -> list[dict]:
     from fuseformer.bench import attention as ba
 
     attn = importlib.import_module("fuseformer.ops.attention")
-    out = []
-    for d, seqlen, causal in ((128, 4096, True), (128, 16384, False), (64, 4096, True)):
-        batch = ba.TOKENS // seqlen
-        case = dict(kind="attention_fold", batch=batch, seqlen=seqlen, heads=ba.HEADS, head_dim=d, causal=causal)
-        flops = ba.attention_flops(batch, seqlen, ba.HEADS, d, causal)
-        q, k, v = (t.detach() for t in ba._inputs(batch, seqlen, d))
-        args = (q, k, v, None, None, seqlen, seqlen, d**-0.5, -1, 0 if causal else -1)
-        previous = attn.FOLD_SCALE
-        try:
-            for fold in (True, False):
-                attn.FOLD_SCALE = fold
-                rec = dict(case, fold=fold)
-                out.append(ba._record(rec, "fuseformer", "fwd", flops, lambda a=args: attn.flash_attention_fwd(*a)))
-        finally:
-            attn.FOLD_SCALE = previous
-        cudnn = ba._impls(seqlen, causal)["sdpa_cudnn"]
-        out.append(ba._record(case, "sdpa_cudnn", "fwd", flops, lambda q=q, k=k, v=v: cudnn(q, k, v)))
-        torch.cuda.empty_cache()
-    return out
+    attn_bwd = importlib.import_module("fuseformer.ops.attention_bwd")
+    batch = ba.TOKENS // seqlen
+    case = dict(batch=batch, seqlen=seqlen, heads=ba.HEADS, head_dim=d, causal=causal)
+    flops = ba.attention_flops(batch, seqlen, ba.HEADS, d, causal)
+    q, k, v = (t.detach() for t in ba._inputs(batch, seqlen, d))
+    scale = d**-0.5
+    right = 0 if causal else -1
+    args = (q, k, v, None, None, seqlen, seqlen, scale, -1, right)
+    out, lse = attn.flash_attention_fwd(*args, gluon=False)
+    dout = torch.randn_like(out)
+    block_d = max(16, attn.next_pow2(d))
+
+    def fwd():
+        attn.flash_attention_fwd(*args, gluon=False)
+
+    def bwd():
+        attn_bwd.flash_attention_bwd(
+            dout, q, k, v, out, lse, None, None, None, seqlen, seqlen, scale, -1, right, gluon=False
+        )
+
+    records = []
+    for cfg in attn.candidate_configs("fwd", block_d, causal, quick):
+        with attn.tuning_config("fwd", cfg):
+            records.append(ba._record(dict(case, kernel="fwd", **cfg), "fuseformer", "fwd", flops, fwd))
+    if not backward:
+        return records
+    for kind in ("bwd_dkdv", "bwd_dq"):
+        for cfg in attn.candidate_configs(kind, block_d, causal, quick):
+            with attn.tuning_config(kind, cfg):
+                records.append(ba._record(dict(case, kernel=kind, **cfg), "fuseformer", "bwd", 2.5 * flops, bwd))
+    return records
+
+
+def best_configs(records: list[dict]) -> dict[str, dict]:
+    """The fastest record per (kernel, case) of an attention config sweep."""
+    best: dict[str, dict] = {}
+    for r in records:
+        if "ms" not in r:
+            continue
+        key = f"{r['kernel']} d{r['head_dim']} S{r['seqlen']} {'causal' if r['causal'] else 'full'}"
+        if key not in best or r["ms"] < best[key]["ms"]:
+            best[key] = r
+    return best
+
+
+def sweep_attention() -> list[dict]:
+    """The quick attention config sweep at head dim 128 (the goal shapes)."""
+    return sweep_attention_configs(quick=True)
+
+
+def sweep_attention64() -> list[dict]:
+    """The quick attention config sweep at head dim 64 (the Llama-1B training case's)."""
+    return sweep_attention_configs(quick=True, head_dims=(64,))
 
 
 def sweep_attention_gluon() -> list[dict]:
@@ -688,7 +673,6 @@ def sweep_attention_gluon() -> list[dict]:
 
     attn = importlib.import_module("fuseformer.ops.attention")
     out = []
-    shipped = attn._GLUON_FWD
     for seqlen, causal, d in ((4096, True, 128), (16384, False, 128), (4096, False, 128), (16384, True, 128),
                               (4096, True, 64)):  # fmt: skip
         batch = ba.TOKENS // seqlen
@@ -696,24 +680,21 @@ def sweep_attention_gluon() -> list[dict]:
         flops = ba.attention_flops(batch, seqlen, ba.HEADS, d, causal)
         q, k, v = (t.detach() for t in ba._inputs(batch, seqlen, d))
         args = (q, k, v, None, None, seqlen, seqlen, d**-0.5, -1, 0 if causal else -1)
-        try:
-            attn._GLUON_FWD = False
-            ref_out, ref_lse = attn.flash_attention_fwd(*args)
-            out.append(ba._record(case, "fuseformer triton", "fwd", flops, lambda a=args: attn.flash_attention_fwd(*a)))
-            for cfg in (dict(STAGES=2), dict(STAGES=3), dict(STAGES=4, CONSUMER_REGS=232, PRODUCER_REGS=40)):
-                rec = dict(case, **cfg)
-                try:
-                    o, lse = hopper.forward(q, k, v, d**-0.5, causal, cfg)
-                    torch.cuda.synchronize()
-                    rec["max_abs_diff_out"] = float((o.float() - ref_out.float()).abs().max())
-                    rec["max_abs_diff_lse"] = float((lse - ref_lse).abs().max())
-                    fn = lambda cfg=cfg: hopper.forward(q, k, v, d**-0.5, causal, cfg)  # noqa: E731
-                    out.append(ba._record(rec, "fuseformer gluon", "fwd", flops, fn))
-                except Exception as exc:
-                    out.append(dict(rec, impl="fuseformer gluon", error=f"{type(exc).__name__}: {exc}"[:500]))
-                print(json.dumps(out[-1]), flush=True)
-        finally:
-            attn._GLUON_FWD = shipped
+        ref_out, ref_lse = attn.flash_attention_fwd(*args, gluon=False)
+        triton_fwd = lambda a=args: attn.flash_attention_fwd(*a, gluon=False)  # noqa: E731
+        out.append(ba._record(case, "fuseformer triton", "fwd", flops, triton_fwd))
+        for cfg in (dict(STAGES=2), dict(STAGES=3), dict(STAGES=4, CONSUMER_REGS=232, PRODUCER_REGS=40)):
+            rec = dict(case, **cfg)
+            try:
+                o, lse = hopper.forward(q, k, v, d**-0.5, causal, cfg)
+                torch.cuda.synchronize()
+                rec["max_abs_diff_out"] = float((o.float() - ref_out.float()).abs().max())
+                rec["max_abs_diff_lse"] = float((lse - ref_lse).abs().max())
+                fn = lambda cfg=cfg: hopper.forward(q, k, v, d**-0.5, causal, cfg)  # noqa: E731
+                out.append(ba._record(rec, "fuseformer gluon", "fwd", flops, fn))
+            except Exception as exc:
+                out.append(dict(rec, impl="fuseformer gluon", error=f"{type(exc).__name__}: {exc}"[:500]))
+            print(json.dumps(out[-1]), flush=True)
         cudnn = ba._impls(seqlen, causal)["sdpa_cudnn"]
         out.append(ba._record(case, "sdpa_cudnn", "fwd", flops, lambda q=q, k=k, v=v: cudnn(q, k, v)))
         print(json.dumps(out[-1]), flush=True)
@@ -722,8 +703,8 @@ def sweep_attention_gluon() -> list[dict]:
 
 
 def sweep_attention_gluon_bwd() -> list[dict]:
-    """The backward with the Gluon dK/dV kernel (ops/attention_hopper.py), dq from the Triton kernel or
-    the Gluon one (2, 3, 4 stages), against the all-Triton backward and SDPA's flash and cuDNN backwards
+    """The backward with the Gluon dK/dV kernel (ops/attention_hopper.py) and the Gluon dq kernel (2, 3, 4
+    stages; the Triton one at hd 64), against the all-Triton backward and SDPA's flash and cuDNN backwards
     on the goal shapes (hd 128, 16384 tokens, H 32: causal S4096, full S16384) and hd 64 causal S4096,
     each with its largest dq / dk / dv difference from the Triton backward's, and its kernels by
     profiler (causal S4096)."""
@@ -732,11 +713,7 @@ def sweep_attention_gluon_bwd() -> list[dict]:
 
     attn = importlib.import_module("fuseformer.ops.attention")
     out = []
-    shipped = (bwd._GLUON_BWD, bwd._GLUON_DQ, dict(bwd.attention_hopper.DQ_CONFIG))
-    hopper = bwd.attention_hopper
-    head_dims = hopper.HEAD_DIMS
     for seqlen, causal, d in ((4096, True, 128), (16384, False, 128), (4096, True, 64)):
-        hopper.HEAD_DIMS = (d,)  # this head dim alone, whatever ships
         batch = ba.TOKENS // seqlen
         case = dict(kind="attention_gluon_bwd", batch=batch, seqlen=seqlen, heads=ba.HEADS, head_dim=d, causal=causal)
         flops = 2.5 * ba.attention_flops(batch, seqlen, ba.HEADS, d, causal)
@@ -745,36 +722,30 @@ def sweep_attention_gluon_bwd() -> list[dict]:
         o, lse = attn.flash_attention_fwd(q, k, v, None, None, seqlen, seqlen, d**-0.5, -1, right)
         do = torch.randn_like(o)
         args = (do, q, k, v, o, lse, None, None, None, seqlen, seqlen, d**-0.5, -1, right)
-        try:
-            bwd._GLUON_BWD = False
-            ref = bwd.flash_attention_bwd(*args)
-            rec = ba._record(case, "fuseformer triton", "bwd", flops, lambda: bwd.flash_attention_bwd(*args))
-            if seqlen == 4096:
-                rec["kernels"] = gpu_kernels(lambda: bwd.flash_attention_bwd(*args))[:6]
+        ref = bwd.flash_attention_bwd(*args, gluon=False)
+        rec = ba._record(case, "fuseformer triton", "bwd", flops, lambda: bwd.flash_attention_bwd(*args, gluon=False))
+        if seqlen == 4096:
+            rec["kernels"] = gpu_kernels(lambda: bwd.flash_attention_bwd(*args, gluon=False))[:6]
+        out.append(rec)
+        print(json.dumps(out[-1])[:600], flush=True)
+        # The Gluon backward (dK/dV at its shipped stages; dq from the Gluon dq kernel at the head dims of
+        # DQ_HEAD_DIMS, at 2, 3 and 4 stages, else from the Triton dq kernel).
+        for dq_stages in (2, 3, 4):
+            dq_config = dict(STAGES=dq_stages)
+            rec = dict(case, DQ_STAGES=dq_stages if d in bwd.attention_hopper.DQ_HEAD_DIMS else None)
+            try:
+                got = bwd.flash_attention_bwd(*args, dq_config=dq_config)
+                torch.cuda.synchronize()
+                rec["max_abs_diff"] = {n: float((a.float() - r.float()).abs().max())
+                                       for n, a, r in zip(("dq", "dk", "dv"), got, ref)}  # fmt: skip
+                fn = lambda dq_config=dq_config: bwd.flash_attention_bwd(*args, dq_config=dq_config)  # noqa: E731
+                rec = ba._record(rec, "fuseformer gluon", "bwd", flops, fn)
+                if seqlen == 4096:
+                    rec["kernels"] = gpu_kernels(fn)[:6]
+            except Exception as exc:
+                rec.update(impl="fuseformer gluon", error=f"{type(exc).__name__}: {exc}"[:500])
             out.append(rec)
             print(json.dumps(out[-1])[:600], flush=True)
-            bwd._GLUON_BWD = True
-            # The Gluon dK/dV kernel at its shipped stages, with the Triton dq kernel, then with the Gluon dq
-            # kernel at 2, 3 and 4 stages.
-            for dq_stages in (None, 2, 3, 4):
-                bwd._GLUON_DQ = dq_stages is not None
-                bwd.attention_hopper.DQ_CONFIG = dict(shipped[2], STAGES=dq_stages or 3)
-                rec = dict(case, dq="gluon" if dq_stages else "triton", DQ_STAGES=dq_stages)
-                try:
-                    got = bwd.flash_attention_bwd(*args)
-                    torch.cuda.synchronize()
-                    rec["max_abs_diff"] = {n: float((a.float() - r.float()).abs().max())
-                                           for n, a, r in zip(("dq", "dk", "dv"), got, ref)}  # fmt: skip
-                    rec = ba._record(rec, "fuseformer gluon", "bwd", flops, lambda: bwd.flash_attention_bwd(*args))
-                    if seqlen == 4096:
-                        rec["kernels"] = gpu_kernels(lambda: bwd.flash_attention_bwd(*args))[:6]
-                except Exception as exc:
-                    rec.update(impl="fuseformer gluon", error=f"{type(exc).__name__}: {exc}"[:500])
-                out.append(rec)
-                print(json.dumps(out[-1])[:600], flush=True)
-        finally:
-            bwd._GLUON_BWD, bwd._GLUON_DQ, bwd.attention_hopper.DQ_CONFIG = shipped[0], shipped[1], shipped[2]
-            hopper.HEAD_DIMS = head_dims
         impls = ba._impls(seqlen, causal)
         for name in ("sdpa_flash", "sdpa_cudnn"):
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
@@ -788,27 +759,18 @@ def sweep_attention_gluon_bwd() -> list[dict]:
 
 
 def sweep_mlp_gluon() -> list[dict]:
-    """Issue 4's prefill MLP (T 8192, H 4096, I 14336, bf16) with the Triton gate-up kernel and then the
-    Gluon one (ops/mlp_hopper.py), each beside torch.compile's MLP and cuBLAS's gate-up GEMM in the same
-    run (bench mlp_ce's records); then the Gluon gate-up alone over stages, tile grouping and
-    persistence, each with its largest difference from the Triton kernel's output."""
-    from fuseformer.bench import mlp_ce
+    """Issue 4's prefill gate-up GEMM (T 8192, H 4096, I 14336, bf16) in Gluon (ops/mlp_hopper.py) over
+    stages, tile grouping and persistence, each with its largest difference from the Triton kernel's
+    output; then both kernels at fewer tokens (where the Gluon one starts to pay). The whole MLP with
+    either kernel beside torch.compile's is ``bench mlp_ce`` (runs 86-88)."""
     from fuseformer.ops import mlp_hopper
 
     mlp = importlib.import_module("fuseformer.ops.mlp")
-    shipped = mlp._GLUON_GATE_UP
     out = []
-    try:
-        for gluon in (False, True):
-            mlp._GLUON_GATE_UP = gluon
-            out += [dict(r, gluon_gate_up=gluon) for r in mlp_ce._mlp_records(8192, decode=False)]
-            print(json.dumps(out[-1])[:400], flush=True)
-    finally:
-        mlp._GLUON_GATE_UP = shipped
     t, h, i = 8192, 4096, 14336
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2 * i, h, device="cuda", dtype=torch.bfloat16) / h**0.5
-    ref = mlp.mlp_gate_up_fwd(x, w, "silu", config=dict(mlp.default_config(t, h, i, x.dtype, True)))[0]
+    ref = mlp.mlp_gate_up_fwd(x, w, "silu", config=mlp.cached_config(t, h, i, x.dtype, x.device))[0]
     flops = 4 * t * h * i
     for cfg in (dict(STAGES=4, GROUP_M=8), dict(STAGES=4, GROUP_M=8, PERSISTENT=False), dict(STAGES=3, GROUP_M=8),
                 dict(STAGES=4, GROUP_M=16), dict(STAGES=4, GROUP_M=4)):  # fmt: skip
@@ -827,102 +789,19 @@ def sweep_mlp_gluon() -> list[dict]:
     for t in (256, 512, 1024, 2048, 4096):
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         rec = dict(kind="mlp_gluon_gate_up_tokens", T=t, H=h, I=i)
+        cfg = mlp.cached_config(t, h, i, x.dtype, x.device)  # an explicit config: the Triton kernel
         try:
-            mlp._GLUON_GATE_UP = False
-            ref = mlp.mlp_gate_up_fwd(x, w, "silu")[0]
-            rec["triton_ms"] = bench_ms(lambda x=x: mlp.mlp_gate_up_fwd(x, w, "silu"))
+            ref = mlp.mlp_gate_up_fwd(x, w, "silu", config=cfg)[0]
+            rec["triton_ms"] = bench_ms(lambda x=x, cfg=cfg: mlp.mlp_gate_up_fwd(x, w, "silu", config=cfg))
             y = mlp_hopper.gate_up(x, w, "silu")
             torch.cuda.synchronize()
             rec["max_abs_diff_vs_triton"] = float((y.float() - ref.float()).abs().max())
             rec["gluon_ms"] = bench_ms(lambda x=x: mlp_hopper.gate_up(x, w, "silu"))
         except Exception as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
-        finally:
-            mlp._GLUON_GATE_UP = shipped
         out.append(rec)
         print(json.dumps(rec), flush=True)
     return out
-
-
-def sweep_attention_layouts() -> list[dict]:
-    """Why the training step's attention backward (Llama 1B: hd 64, Hq 32 / Hkv 8, 4 packed
-    sequences of 4096) is slower than the MHA sweep's at the same B*S, H, D: the forward and the
-    backward (do_bench) and their kernels (torch.profiler) for (a) batched MHA, (b) batched GQA
-    32/8, (c) packed varlen GQA, contiguous q/k/v, with and without the dk/dv kernel's padded
-    lse/delta copies (16-aligned sequence starts), (d) packed varlen GQA laid out as the model makes it
-    (q, k fresh from rotary, v a strided view of the qkv projection's output)."""
-    from fuseformer.bench import attention as ba
-
-    attn = importlib.import_module("fuseformer.ops.attention")
-    attn_bwd = importlib.import_module("fuseformer.ops.attention_bwd")
-    b, s, hq, d = 4, 4096, 32, 64
-    t = b * s
-    cu = torch.arange(0, t + 1, s, dtype=torch.int32, device="cuda")
-    # Documents of unaligned lengths packed into the same 4 x 4096 rows (as real training data is),
-    # for the "e" case: 16 sequences of 1021-1027 tokens.
-    lens = [1024 + (i % 7) - 3 for i in range(15)]
-    cu_docs = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist(), t], dtype=torch.int32, device="cuda")
-    full_rows = ba.attention_flops(b, s, hq, d, True)
-    # Causal FLOPs of the documents: sum over them of the per-sequence count.
-    doc_lens = [*lens, t - sum(lens)]
-    documents = sum(ba.attention_flops(1, n, hq, d, True) for n in doc_lens)
-
-    def make(case):
-        hkv = 32 if case == "a_batched_mha" else 8
-        if case.startswith(("a_", "b_")):
-            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-            return q, k, v, None
-        if case.startswith("c_"):
-            q, k, v = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-            return q, k, v, cu
-        qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        return (
-            q.contiguous().view(t, hq, d),
-            k.contiguous().view(t, hkv, d),
-            v.view(t, hkv, d),
-            (cu_docs if case.startswith("e_") else cu),
-        )
-
-    out = []
-    cases = ("a_batched_mha", "b_batched_gqa", "c_varlen_gqa", "c_varlen_gqa_unpadded", "d_varlen_gqa_model_layout",
-             "e_docs_padded", "e_docs_unpadded")  # fmt: skip
-    previous = attn_bwd.PAD_VARLEN_STATS
-    try:
-        for case in cases:
-            attn_bwd.PAD_VARLEN_STATS = not case.endswith("unpadded")
-            q, k, v, cus = make(case)
-            sm = s if not case.startswith("e_") else max(doc_lens)
-            flops = documents if case.startswith("e_") else full_rows
-            args = (q, k, v, cus, cus, sm, sm, d**-0.5, -1, 0)
-            o, lse = attn.flash_attention_fwd(*args)
-            do = torch.randn_like(o)
-
-            def fwd(args=args):
-                attn.flash_attention_fwd(*args)
-
-            def bwd(q=q, k=k, v=v, o=o, lse=lse, do=do, cus=cus):
-                attn_bwd.flash_attention_bwd(do, q, k, v, o, lse, None, cus, cus, sm, sm, d**-0.5, -1, 0)
-
-            for pass_, fn, fl in (("fwd", fwd, flops), ("bwd", bwd, 2.5 * flops)):
-                rec = ba._record(dict(kind="attention_layouts", case=case), "fuseformer", pass_, fl, fn)
-                try:
-                    rec["kernels"] = [dict(name=x["name"][:60], us=x["us"]) for x in gpu_kernels(fn, reps=5)]
-                except Exception as exc:
-                    rec["kernels_error"] = f"{type(exc).__name__}: {exc}"[:200]
-                out.append(rec)
-            del q, k, v, o, lse, do
-            torch.cuda.empty_cache()
-    finally:
-        attn_bwd.PAD_VARLEN_STATS = previous
-    return out
-
-
-def sweep_attention64() -> list[dict]:
-    """The quick attention sweep at head dim 64 (the Llama-1B training case's)."""
-    from fuseformer.bench.attention import sweep_attention_configs
-
-    return sweep_attention_configs(quick=True, head_dims=(64,))
 
 
 def sweep_mlp_decode(
@@ -932,25 +811,20 @@ def sweep_mlp_decode(
     *,
     timer: Callable[[Callable[[], object]], float] | None = None,
     ceiling_tb_s: float | None = None,
-    pdl_only: bool = False,
 ) -> list[dict]:
     """fused_mlp decode, bf16, H 4096, I 14336, T 1/8/32/64 (~2-3 min of GPU, compiles included).
 
     Per T: each candidate config of the decode kernel (ops/mlp.py ``decode_candidates``; the rule's
     first, ``rule: True``) for the gate-up GEMM (with act*mul) and the down GEMM alone; then whole
     MLPs: the decode path with the rule's configs (through ``fused_mlp`` and the launcher, both with
-    the down GEMM as a programmatic dependent launch, ``PDL_DECODE``, on since run 53; and without
-    it), the decode path with the fastest gate-up and down candidates, the prefill-style path (our gate-up
+    the down GEMM as a programmatic dependent launch, on since run 53; and the launcher with
+    ``pdl=False``), the decode path with the fastest gate-up and down candidates, the prefill-style path (our gate-up
     kernel + cuBLAS, fused_mlp before the decode path), cuBLAS's two GEMMs alone, eager (HF
     LlamaMLP) and torch.compile of it. Each record: ms (do_bench median, L2 flushed), the weight
     bytes its part reads (gate-up 2HI x 2, down HI x 2, whole MLP 3HI x 2) as GB/s, and the percent
     of a 1 GiB device copy (read + write) measured in the same run. Everything is compiled (warmed)
     before a T's timings, then the GPU is kept busy ~1 s, so no timing starts from idle clocks.
     A failing config or peer is a record with ``error``, never the end of the sweep.
-
-    ``pdl_only`` (sweep mlp_decode_pdl, ~1 min): only the whole-MLP cases of the rule's configs
-    (through fused_mlp and the launcher), with and without PDL, with PDL and each L2 prefetch size of ``PDL_PREFETCH_SIZES`` (the down
-    GEMM prefetching its first weight bytes before it waits for y), and torch.compile.
 
     ``h``, ``i``, ``tokens``, ``timer`` and ``ceiling_tb_s`` let a CPU test run it at tiny shapes under
     the interpreter (fp16 there: the interpreter's bf16 tl.dot is wrong).
@@ -980,63 +854,30 @@ def sweep_mlp_decode(
             cases.append((dict(kind="mlp_decode", T=t, H=h, I=i, part=part, impl=impl, **extra), fn))
 
         for glu, n, k, part, a, w in ((True, i, h, "gate_up", x, w_gate_up), (False, h, i, "down", y, w_down)):
-            for j, cfg in enumerate([] if pdl_only else mlp.decode_candidates(t, n, k, glu)):
+            for j, cfg in enumerate(mlp.decode_candidates(t, n, k, glu)):
                 case(part, "decode", lambda a=a, w=w, glu=glu, cfg=cfg: mlp._decode_gemm(a, w, glu, "silu", cfg),
                      config=cfg, rule=j == 0, programs=-(-n // cfg["BLOCK_N"]) * -(-t // cfg["BLOCK_M"]) * cfg["SPLIT_K"],
                      smem=mlp.decode_smem_bytes(cfg, glu))  # fmt: skip
-        decode = lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu")  # noqa: E731
-        if not pdl_only:
-            case("gate_up", "prefill-style kernel", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu"))
-            case("gate_up", "cublas", lambda: x @ w_gate_up.T)
-            case("down", "cublas", lambda: y @ w_down.T)
+        case("gate_up", "prefill-style kernel", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu"))
+        case("gate_up", "cublas", lambda: x @ w_gate_up.T)
+        case("down", "cublas", lambda: y @ w_down.T)
         case("mlp", "decode rule (fused_mlp)", lambda: F.fused_mlp(x, w_gate_up, w_down))
-        case("mlp", "decode rule (launcher)", decode)
-        case("mlp", "decode rule, no PDL", _with_pdl(mlp, decode, enabled=False))
-        if pdl_only:
-            case("mlp", "decode rule, PDL, host descriptors", _with_pdl(mlp, decode, host_desc=True))
-            case("mlp", "decode rule, no PDL, host descriptors", _with_pdl(mlp, decode, enabled=False, host_desc=True))
-        for nbytes in PDL_PREFETCH_SIZES if pdl_only else ():
-            case("mlp", f"decode rule, PDL, prefetch {nbytes} B a row", _with_pdl(mlp, decode, nbytes), prefetch=nbytes)
-        if not pdl_only:
-            case("mlp", "prefill-style", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0] @ w_down.T)
-            case("mlp", "eager", lambda: _eager_mlp(x, w_gate, w_up, w_down))
+        case("mlp", "decode rule (launcher)", lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"))
+        case("mlp", "decode rule, no PDL", lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", pdl=False))
+        case("mlp", "prefill-style", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0] @ w_down.T)
+        case("mlp", "eager", lambda: _eager_mlp(x, w_gate, w_up, w_down))
         if compiled is not None:
             case("mlp", "torch.compile", lambda: compiled(x, w_gate, w_up, w_down))
-        if pdl_only:  # the first case again, last: the drift over the T's timings
-            case("mlp", "decode rule (launcher), again", decode)
         for rec, fn in cases:  # compile everything first
             try:
                 fn()
             except Exception as exc:
                 rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        if pdl_only:
-            from triton.runtime import _allocation
-
-            print("allocator after the first calls:", _allocation._allocator.get(), flush=True)
         _heat()
-        # pdl_only: every case timed in 3 rounds, the median of the rounds recorded (runs 53b-55:
-        # whichever case came first after _heat ran 1-8 us slower than the same call timed last).
-        for round_ in range(3 if pdl_only else 1):
-            for rec, fn in cases:
-                if "error" not in rec:
-                    _time_record(rec, fn, timer, part_bytes[rec["part"]], ceiling)
-                    if pdl_only:  # as it is timed: a hang (runs 48-50, 53) shows which case it was in
-                        rec.setdefault("rounds_ms", []).append(rec["ms"])
-                        print("timed:", round_, rec, flush=True)
-        for rec, _ in cases:
-            if len(rec.get("rounds_ms", ())) > 1:
-                ms = statistics.median(rec["rounds_ms"])
-                gb_s = part_bytes[rec["part"]] / (ms * 1e-3) / 1e9
-                rec.update(ms=ms, gb_s=gb_s, pct_copy=100 * gb_s / (1e3 * ceiling))
+        for rec, fn in cases:
+            if "error" not in rec:
+                _time_record(rec, fn, timer, part_bytes[rec["part"]], ceiling)
         out += [rec for rec, _ in cases]
-        if pdl_only:
-            # Which Triton allocator is in use after torch.compile's code ran (a suspect of the hangs).
-            from triton.runtime import _allocation
-
-            alloc = _allocation._allocator.get()
-            out.append(dict(kind="mlp_decode_allocator", T=t, ours=alloc is mlp._scratch,
-                            allocator=f"{getattr(alloc, '__module__', '?')}.{getattr(alloc, '__qualname__', type(alloc).__name__)}"))  # fmt: skip
-            continue
         # The decode path with the fastest candidate of each GEMM, timed as one MLP.
         best = {}
         for part in ("gate_up", "down"):
@@ -1054,229 +895,6 @@ def sweep_mlp_decode(
     return out
 
 
-def _timeline_summary(g: torch.Tensor | None, d: torch.Tensor | None) -> dict:
-    """One launch's program stamps (int64 (programs, 4): start, after the PDL wait, end in ns; SM),
-    as µs from the first program's start: the spread of starts, the waits' release, and the ends'
-    quantiles (the tail is the time between the first and the last program's end)."""
-    stamps = [s for s in (g, d) if s is not None]
-    t0 = min(int(s[:, 0].min()) for s in stamps)
-    out = {}
-    for name, s in (("gate_up", g), ("down", d)):
-        if s is None:
-            continue
-        start, wait, end = ((s[:, j] - t0).double() / 1e3 for j in range(3))
-        q = torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)
-        out[name] = dict(
-            programs=int(s.shape[0]), sms=int(s[:, 3].unique().numel()),
-            start_first=float(start.min()), start_last=float(start.max()),
-            wait_first=float(wait.min()), wait_last=float(wait.max()),
-            end_q=[float(v) for v in torch.quantile(end, q)],  # quantiles 0, 0.1, 0.5, 0.9, 1
-            busy_mean=float((end - wait).mean()),  # per program, from its wait's release to its end
-        )  # fmt: skip
-    return out
-
-
-def _graph_us(fn: Callable[[], object], calls: int = 10, replays: int = 20) -> float:
-    """µs per call of ``fn`` captured ``calls`` times in one CUDA graph: the median replay over
-    ``replays``, divided by ``calls`` (GPU time alone: no host in it)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(1e3 * start.elapsed_time(stop) / calls)
-    return statistics.median(times)
-
-
-def sweep_mlp_decode_timeline(
-    h: int = 4096, i: int = 14336, tokens: tuple[int, ...] = (1, 2, 8), iters: int = 15
-) -> list[dict]:
-    """Where the decode MLP's time goes (GPU only): each program of the two decode GEMMs stamps
-    %globaltimer at its start, after its PDL wait and at its end (ops/mlp.py ``_mlp_decode_kernel``'s
-    TIMES), for the whole MLP with and without PDL and each GEMM alone, at the rule's configs. Each call: a GPU sleep (so the host's
-    launches are queued before the GPU reaches them), the L2 flush by reading (as
-    ``bench_stream_ms``), then the call between CUDA events. Per case, the medians over ``iters``
-    calls of: the event time, the span from the first program's start to the last one's end, and
-    each GEMM's start spread, PDL release and end quantiles (``_timeline_summary``). The whole-MLP
-    cases are also timed by ``bench_stream_ms`` (3 interleaved rounds, median: ``stream_us``).
-
-    Cases: the rule's configs (the whole MLP with and without PDL, with and without DECODE_PAD_Y, each
-    GEMM alone). Runs 60-66 also timed other pipelines, a stream-K kernel and the down GEMM with M
-    unspecialized; none helped the whole MLP and they were taken out (perf-notes, session 10): add a
-    variant here with ``mlp_case``/``alone_case`` and a config built from the rule's."""
-    from fuseformer.bench._timing import _stream_flush_buffer
-    from fuseformer.bench.mlp_ce import _heat
-
-    mlp = importlib.import_module("fuseformer.ops.mlp")
-    dev, dtype = "cuda", torch.bfloat16
-    flush = _stream_flush_buffer(torch.cuda.current_device())
-    ceiling = stream_copy_ceiling_tb_s(nbytes=1 << 30)
-    out: list[dict] = [dict(kind="mlp_decode_ceiling", copy_tb_s=ceiling, copy_bytes=1 << 30)]
-    w_gate_up = torch.randn(2 * i, h, device=dev).to(dtype) / h**0.5
-    w_down = torch.randn(h, i, device=dev).to(dtype) / i**0.5
-    mlp_bytes = 3 * h * i * 2
-    for t in tokens:
-        x = torch.randn(t, h, device=dev).to(dtype)
-        y = mlp.mlp_gate_up_fwd(x, w_gate_up, "silu")[0]
-        tb = mlp.next_pow2(t)
-        gcfg = mlp._decode_plan(mlp.GATE_UP_DECODE, tb, i, h, dtype, x.device)
-        dcfg = mlp._decode_plan(mlp.DOWN_DECODE, tb, h, i, dtype, x.device)
-
-        def stamps(cfg, n):
-            programs = -(-n // cfg["BLOCK_N"]) * -(-t // cfg["BLOCK_M"]) * cfg["SPLIT_K"]
-            return torch.zeros(programs, 4, dtype=torch.int64, device=dev)
-
-        # name -> (fn, gate-up stamps or None, down stamps or None, gate-up config, down config)
-        cases: dict[str, tuple] = {}
-
-        def mlp_case(name, g_cfg, d_cfg, pdl=True, pad=True):
-            tg, td = stamps(g_cfg, i), stamps(d_cfg, h)
-
-            def fn():
-                previous, mlp.DECODE_PAD_Y = mlp.DECODE_PAD_Y, pad and mlp.DECODE_PAD_Y
-                try:
-                    return mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu", g_cfg, d_cfg, times=(tg, td))
-                finally:
-                    mlp.DECODE_PAD_Y = previous
-
-            cases[name] = (fn if pdl else _with_pdl(mlp, fn, enabled=False, host_desc=mlp.DECODE_HOST_DESC),
-                           tg, td, g_cfg, d_cfg)  # fmt: skip
-
-        def alone_case(name, glu, cfg):
-            ts = stamps(cfg, i if glu else h)
-            a, w = (x, w_gate_up) if glu else (y, w_down)
-            fn = lambda: mlp._decode_gemm(a, w, glu, "silu", cfg, times=ts)  # noqa: E731
-            cases[name] = (fn, ts if glu else None, None if glu else ts, cfg if glu else None, None if glu else cfg)
-
-        mlp_case("mlp, PDL", gcfg, dcfg)
-        mlp_case("mlp, no PDL", gcfg, dcfg, pdl=False)
-        alone_case("gate_up alone", True, gcfg)
-        alone_case("down alone", False, dcfg)
-        # y padded to the row block (DECODE_PAD_Y): the down GEMM's x boxes without out-of-bounds rows.
-        if t < dcfg["BLOCK_M"]:
-            y_pad = torch.zeros(dcfg["BLOCK_M"], i, device=dev, dtype=dtype)
-            y_pad[:t] = y
-            ts_pad = stamps(dcfg, h)
-            cases["down alone, y padded"] = (
-                lambda ts=ts_pad, y_pad=y_pad: mlp._decode_gemm(y_pad, w_down, False, "silu", dcfg, times=ts, rows=t),
-                None, ts_pad, None, dcfg,
-            )  # fmt: skip
-            mlp_case("mlp, PDL, y not padded", gcfg, dcfg, pad=False)
-        mlp_case("mlp, PDL (again)", gcfg, dcfg)
-        failed = {}
-        for name, (fn, *_) in cases.items():
-            try:
-                fn()
-            except Exception as exc:
-                failed[name] = f"{type(exc).__name__}: {exc}"[:300]
-        _heat()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        recs = {}
-        for name, (fn, tg, td, g_cfg, d_cfg) in cases.items():
-            rec = recs[name] = dict(kind="mlp_decode_timeline", T=t, case=name, iters=iters, gate_up_config=g_cfg,
-                                    down_config=d_cfg)  # fmt: skip
-            if name in failed:
-                rec["error"] = failed[name]
-                continue
-            rows = []
-            try:
-                for _ in range(3):  # warm
-                    fn()
-                for _ in range(iters):
-                    torch.cuda._sleep(400_000)  # ~200 us: the launches below are queued before the GPU gets there
-                    flush.amax()
-                    start.record()
-                    fn()
-                    stop.record()
-                    stop.synchronize()
-                    summary = _timeline_summary(
-                        tg.cpu() if tg is not None else None, td.cpu() if td is not None else None
-                    )
-                    ends = [summary[p]["end_q"][-1] for p in ("gate_up", "down") if p in summary]
-                    rows.append(dict(event_us=1e3 * start.elapsed_time(stop), span_us=max(ends), **summary))
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                continue
-            rec.update(event_us=statistics.median(r["event_us"] for r in rows),
-                       span_us=statistics.median(r["span_us"] for r in rows))  # fmt: skip
-            for part in ("gate_up", "down"):
-                if part in rows[0]:
-                    med = {}
-                    for key, v in rows[0][part].items():
-                        if isinstance(v, list):
-                            med[key] = [statistics.median(r[part][key][j] for r in rows) for j in range(len(v))]
-                        else:
-                            med[key] = statistics.median(r[part][key] for r in rows)
-                    rec[part] = med
-            last = {p: s.cpu().tolist() for p, s in (("gate_up", tg), ("down", td)) if s is not None}
-            rec["last_call_stamps"] = last  # raw, for plots: (start, after wait, end ns; SM) per program
-            print("timeline:", {k: v for k, v in rec.items() if k != "last_call_stamps"}, flush=True)
-        # Host µs a call (the GPU synchronized around 500 calls): the public op and its launcher.
-        import fuseformer.ops as F
-
-        with torch.no_grad():
-            out.append(dict(kind="mlp_decode_host", T=t,
-                            fused_mlp_us=_host_us(lambda: F.fused_mlp(x, w_gate_up, w_down), 200),
-                            launcher_us=_host_us(lambda: mlp.mlp_decode_fwd(x, w_gate_up, w_down, "silu"), 200)))  # fmt: skip
-        # The whole-MLP cases as the benchmark times them (3 interleaved rounds, the median), and their
-        # GPU time alone: CUDA graphs of 10 x (flush, MLP) against 10 x (flush), replayed.
-        graph_flush = _graph_us(lambda: flush.amax())
-        for _ in range(3):
-            for name, (fn, *_) in cases.items():
-                rec = recs[name]
-                if name.startswith("mlp") and "error" not in rec:
-                    rec.setdefault("stream_rounds_us", []).append(1e3 * bench_stream_ms(fn, warmup=10, rep=50))
-                    try:
-                        rec.setdefault("graph_rounds_us", []).append(
-                            _graph_us(lambda fn=fn: (flush.amax(), fn())) - graph_flush
-                        )
-                    except Exception as exc:
-                        rec["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        for rec in recs.values():
-            if rec.get("stream_rounds_us"):
-                rec["stream_us"] = statistics.median(rec["stream_rounds_us"])
-                rec["pct_copy"] = 100 * mlp_bytes / (rec["stream_us"] * 1e-6) / (ceiling * 1e12)
-            if rec.get("graph_rounds_us"):
-                rec["graph_us"] = statistics.median(rec["graph_rounds_us"])
-                rec["graph_pct_copy"] = 100 * mlp_bytes / (rec["graph_us"] * 1e-6) / (ceiling * 1e12)
-        out += list(recs.values())
-    return out
-
-
-# The L2 prefetch sizes (bytes of each weight row of the down GEMM) that sweep mlp_decode_pdl times.
-PDL_PREFETCH_SIZES = (2048, 4096, 8192, 16384)
-
-
-def _with_pdl(
-    mlp, fn: Callable[[], object], prefetch_bytes: int = 0, enabled: bool = True, host_desc: bool = False
-) -> Callable[[], object]:
-    """``fn`` run with the decode GEMMs' programmatic dependent launch on or off (``enabled``,
-    ops/mlp.py PDL_DECODE), the down GEMM's L2 prefetch of ``prefetch_bytes`` a row
-    (PDL_PREFETCH_BYTES) and descriptors built on the host or not (DECODE_HOST_DESC)."""
-
-    def run():
-        previous = mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES, mlp.DECODE_HOST_DESC
-        mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES, mlp.DECODE_HOST_DESC = enabled, prefetch_bytes, host_desc
-        try:
-            return fn()
-        finally:
-            mlp.PDL_DECODE, mlp.PDL_PREFETCH_BYTES, mlp.DECODE_HOST_DESC = previous
-
-    return run
-
-
 def _time_record(rec: dict, fn: Callable[[], object], timer, nbytes: int, ceiling_tb_s: float) -> None:
     """Time ``fn`` into ``rec``: ms, weight GB/s and percent of the copy ceiling (or the error)."""
     try:
@@ -1287,15 +905,12 @@ def _time_record(rec: dict, fn: Callable[[], object], timer, nbytes: int, ceilin
         rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
 
 
-SWEEPS = {
+SWEEPS: dict[str, Callable[[], list[dict]]] = {
     "attention": sweep_attention,
     "attention64": sweep_attention64,
-    "attention_fold": sweep_attention_fold,
-    "attention_layouts": sweep_attention_layouts,
     "attention_gluon": sweep_attention_gluon,
     "attention_gluon_bwd": sweep_attention_gluon_bwd,
     "mlp_gluon": sweep_mlp_gluon,
-    "flce_plan": sweep_flce_plan,
     "rms_norm": sweep_rms_norm,
     "rms_norm_long": sweep_rms_norm_long,
     "rms_norm_residual": sweep_rms_norm_residual,
@@ -1306,16 +921,47 @@ SWEEPS = {
     "flce_gemms": sweep_flce_gemms,
     "flce_energy": sweep_flce_energy,
     "mlp_decode": sweep_mlp_decode,
-    "mlp_decode_timeline": sweep_mlp_decode_timeline,
-    "mlp_decode_timeline_t32": lambda: sweep_mlp_decode_timeline(tokens=(1, 32)),
     # The same sweep timed with L2 flushed by reading (bench_stream_ms), against the copy ceiling
     # timed that way: do_bench's zero-fill flush charges ~60 MB of dirty-line write-back to each call.
-    "mlp_decode_pdl": lambda: sweep_mlp_decode(
-        timer=lambda fn: bench_stream_ms(fn, warmup=10, rep=50),
-        ceiling_tb_s=stream_copy_ceiling_tb_s(nbytes=1 << 30),
-        pdl_only=True,
-    ),
     "mlp_decode_clean": lambda: sweep_mlp_decode(
         timer=lambda fn: bench_stream_ms(fn, warmup=10, rep=50), ceiling_tb_s=stream_copy_ceiling_tb_s(nbytes=1 << 30)
     ),
 }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="benchmarks/sweeps.py")
+    parser.add_argument("names", nargs="*", help=f"sweeps to run, in order: {', '.join(SWEEPS)}")
+    parser.add_argument("--out", default=None, help="also write the records (and the environment) to DIR/sweep.json")
+    parser.add_argument("--list", action="store_true", help="list the sweeps and exit")
+    args = parser.parse_args(argv)
+    if args.list or not args.names:
+        for name, fn in SWEEPS.items():
+            doc = (fn.__doc__ or "").strip().split("\n")[0]
+            print(f"{name:<22} {doc}")
+        return 0 if args.list else 2
+    unknown = [n for n in args.names if n not in SWEEPS]
+    if unknown:
+        print(f"benchmarks/sweeps.py: unknown sweeps {unknown} (--list shows them)", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(
+            "benchmarks/sweeps.py: needs a CUDA GPU (the figures are GPU timings); none is available", file=sys.stderr
+        )
+        return 2
+    records = []
+    for name in args.names:
+        for r in SWEEPS[name]():
+            print(json.dumps(r), flush=True)
+            records.append(r)
+    if args.out:
+        from fuseformer.bench import environment
+
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "sweep.json"), "w") as f:
+            json.dump(dict(env=environment(), sweeps=args.names, records=records), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
