@@ -34,10 +34,21 @@ def _info(args: argparse.Namespace) -> int:
         f"TRITON_INTERPRET={'1' if backend.INTERPRET else '0'}  FUSEFORMER_BACKEND={backend.forced_backend() or 'auto'}"
     )
     from fuseformer.ops import _gluon
+    from fuseformer.ops._utils import launch_path
 
-    gluon = "off (FUSEFORMER_GLUON=0)" if not _gluon.ENABLED else (
-        "on" if _gluon.HAVE_GLUON else "off (this Triton has no Gluon)")  # fmt: skip
-    print(f"gluon      {gluon} (on sm_90 GPUs: flash_attention hd 64/128 batched; fused_mlp's gate-up from 512 tokens)")
+    # What runs here, not what could run elsewhere: Gluon needs an sm_90 GPU and Triton 3.6.x.
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    if not _gluon.ENABLED:
+        gluon = "off (FUSEFORMER_GLUON=0)"
+    elif not _gluon.HAVE_GLUON:
+        gluon = f"off ({_gluon.UNAVAILABLE})"
+    elif not hopper:
+        gluon = "off (no sm_90 GPU here)"
+    else:
+        gluon = "on"
+    print(f"gluon      {gluon} (on sm_90: flash_attention hd 64/128 batched; fused_mlp's gate-up from 512 tokens)")
+    path, why = launch_path()
+    print(f"launch     {path} ({why})")
     print()
     width = max(len(op) for op in OPS)
     for dev in devices:

@@ -194,3 +194,15 @@ def compile_offline(script: str, timeout: int = 600, tools: tuple[str, ...] = ("
     if proc.returncode != 0 and "not found" in proc.stderr and any(t in proc.stderr for t in tools):
         pytest.skip(f"no {'/'.join(tools)} bundled with this Triton")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def skip_unless_direct_launch_triton() -> None:
+    """Skip the calling test (one that checks the direct launch path is taken) on a Triton that path
+    was not written for: there every launch is ``kernel[grid]`` (ops/_utils.py, DIRECT_LAUNCH_TRITON)."""
+    import pytest
+    import triton
+
+    from fuseformer.ops._utils import DIRECT_LAUNCH_TRITON
+
+    if not triton.__version__.startswith(DIRECT_LAUNCH_TRITON):
+        pytest.skip(f"Triton {triton.__version__}: the direct launch is for {DIRECT_LAUNCH_TRITON} only")

@@ -405,22 +405,67 @@ def _int_key(ints: tuple[int, ...]) -> tuple[int, ...]:
     return key
 
 
-def triton_launch_layout_known() -> bool:
-    """Whether Triton's compiled kernels take their launch arguments as this module's direct paths
-    (and the native node's plans, runtime/native.py) lay them out: Triton 3.6's C launcher (runtime
-    arguments in order, ints specialized to 1 left out, then the global and profile scratch pointers),
-    not the interpreter."""
+# The Triton releases (version prefixes) whose launch path the direct launches re-implement: read from
+# 3.6's jit.py, compiler.py and nvidia driver, and tested and timed on it. On any other Triton every
+# launch is ``kernel[grid]`` (Triton 3.9's driver, for one, no longer has 3.6's launcher argument format).
+DIRECT_LAUNCH_TRITON = ("3.6.",)
+# Triton 3.6's C launcher's leading arguments (nvidia driver's ``_BASE_ARGS_FORMAT``): grid, stream,
+# function, cooperative, pdl, then the launch metadata and the hooks.
+_LAUNCH_ARGS_FORMAT = "iiiKKppOOOOOO"
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def launch_layout_problem(version: str, interpret: bool, args_format: str | None) -> str | None:
+    """Why Triton ``version`` (its interpreter on or off, its C launcher's ``args_format``) does not take
+    launch arguments as the direct paths lay them out, or None when it does (the decision itself: tests
+    pin it for other versions)."""
+    if not version.startswith(DIRECT_LAUNCH_TRITON):
+        tested = ", ".join(v + "x" for v in DIRECT_LAUNCH_TRITON)
+        return f"Triton {version}: the direct launch re-implements Triton {tested}'s launch path"
+    if interpret:
+        return "the Triton interpreter runs the kernels (TRITON_INTERPRET=1)"
+    if args_format != _LAUNCH_ARGS_FORMAT:
+        return f"this Triton's C launcher takes {args_format!r}, not Triton 3.6's {_LAUNCH_ARGS_FORMAT!r}"
+    return None
+
+
+def _installed_layout_problem() -> str | None:
     try:
-        import triton
         from triton import knobs
         from triton.backends.nvidia import driver as nvidia_driver
-    except Exception:
-        return False
-    return (
-        triton.__version__.startswith("3.6.")
-        and getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO"
-        and not knobs.runtime.interpret
-    )
+
+        version = _triton_version()
+    except Exception as e:
+        return f"Triton's NVIDIA backend cannot be imported ({type(e).__name__}: {e})"
+    args_format = getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None)
+    return launch_layout_problem(version, bool(knobs.runtime.interpret), args_format)
+
+
+def triton_launch_layout_known() -> bool:
+    """Whether Triton's compiled kernels take their launch arguments as this module's direct paths
+    lay them out: Triton 3.6's C launcher (runtime arguments in order, ints specialized to 1 left out,
+    then the global and profile scratch pointers), not the interpreter."""
+    return _installed_layout_problem() is None
+
+
+def launch_path() -> tuple[str, str]:
+    """Which launch path :class:`Launcher` takes in this process, and why: ``("direct", why)`` when a
+    compiled kernel's C launcher is called directly after a specialization's first ``kernel[grid]``
+    (Triton 3.6.x, compiled kernels, CUDA), else ``("kernel[grid]", why not)``. For ``fuseformer info``."""
+    if not _fast_launch_on:
+        return "kernel[grid]", "the direct launch is turned off (FUSEFORMER_FAST_LAUNCH=0 or fast_launch(False))"
+    problem = _installed_layout_problem()
+    if problem is None and not torch.cuda.is_available():
+        problem = "no CUDA device"
+    if problem is not None:
+        return "kernel[grid]", problem
+    why = f"Triton {_triton_version()} on CUDA: a specialization's first launch is kernel[grid], later ones its C launcher"
+    return "direct", why
 
 
 # Resolved at the first direct launch: a CPU build of torch has no _cuda_* functions.

@@ -113,13 +113,16 @@ def gelu_activation(op: str, approximate: object) -> str:
 @triton.jit
 def _act_fwd(g, ACTIVATION: tl.constexpr):
     """act(g) for fp32 g. Shared with the fused MLP's epilogue."""
+    # Tensor operand first in products with the module's constexprs (g * -_LOG2E, not -_LOG2E * g;
+    # the same IEEE product): Triton >= 3.7's interpreter makes constexpr * tensor a constexpr holding
+    # the tensor, which tl.exp2 and tl.store then reject ("cannot convert ... to tensor").
     if ACTIVATION == "silu":
         # g / (1 + e^-g): the form torch uses, so silu(-inf) is NaN here as there.
-        a = g / (1.0 + tl.exp2(-_LOG2E * g))
+        a = g / (1.0 + tl.exp2(g * -_LOG2E))
     elif ACTIVATION == "gelu_tanh":
         # 0.5 g (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3).
         z2 = (2.0 * _SQRT_2_OVER_PI) * g * (1.0 + _GELU_C * g * g)
-        a = g / (1.0 + tl.exp2(-_LOG2E * z2))
+        a = g / (1.0 + tl.exp2(z2 * -_LOG2E))
     else:
         a = 0.5 * g * (1.0 + tl.erf(g * _INV_SQRT2))
     return a
@@ -128,20 +131,21 @@ def _act_fwd(g, ACTIVATION: tl.constexpr):
 @triton.jit
 def _act_fwd_bwd(g, ACTIVATION: tl.constexpr):
     """(act(g), act'(g)) for fp32 g, in the order of torch's backward formulas (same NaN at +-inf)."""
+    # Tensor operand first in products with constexprs: see _act_fwd (Triton >= 3.7's interpreter).
     if ACTIVATION == "silu":
-        s = 1.0 / (1.0 + tl.exp2(-_LOG2E * g))
+        s = 1.0 / (1.0 + tl.exp2(g * -_LOG2E))
         a = g * s
         da = s * (1.0 + g * (1.0 - s))
     elif ACTIVATION == "gelu_tanh":
         g2 = g * g
-        s = 1.0 / (1.0 + tl.exp2((-2.0 * _LOG2E * _SQRT_2_OVER_PI) * g * (1.0 + _GELU_C * g2)))
+        s = 1.0 / (1.0 + tl.exp2(g * (-2.0 * _LOG2E * _SQRT_2_OVER_PI) * (1.0 + _GELU_C * g2)))
         a = g * s
         # d/dg [g * sigmoid(2z)] = s + g * s (1 - s) * 2 dz/dg
         da = s + (g * s * (1.0 - s)) * ((2.0 * _SQRT_2_OVER_PI) * (1.0 + 3.0 * _GELU_C * g2))
     else:
         cdf = 0.5 * (1.0 + tl.erf(g * _INV_SQRT2))
         a = g * cdf
-        da = cdf + g * (_INV_SQRT_2PI * tl.exp2((-0.5 * _LOG2E) * g * g))
+        da = cdf + g * (tl.exp2(g * (-0.5 * _LOG2E) * g) * _INV_SQRT_2PI)
     return a, da
 
 
