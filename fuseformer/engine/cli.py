@@ -1,7 +1,7 @@
-"""``fuseformer generate PROMPT --model DIR``: complete one prompt, streaming the text as it is generated.
+"""The generate subcommand: complete one prompt, streaming the text as it is generated.
 
-``add_generate_parser(subparsers)`` adds the subcommand to the ``fuseformer`` command; ``run_generate``
-runs it (exit code 0; 2 for bad arguments; 1 when the model cannot be loaded). ``python -m
+``add_generate_parser(subparsers)`` adds it to the ``fuseformer`` command; ``run_generate`` runs it
+(exit code 0; 2 for bad arguments; 1 when the model cannot be loaded). ``python -m
 fuseformer.engine.cli generate ...`` runs it alone.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 # The model used when --model is not given: the built-in one shipped in the package
@@ -20,24 +21,73 @@ DEFAULT_MODEL: str | None = str(BUILTIN_MODEL_DIR) if (BUILTIN_MODEL_DIR / "conf
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
+def default_threads() -> int | None:
+    """CPU threads ``generate`` gives torch by default: None (torch's choice) when OMP_NUM_THREADS
+    is set; else 1 on a machine of up to 2 cores, half the cores up to 4 beyond.
+
+    Why not torch's default (one per physical core): on a loaded 2-core machine, ``fuseformer
+    generate "def fibonacci(n):"`` (the built-in model, 256 tokens) took 62-252 s with 2 threads
+    against 6-27 s with 1 (load 2.4-10, 2026-12-03; README "CPU threads"). A thread that the OS
+    deschedules stalls every parallel region its peers wait in; a model this small gains little
+    from a second thread even when the machine is idle."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    import torch
+
+    cores = torch.get_num_threads()  # torch's default: the physical cores it may use
+    return 1 if cores <= 2 else min(4, cores // 2)
+
+
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``generate`` to a ``fuseformer`` subcommand set."""
-    p = subparsers.add_parser("generate", help="complete a prompt with a local model, streaming the text")
+    p = subparsers.add_parser(
+        "generate",
+        help="complete a prompt with a local model, streaming the text",
+        description=(
+            "Complete PROMPT with a local Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3; "
+            "nothing is downloaded) and stream the text to stdout. A loading line and a summary "
+            "(tokens, time, tokens/s) go to stderr."
+        ),
+    )
     p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
     p.add_argument(
         "--model",
         default=None,
-        help="Hugging Face model directory (config.json, safetensors, tokenizer); default: the built-in model",
+        help="Hugging Face model directory: config.json, *.safetensors, tokenizer.json (default: the built-in model)",
     )
-    p.add_argument("--max-tokens", type=int, default=None, help="output tokens at most (default 256)")
-    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the model's, else 1)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (-1: all)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampling (same seed, same text)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    p.add_argument("--dtype", default="auto", choices=_DTYPES, help="weights' dtype (default: the checkpoint's)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (CUDA only)")
+    p.add_argument("--max-tokens", type=int, default=None, help="output tokens at most (default: 256)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature, 0 is greedy (default: the model's generation_config.json, else 1)",
+    )
+    p.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (default: the model's, else 1)"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=None, help="keep the k most likely tokens, -1 all (default: the model's, else -1)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling: same seed, same text (default: 0)")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message in the chat template (default: off)"
+    )
+    p.add_argument(
+        "--dtype", default="auto", choices=_DTYPES, help="the weights' dtype (default: auto, the checkpoint's)"
+    )
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available, else cpu)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: 1 on a machine of up to 2 cores, else half the cores up to 4; "
+        "torch's own choice when OMP_NUM_THREADS is set). More threads than idle cores slow generation down "
+        "many times over",
+    )
+    p.add_argument(
+        "--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs, CUDA only (default: off)"
+    )
+    p.add_argument("--quiet", action="store_true", help="no loading line and no summary on stderr (default: off)")
     p.set_defaults(func=run_generate)
     return p
 
@@ -52,9 +102,19 @@ def check_model_args(args: argparse.Namespace) -> tuple[str | None, str | None]:
         return model, f"--model {model} is not a directory"
     if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
         return model, f"--device must be cpu or cuda, got {args.device!r}"
-    if args.cuda_graphs:
-        import torch
+    import torch
 
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            return model, f"--device must be cpu, cuda or cuda:N, got {args.device!r}"
+        if device.type == "cuda" and not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "torch sees no CUDA GPU"
+            return model, f"--device {args.device}: no CUDA device is available ({why}); use --device cpu"
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            return model, f"--device {args.device}: there are {torch.cuda.device_count()} CUDA device(s)"
+    if args.cuda_graphs:
         if not torch.cuda.is_available() or (args.device is not None and not args.device.startswith("cuda")):
             return model, "--cuda-graphs needs a CUDA device"
     return model, None
@@ -65,11 +125,20 @@ def _error(message: str, code: int) -> int:
     return code
 
 
+def _log(args: argparse.Namespace, message: str) -> None:
+    if not args.quiet:
+        print(f"fuseformer generate: {message}", file=sys.stderr, flush=True)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``fuseformer generate``; returns the exit code."""
     model, error = check_model_args(args)
     if error is not None:
         return _error(error, 2)
+    if args.threads is not None and args.threads < 1:
+        return _error(f"--threads must be at least 1, got {args.threads}", 2)
+
+    import torch
 
     from fuseformer.engine.llm import LLM
     from fuseformer.engine.sampling_params import SamplingParams
@@ -87,11 +156,18 @@ def run_generate(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         return _error(str(exc), 2)
 
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    threads = args.threads if args.threads is not None else (default_threads() if device == "cpu" else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    where = f"{device}, {torch.get_num_threads()} CPU thread(s)" if device == "cpu" else device
+    _log(args, f"loading {model} ({where}) ...")
+    start = time.perf_counter()
     try:
         llm = LLM(
             model,
             dtype=args.dtype,
-            device=args.device,
+            device=device,
             seed=0 if args.seed is None else args.seed,
             cuda_graphs=args.cuda_graphs,
         )
@@ -99,6 +175,10 @@ def run_generate(args: argparse.Namespace) -> int:
         return _error(str(exc), 1)
     if llm.tokenizer is None:
         return _error(f"--model {model} has no tokenizer.json", 2)
+    weights = next(llm.model.parameters())
+    params_m = sum(p.numel() for p in llm.model.parameters()) / 1e6
+    dtype = str(weights.dtype).removeprefix("torch.")
+    _log(args, f"loaded {params_m:.1f}M parameters ({dtype}) in {time.perf_counter() - start:.1f} s")
 
     # The model's generation_config.json defaults, then what was given on the command line.
     defaults = llm.get_default_sampling_params()
@@ -110,13 +190,18 @@ def run_generate(args: argparse.Namespace) -> int:
         else:
             prompt = args.prompt
         request_id = llm.add_request(None, prompt, params)
-    except ValueError as exc:
+    except ValueError as exc:  # the chat template's failures included (ChatTemplateError)
         return _error(str(exc), 2)
 
+    start, first, num_tokens, finish = time.perf_counter(), None, 0, None
     try:
         while llm.has_unfinished_requests():
             for out in llm.step():
                 for c in out.outputs:
+                    num_tokens += len(c.token_ids)
+                    finish = c.finish_reason or finish
+                    if first is None and c.token_ids:
+                        first = time.perf_counter()
                     if c.text:
                         sys.stdout.write(c.text)
                         sys.stdout.flush()
@@ -130,6 +215,13 @@ def run_generate(args: argparse.Namespace) -> int:
         llm.abort(request_id)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
+    seconds = time.perf_counter() - start
+    ttft = f", first token after {first - start:.2f} s" if first is not None else ""
+    _log(
+        args,
+        f"{num_tokens} tokens in {seconds:.1f} s ({num_tokens / max(seconds, 1e-9):.1f} tok/s{ttft}; "
+        f"finished: {finish})",
+    )
     return 0
 
 

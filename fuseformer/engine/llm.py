@@ -315,6 +315,12 @@ class LLM:
         if params.logprobs is not None and params.logprobs > vocab:
             # torch.topk would raise inside the engine's step, taking every other request with it.
             raise ValueError(f"LLM: logprobs {params.logprobs} is more than the vocabulary size {vocab}")
+        if params.n > 1 and params.seed is not None and params.seed + params.n - 1 >= 2**64:
+            # The n completions are seeded seed, seed+1, ..., seed+n-1 (see _make_group).
+            raise ValueError(
+                f"LLM: seed {params.seed} with n={params.n} seeds the completions up to {params.seed + params.n - 1}, "
+                f"past 2**64 - 1; give a seed at most {2**64 - params.n}"
+            )
 
     # ---- streaming API -------------------------------------------------------------------------
 
@@ -333,6 +339,12 @@ class LLM:
         return self._add(request_id, text, ids, params, arrival_time)
 
     def _add(self, request_id, text, ids, params, arrival_time=None) -> str:
+        group = self._make_group(request_id, text, ids, params, arrival_time)
+        self._queue(group)
+        return group.request_id
+
+    def _make_group(self, request_id, text, ids, params, arrival_time=None) -> _Group:
+        """The prompt's group and its ``params.n`` requests, built (so checked) but not yet queued."""
         request_id = str(next(self._counter)) if request_id is None else request_id
         if request_id in self._groups:
             raise ValueError(f"LLM: request_id {request_id!r} is already running")
@@ -346,11 +358,13 @@ class LLM:
             req = Request(rid, ids, child, eos_token_id=self.eos_token_ids, arrival_time=arrival)
             detok = IncrementalDetokenizer(self.tokenizer, ids, child) if self.tokenizer is not None else None
             group.sequences.append(_Sequence(req, request_id, i, detok, RequestMetrics(arrival_time=arrival)))
+        return group
+
+    def _queue(self, group: _Group) -> None:
         for seq in group.sequences:
             self.scheduler.add_request(seq.request)
             self._sequences[seq.request.request_id] = seq
-        self._groups[request_id] = group
-        return request_id
+        self._groups[group.request_id] = group
 
     def abort(self, request_id: str | Sequence[str]) -> None:
         """Stop requests now and free their KV blocks (unknown or finished ids are ignored)."""
@@ -603,7 +617,11 @@ class LLM:
         params = self._params_list(sampling_params, len(checked), self.get_default_sampling_params())
         for p in params:
             self._check_params(p)
-        groups = [self._groups[self._add(None, text, ids, p)] for (text, ids), p in zip(checked, params)]
+        # Every group is built (each request made, so checked) before any is queued: an error in the
+        # batch leaves nothing behind to run, unseen, in the next call.
+        groups = [self._make_group(None, text, ids, p) for (text, ids), p in zip(checked, params)]
+        for group in groups:
+            self._queue(group)
         from tqdm.auto import tqdm
 
         total = sum(len(g.sequences) for g in groups)

@@ -34,6 +34,54 @@ _POSITIVE_INTS = (
     "max_position_embeddings",
 )
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Sizes above this are refused: every tensor index the kernels compute from them fits int32, and no
+# real checkpoint comes near (Llama-3-405B: hidden 16384, vocab 128256, intermediate 53248).
+_MAX_SIZE = 2**31 - 1
+# config.json fields and their JSON type, checked before use as transformers' strict config
+# dataclasses check them: a string "false" for a bool would be truthy, a string for a number
+# would fail later in arithmetic. None (null) counts as absent.
+_HF_TYPES = {
+    "vocab_size": int,
+    "hidden_size": int,
+    "intermediate_size": int,
+    "num_hidden_layers": int,
+    "num_attention_heads": int,
+    "num_key_value_heads": int,
+    "head_dim": int,
+    "max_position_embeddings": int,
+    "sliding_window": int,
+    "max_window_layers": int,
+    "rms_norm_eps": float,
+    "rope_theta": float,
+    "tie_word_embeddings": bool,
+    "attention_bias": bool,
+    "mlp_bias": bool,
+    "use_sliding_window": bool,
+    "hidden_act": str,
+    "rope_scaling": dict,
+    "rope_parameters": dict,
+    "layer_types": list,
+}
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object"}
+_TYPE_NAMES[list] = "a list"
+
+
+def _is_type(value: Any, kind: type) -> bool:
+    """``value`` has JSON type ``kind`` (bool is not an int here; an int is a float)."""
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _check_hf_types(hf: dict[str, Any]) -> None:
+    for key, kind in _HF_TYPES.items():
+        value = hf.get(key)
+        if value is not None and not _is_type(value, kind):
+            raise ValueError(f"ModelConfig: {key} must be {_TYPE_NAMES[kind]}, got {value!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,6 +122,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelConfig: {name} must be a positive int, got {value!r}")
+            if value > _MAX_SIZE:
+                raise ValueError(f"ModelConfig: {name} {value} is above the supported {_MAX_SIZE} (2**31 - 1)")
+        for name in ("tie_word_embeddings", "attention_bias", "o_proj_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -81,19 +134,19 @@ class ModelConfig:
                     f"num_attention_heads {self.num_attention_heads}"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
+        if not _is_type(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2 or self.head_dim > _MAX_SIZE:
             raise ValueError(f"ModelConfig: head_dim must be a positive even int (rotary pairs), got {self.head_dim!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"ModelConfig: num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
-        if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps >= 0):
+        if not (_is_type(self.rms_norm_eps, float) and 0 <= self.rms_norm_eps < math.inf):
             raise ValueError(f"ModelConfig: rms_norm_eps must be a non-negative float, got {self.rms_norm_eps!r}")
-        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+        if not (_is_type(self.rope_theta, float) and self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ValueError(f"ModelConfig: rope_theta must be a positive float, got {self.rope_theta!r}")
         self._check_rope_scaling()
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+        if self.sliding_window is not None and (not _is_type(self.sliding_window, int) or self.sliding_window <= 0):
             raise ValueError(f"ModelConfig: sliding_window must be a positive int or None, got {self.sliding_window!r}")
         if not self.layer_types:
             kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
@@ -123,10 +176,23 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig: rope_scaling rope_type {rope_type!r} is not supported; expected one of {ROPE_TYPES}"
             )
-        missing = [k for k in _ROPE_KEYS[rope_type] if k not in rs]
+        missing = [k for k in _ROPE_KEYS[rope_type] if rs.get(k) is None]
         if missing:
             raise ValueError(f"ModelConfig: rope_scaling of type {rope_type!r} lacks {', '.join(missing)}")
-        if float(rs.get("partial_rotary_factor", 1.0)) != 1.0:
+        for key in _ROPE_KEYS[rope_type]:
+            # factor 0 or below divides by zero or flips the frequencies; transformers warns under 1.
+            value = rs[key]
+            if not (_is_type(value, float) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"ModelConfig: rope_scaling {key} must be a positive number, got {value!r}")
+        if rope_type == "llama3" and rs["high_freq_factor"] <= rs["low_freq_factor"]:
+            raise ValueError(
+                f"ModelConfig: rope_scaling high_freq_factor {rs['high_freq_factor']!r} must be above "
+                f"low_freq_factor {rs['low_freq_factor']!r}"
+            )
+        partial = rs.get("partial_rotary_factor", 1.0)
+        if not _is_type(partial, float):
+            raise ValueError(f"ModelConfig: rope_scaling partial_rotary_factor must be a number, got {partial!r}")
+        if partial != 1.0:
             raise ValueError("ModelConfig: rope_scaling partial_rotary_factor != 1 is not supported")
         self.rope_scaling = {**rs, "rope_type": rope_type}
         self.rope_scaling.pop("type", None)
@@ -153,6 +219,8 @@ class ModelConfig:
         arch = archs[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"ModelConfig: architecture {arch!r} is not supported; expected one of {ARCHITECTURES}")
+        _check_hf_types(hf)
+        hf = {k: v for k, v in hf.items() if v is not None}  # null counts as absent, as for transformers' defaults
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"ModelConfig: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
         if hf.get("mlp_bias", False):
@@ -196,7 +264,7 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=hf.get("tie_word_embeddings") or False,
             attention_bias=True if arch == "Qwen2ForCausalLM" else bias,
             o_proj_bias=False if arch == "Qwen2ForCausalLM" else bias,
             qk_norm=arch == "Qwen3ForCausalLM",

@@ -9,7 +9,9 @@ every parameter must be written exactly once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -28,6 +30,8 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+_EMBED = "model.embed_tokens.weight"
+_LM_HEAD = "lm_head.weight"
 
 
 def shard_rows(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -91,6 +95,31 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device) -> LlamaForCaus
     return model
 
 
+def _read_tensor(file: Path, name: str) -> torch.Tensor:
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        return f.get_tensor(name)
+
+
+def _untie_if_distinct(
+    config: ModelConfig, path: Path, plan: dict[str, tuple[Path, str]], lm_head: tuple[Path, str] | None
+) -> ModelConfig:
+    """The config to build when config.json ties the embeddings and the checkpoint has an
+    ``lm_head.weight`` too. As transformers does: equal to the embedding (``.bin`` conversions
+    store both), it is the same tensor and stays tied; different, the two are kept apart, with a
+    warning, and the returned config says untied. Never is a checkpoint tensor dropped."""
+    if not config.tie_word_embeddings or lm_head is None or _EMBED not in plan:
+        return config
+    if torch.equal(_read_tensor(*plan[_EMBED]), _read_tensor(*lm_head)):
+        return config
+    warnings.warn(
+        f"load_model: {path / 'config.json'} sets tie_word_embeddings, but the checkpoint's lm_head.weight "
+        f"differs from {_EMBED}: both are kept, untied (as transformers does); set tie_word_embeddings to "
+        "false in config.json to silence this",
+        stacklevel=3,
+    )
+    return dataclasses.replace(config, tie_word_embeddings=False)
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype | None = None,
@@ -109,7 +138,12 @@ def load_model(
             tensors always raise.
 
     Returns:
-        (model in eval mode, its ModelConfig).
+        (model in eval mode, its ModelConfig). With ``tie_word_embeddings`` set and a distinct
+        ``lm_head.weight`` in the checkpoint, the model is untied and the config says so (a warning
+        tells); a tied checkpoint that holds only ``lm_head.weight`` loads it as the embedding.
+
+    Every checkpoint tensor's name and shape are checked from the file headers before the model's
+    memory is allocated, so a config.json whose sizes do not match its weights fails at once.
     """
     path = Path(path)
     if not path.is_dir():
@@ -120,13 +154,14 @@ def load_model(
         raise ValueError(f"load_model: dtype must be one of float32, float16, bfloat16, got {dtype}")
     files = _checkpoint_files(path)
 
-    model = empty_model(config, dtype, device)  # every row is then loaded
-    params = dict(model.named_parameters())
-    targets = checkpoint_targets(model, config)
-    loaded: set[str] = set()
+    # Pass 1, headers only: where each tensor goes, its shape checked against the meta model.
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(config)
+    params = dict(meta.named_parameters())
+    targets = checkpoint_targets(meta, config)
+    plan: dict[str, tuple[Path, str]] = {}  # checkpoint name -> (file, name)
     unexpected: list[str] = []
-    ignored = IGNORED_SUFFIXES + (("lm_head.weight",) if config.tie_word_embeddings else ())
-
+    lm_head: tuple[Path, str] | None = None  # a tied model's lm_head.weight, if the checkpoint has one
     for file, listed in files.items():
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
@@ -139,28 +174,48 @@ def load_model(
                 if absent:
                     raise ValueError(f"load_model: {file} lacks {absent[:5]}, which the index assigns to it")
             for name in names:
-                if name.endswith(ignored):
+                if name.endswith(IGNORED_SUFFIXES):
                     continue
-                if name not in targets:
+                tied_head = config.tie_word_embeddings and name == _LM_HEAD
+                if name not in targets and not tied_head:
                     unexpected.append(f"{name} (in {file.name})")
                     continue
-                param_name, start, n = targets[name]
+                param_name, _, n = targets[_EMBED if tied_head else name]
                 param = params[param_name]
                 expected = tuple(param.shape) if n < 0 else (n, *param.shape[1:])
-                tensor = f.get_slice(name)
-                shape = tuple(tensor.get_shape())
+                shape = tuple(f.get_slice(name).get_shape())
                 if shape != expected:
                     raise ValueError(f"load_model: {file} tensor {name} has shape {shape}; expected {expected}")
-                dest = param.data if n < 0 else param.data[start : start + n]
-                with torch.no_grad():
-                    dest.copy_(f.get_tensor(name))
-                loaded.add(name)
-
-    missing = sorted(set(targets) - loaded)
+                if tied_head:
+                    lm_head = (file, name)
+                else:
+                    plan[name] = (file, name)
+    if config.tie_word_embeddings and _EMBED not in plan and lm_head is not None:
+        plan[_EMBED] = lm_head  # only the head is stored: the embedding is the same tensor (transformers)
+    missing = sorted(set(targets) - set(plan))
     if missing:
         more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
         raise ValueError(f"load_model: {path} is missing tensors {missing[:10]}{more}")
     if unexpected and strict:
         more = f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""
         raise ValueError(f"load_model: {path} has tensors the model does not use: {unexpected[:10]}{more}")
+    config = _untie_if_distinct(config, path, plan, lm_head)
+    if not config.tie_word_embeddings and lm_head is not None:
+        plan[_LM_HEAD] = lm_head
+
+    # Pass 2: allocate once and copy every tensor into its rows.
+    model = empty_model(config, dtype, device)
+    params = dict(model.named_parameters())
+    targets = checkpoint_targets(model, config)
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for target, (file, name) in plan.items():
+        by_file.setdefault(file, []).append((target, name))
+    for file, entries in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for target, name in entries:
+                param_name, start, n = targets[target]
+                param = params[param_name]
+                dest = param.data if n < 0 else param.data[start : start + n]
+                with torch.no_grad():
+                    dest.copy_(f.get_tensor(name))
     return model.eval(), config

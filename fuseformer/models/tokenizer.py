@@ -55,6 +55,11 @@ def _token_text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
+class ChatTemplateError(jinja2.TemplateError, ValueError):
+    """The chat template failed to compile or render: a ValueError (bad input, as every input error
+    of the library) that is also the jinja2.TemplateError that callers catch for templates."""
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -66,6 +71,47 @@ def _strftime_now(fmt: str) -> str:
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):
     # As transformers defines it: jinja2's own tojson escapes HTML characters and non-ASCII text.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+# The type each sampling default must have (JSON: bool, a number, an integer).
+_GENERATION_TYPES = dict.fromkeys(GENERATION_DEFAULT_KEYS, "a number") | {
+    "do_sample": "true or false",
+    "top_k": "an integer",
+    "max_new_tokens": "an integer",
+}
+
+
+def _generation_config(path: Path, generation: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+    """(EOS ids, sampling defaults) of generation_config.json's contents, each field's type checked
+    at load: a wrong one (``"temperature": "hot"``) raises ValueError naming the file and the field,
+    instead of failing every request later. A null value counts as absent. Value ranges are
+    SamplingParams' to check (the engine builds its defaults from these)."""
+
+    def bad(key: str, expected: str) -> ValueError:
+        return ValueError(f"Tokenizer: {path}: {key} must be {expected}, got {generation[key]!r}")
+
+    def is_int(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    eos = generation.get("eos_token_id")
+    if eos is not None and not is_int(eos) and not (isinstance(eos, list) and all(is_int(t) for t in eos)):
+        raise bad("eos_token_id", "a token id or a list of token ids")
+    eos_ids = [] if eos is None else [eos] if is_int(eos) else list(eos)
+    defaults = {}
+    for key, expected in _GENERATION_TYPES.items():
+        value = generation.get(key)
+        if value is None:
+            continue
+        if expected == "true or false":
+            ok = isinstance(value, bool)
+        elif expected == "an integer":
+            ok = is_int(value)
+        else:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+        if not ok:
+            raise bad(key, expected)
+        defaults[key] = value
+    return eos_ids, defaults
 
 
 class Tokenizer:
@@ -92,12 +138,10 @@ class Tokenizer:
         self.add_eos_token = bool(config.get("add_eos_token", False))
         self.chat_template = self._find_chat_template(directory, config)
 
-        eos = generation.get("eos_token_id")
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        eos_ids, self.generation_defaults = _generation_config(directory / "generation_config.json", generation)
         if self.eos_token_id is not None and self.eos_token_id not in eos_ids:
             eos_ids.append(self.eos_token_id)
         self.eos_token_ids: list[int] = eos_ids
-        self.generation_defaults = {k: generation[k] for k in GENERATION_DEFAULT_KEYS if k in generation}
 
     @staticmethod
     def _find_chat_template(directory: Path, config: dict[str, Any]) -> str | None:
@@ -105,10 +149,16 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
-        if template is None and (directory / "chat_template.jinja").is_file():
-            template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+        jinja_file = directory / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            try:
+                template = jinja_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"Tokenizer: {jinja_file} is not UTF-8 text: {exc}") from exc
         if template is None:
             template = _read_json(directory / "chat_template.json").get("chat_template")
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"Tokenizer: the chat template must be a string, got {type(template).__name__}")
         return template
 
     # ----------------------------------------------------------------------------------------
@@ -156,7 +206,10 @@ class Tokenizer:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
-        return env.from_string(self.chat_template)
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template does not compile: {exc}") from exc
 
     def apply_chat_template(
         self,
@@ -170,9 +223,18 @@ class Tokenizer:
         Returns the prompt text, or its ids when ``tokenize`` (encoded without adding special tokens:
         the template writes them). Extra keyword arguments (``tools``, ``documents``,
         ``enable_thinking``, ...) reach the template as variables.
+
+        Raises ValueError when there is no template, and ChatTemplateError (a ValueError and a
+        jinja2.TemplateError) when the template fails to compile or render these messages.
         """
         # As transformers does: the special tokens that are set, then the caller's variables.
         special = {name: getattr(self, name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
         variables = {k: v for k, v in special.items() if v is not None} | kwargs
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        template = self._template
+        try:
+            text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as exc:  # raise_exception(), undefined names, the sandbox's refusals
+            raise ChatTemplateError(str(exc)) from exc
+        except Exception as exc:  # the template's own faults met by these messages (1 + "a", range limits)
+            raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from exc
         return self.encode(text, add_special_tokens=False) if tokenize else text

@@ -17,6 +17,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -238,23 +239,68 @@ def save_checkpoint(trainer: Trainer) -> Path | None:
     return path
 
 
+class CheckpointReadError(ValueError):
+    """A checkpoint's files cannot be read (truncated, corrupt): an older one may still be."""
+
+
+def _read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(model config, model state, trainer state) of a checkpoint, all read before anything is
+    restored; files that cannot be read raise CheckpointReadError naming the file."""
+    try:
+        config = ModelConfig.from_file(path / "config.json")
+        lm, _ = load_model(path, dtype=torch.float32, device="cpu")
+    except (ValueError, OSError) as exc:
+        raise CheckpointReadError(f"checkpoint {path}: {exc}") from exc
+    try:
+        state = torch.load(path / _STATE, map_location="cpu", weights_only=True)
+        missing = [k for k in ("step", "optimizer", "scheduler", "data", "rng", "world_size") if k not in state]
+        if missing:
+            raise KeyError(f"no {', '.join(missing)}")
+    except Exception as exc:  # torch.load: RuntimeError, EOFError, UnpicklingError for a truncated file
+        raise CheckpointReadError(f"checkpoint {path}: cannot read {_STATE}: {type(exc).__name__}: {exc}") from exc
+    return config, lm.state_dict(), state
+
+
+def resume_latest(trainer: Trainer) -> Path | None:
+    """Restore the trainer from the newest checkpoint of its run that reads; returns its path, or
+    None when the run has none. A newest checkpoint that is unreadable (a truncated trainer_state.pt)
+    is passed over, with a warning, for the next older one; when none reads, the newest one's
+    error is raised (starting again from step 0 would overwrite the run)."""
+    root = checkpoint_root(trainer.config.out_dir)
+    latest = latest_checkpoint(trainer.config.out_dir)
+    if latest is None:
+        return None
+    older = sorted((p for p in root.glob("step_*") if (p / _STATE).is_file() and p != latest), reverse=True)
+    first_error: CheckpointReadError | None = None
+    for path in [latest, *older]:
+        try:
+            load_checkpoint(trainer, path)
+        except CheckpointReadError as exc:
+            first_error = first_error or exc
+            if trainer.dist.is_main:
+                warnings.warn(f"resume: {exc}; trying an older checkpoint", stacklevel=2)
+            continue
+        if first_error is not None and trainer.dist.is_main:
+            warnings.warn(f"resume: resumed from the older {path}, not {latest}", stacklevel=2)
+        return path
+    raise first_error
+
+
 def load_checkpoint(trainer: Trainer, path: str | Path) -> None:
-    """Restore model, optimizer, scheduler, scaler, RNG and data position from ``path``."""
+    """Restore model, optimizer, scheduler, scaler, RNG and data position from ``path``. Every file is
+    read first: a checkpoint that cannot be read (CheckpointReadError) leaves the trainer as it was."""
     path = Path(path)
     if not (path / _STATE).is_file():
         raise ValueError(f"load_checkpoint: {path} is not a trainer checkpoint (no {_STATE})")
     info = trainer.dist
-    check_same_shape(ModelConfig.from_file(path / "config.json"), trainer.lm.config, str(path))
-    lm, _ = load_model(path, dtype=torch.float32, device="cpu")
-    D.load_full_model_state(trainer.module, {_PREFIX + k: v for k, v in lm.state_dict().items()}, info)
-    state = torch.load(path / _STATE, map_location="cpu", weights_only=True)
+    config, lm_state, state = _read_checkpoint(path)
+    check_same_shape(config, trainer.lm.config, str(path))
+    D.load_full_model_state(trainer.module, {_PREFIX + k: v for k, v in lm_state.items()}, info)
     D.load_full_optimizer_state(trainer.module, trainer.optimizer, state["optimizer"], info)
     trainer.scheduler.load_state_dict(state["scheduler"])
     if trainer.scaler is not None and state["scaler"] is not None:
         trainer.scaler.load_state_dict(state["scaler"])
     if state["world_size"] != info.world_size and info.is_main:
-        import warnings
-
         warnings.warn(
             f"load_checkpoint: saved with world size {state['world_size']}, resumed with {info.world_size}; "
             "the data order continues, but a step now holds other rows",

@@ -67,7 +67,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "weight_decay": 0.1,
         "betas": (0.9, 0.95),
         "grad_clip": 1.0,
-        "precision": "bf16",
+        "precision": "auto",  # bf16 on CUDA (as trained), fp32 on a CPU
         "activation_checkpointing": "off",
         "eval_split": 0.02,
         "eval_every": 50,

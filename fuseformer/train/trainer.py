@@ -168,6 +168,8 @@ class TrainResult:
     skipped_steps: int = 0
     final_step: int = 0
     checkpoint: Path | None = None
+    curve: Path | None = None  # loss.png; None when it was not written (no matplotlib, no metrics)
+    export: Path | None = None  # the exported model directory (``train(..., export=...)``)
 
 
 class Trainer:
@@ -186,6 +188,11 @@ class Trainer:
         train_corpus: TokenCorpus | None = None,
         eval_corpus: TokenCorpus | None = None,
     ) -> None:
+        if model is None and isinstance(config.model, str) and not Path(config.model).is_dir():
+            raise ValueError(  # before anything is made (the out_dir, the process group)
+                f"TrainConfig: model {config.model} is not a directory: give a Hugging Face model directory "
+                "to fine-tune, or a [model] table (architecture and sizes) in the config file to train from scratch"
+            )
         self.config = config
         self.dist = D.init_distributed(config.distributed, config.device)
         device = self.dist.device
@@ -228,9 +235,13 @@ class Trainer:
         # Optimizer, schedule, loss scaling.
         self.optimizer = build_optimizer(self.module, config, device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_at(step, config) / config.lr)
-        self.amp_dtype = _AMP_DTYPES[config.precision]
+        # "auto": bf16 autocast on CUDA; fp32 elsewhere (on a CPU bf16 ran ~10x slower than fp32).
+        self.precision = config.precision
+        if self.precision == "auto":
+            self.precision = "bf16" if device.type == "cuda" else "fp32"
+        self.amp_dtype = _AMP_DTYPES[self.precision]
         self.scaler = None
-        if config.precision == "fp16":
+        if self.precision == "fp16":
             if self.dist.mode == "fsdp":  # found-inf all-reduced across the shards
                 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -242,12 +253,11 @@ class Trainer:
         self.skipped_steps = 0
         self.tokens_seen = 0
         if config.resume:
-            from fuseformer.train.checkpoint import latest_checkpoint, load_checkpoint
+            from fuseformer.train.checkpoint import resume_latest
 
-            latest = latest_checkpoint(self.out_dir)
-            if latest is not None:
-                load_checkpoint(self, latest)
-                self._log(f"resumed from {latest} at step {self.step}")
+            resumed = resume_latest(self)
+            if resumed is not None:
+                self._log(f"resumed from {resumed} at step {self.step}")
 
     # ----------------------------------------------------------------------------------------
     def _load_data(self) -> tuple[TokenCorpus, TokenCorpus | None]:
@@ -397,6 +407,8 @@ class Trainer:
         metrics_path = self.out_dir / METRICS_FILE
         if info.is_main:
             _truncate_metrics(metrics_path, self.step)
+            if self.eval_rows is not None and not cfg.eval_every:
+                self._log("eval_split holds documents out, but eval_every is 0: no evaluation runs")
             if self.skipped_files:
                 self._log(f"{len(self.skipped_files)} file(s) skipped as not UTF-8")
         bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not (info.is_main and cfg.progress), unit="step")
@@ -404,7 +416,7 @@ class Trainer:
             m = self.train_step()
             result.losses.append(m["loss"])
             last = self.step == cfg.max_steps
-            if self.eval_rows is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
+            if self.eval_rows is not None and cfg.eval_every and (self.step % cfg.eval_every == 0 or last):
                 m["eval_loss"] = self.evaluate()
                 if m["eval_loss"] is not None:
                     result.eval_losses[self.step] = m["eval_loss"]
@@ -423,18 +435,55 @@ class Trainer:
                 result.checkpoint = save_checkpoint(self)
         bar.close()
         if info.is_main:
-            plot_loss_curve(metrics_path, self.out_dir / CURVE_FILE)
+            result.curve = plot_loss_curve(metrics_path, self.out_dir / CURVE_FILE)
         result.skipped_steps, result.final_step = self.skipped_steps, self.step
         return result
 
+    def export(self, path: str | Path) -> Path | None:
+        """Write the model as it is now as a bf16 Hugging Face directory (+ the tokenizer files).
+        Every rank calls it (FSDP gathers the shards); rank 0 writes and gets the path."""
+        from fuseformer.train.checkpoint import save_model
+
+        state = D.full_model_state(self.module, self.dist)
+        out = None
+        if self.dist.is_main:
+            state = {k.removeprefix("lm."): v for k, v in state.items()}
+            out = save_model(state, self.lm.config, path, dtype=torch.bfloat16, tokenizer_dir=self.tokenizer_dir)
+        D.barrier(self.dist)
+        return out
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl. A torn last line (the run was killed while writing it) is dropped
+    with a warning; a malformed line elsewhere raises ValueError naming the file and the line."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"a {type(row).__name__}, not an object")
+        except ValueError as exc:
+            if i == len(lines) - 1:
+                message = f"train: {path} line {i + 1} is incomplete (a run stopped while writing it): dropped"
+                warnings.warn(message, stacklevel=2)
+                break
+            raise ValueError(f"train: {path} line {i + 1} is not a JSON object: {exc}") from exc
+        rows.append(row)
+    return rows
+
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines past ``step`` (a resumed run rewrites the steps after its checkpoint)."""
+    """Drop metric lines past ``step`` (a resumed run rewrites the steps after its checkpoint), and a
+    torn last line."""
     if not path.is_file():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
-    path.write_text("".join(ln + "\n" for ln in keep))
+    keep = [row for row in read_metrics(path) if row.get("step", 0) <= step]
+    path.write_text("".join(json.dumps(row) + "\n" for row in keep))
 
 
 def plot_loss_curve(metrics_path: Path, png_path: Path) -> Path | None:
@@ -447,7 +496,7 @@ def plot_loss_curve(metrics_path: Path, png_path: Path) -> Path | None:
     except ImportError:
         warnings.warn("train: matplotlib is not installed; no loss curve written", stacklevel=2)
         return None
-    rows = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    rows = read_metrics(metrics_path) if metrics_path.is_file() else []
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
@@ -465,11 +514,18 @@ def plot_loss_curve(metrics_path: Path, png_path: Path) -> Path | None:
     return png_path
 
 
-def train(config: TrainConfig, **kwargs: Any) -> TrainResult:
-    """Build a Trainer for ``config`` and run it (the entry of ``fuseformer train``)."""
+def train(config: TrainConfig, export: str | Path | None = None, **kwargs: Any) -> TrainResult:
+    """Build a Trainer for ``config`` and run it (the entry of ``fuseformer train``); with ``export``,
+    then write the final model there as a bf16 Hugging Face directory (from memory: no checkpoint
+    is needed)."""
+    if export is not None and Path(export).exists() and not Path(export).is_dir():
+        raise ValueError(f"train: export path {export} is a file, not a directory")
     trainer = Trainer(config, **kwargs)
     try:
-        return trainer.train()
+        result = trainer.train()
+        if export is not None:
+            result.export = trainer.export(export)
+        return result
     finally:
         if config.distributed != "none":
             D.destroy()

@@ -332,6 +332,26 @@ def test_bad_input_raises_before_scheduling(prompt, params, match, checkpoint):
     assert llm.scheduler.kv.pool.num_free_blocks == 63
 
 
+def test_batch_error_leaves_nothing_queued(checkpoint):
+    """n=2 with seed 2**64-1 seeds its second completion past 2**64 - 1: the batch fails before any of
+    its prompts is queued (the good prompt before it used to run, unseen, in the next call)."""
+    path, _ = checkpoint("llama")
+    llm = _llm(path)
+    bad = SamplingParams(n=2, seed=2**64 - 1, max_tokens=4)
+    with pytest.raises(ValueError, match=r"seed 18446744073709551615 with n=2 .* at most 18446744073709551614"):
+        llm.generate([[3, 4, 5], [6, 7]], [GREEDY, bad], use_tqdm=False)
+    assert not llm.has_unfinished_requests() and not llm.scheduler.requests and not llm.scheduler.waiting
+    with pytest.raises(ValueError, match="seed"):
+        llm.add_request(None, [6, 7], bad)
+    assert not llm.scheduler.requests
+    with fuseformer.use_backend("reference"):
+        outs = llm.generate([[1, 2]], GREEDY, use_tqdm=False)
+    assert len(outs) == 1 and llm.scheduler.kv.pool.num_free_blocks == 63
+    ok = SamplingParams(n=2, seed=2**64 - 2, max_tokens=2, ignore_eos=True)  # seeds 2**64-2 and 2**64-1
+    with fuseformer.use_backend("reference"):
+        assert len(llm.generate([[1, 2]], ok, use_tqdm=False)[0].outputs) == 2
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -425,6 +445,14 @@ def test_generate_cli_streams_the_text_of_llm_generate(text_checkpoint):
     run = _cli("Hello world", "--model", str(text_checkpoint), "--max-tokens", "16", "--temperature", "0")
     assert run.returncode == 0, run.stderr
     assert run.stdout == plain.outputs[0].text + "\n"
+    # stderr: a line while loading, one when loaded, a summary after (stdout holds the text only)
+    loading, loaded, summary = run.stderr.strip().splitlines()
+    assert loading.startswith(f"fuseformer generate: loading {text_checkpoint} (cpu, 1 CPU thread(s))")
+    assert "parameters (float32) in" in loaded
+    n = len(plain.outputs[0].token_ids)
+    assert summary.startswith(f"fuseformer generate: {n} tokens in ") and "tok/s" in summary
+    quiet = _cli("Hello world", "--model", str(text_checkpoint), "--max-tokens", "4", "--quiet", "--threads", "2")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
     run = _cli("Hello world", "--model", str(text_checkpoint), "--max-tokens", "16", "--temperature", "0", "--chat")
     assert run.returncode == 0, run.stderr
     assert run.stdout == chat.outputs[0].text + "\n"
@@ -452,6 +480,34 @@ def test_generate_cli_bad_arguments_exit_2(args, match, text_checkpoint, capsys)
     assert match in capsys.readouterr().err
 
 
+def test_generate_default_threads(monkeypatch):
+    """1 thread on up to 2 cores (on a loaded 2-core machine 2 threads ran 5-10x slower), half the
+    cores up to 4 beyond; OMP_NUM_THREADS, when set, is left to torch."""
+    from fuseformer.engine import cli
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cores, expected in ((1, 1), (2, 1), (4, 2), (6, 3), (8, 4), (64, 4)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda cores=cores: cores)
+        assert cli.default_threads() == expected, cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cli.default_threads() is None
+
+
+def test_generate_cli_chat_template_error_is_one_line(text_checkpoint, tmp_path):
+    """A chat template that fails (its raise_exception) under --chat: exit 2 with the template's
+    message, no traceback."""
+    import json
+    import shutil
+
+    path = shutil.copytree(text_checkpoint, tmp_path / "ckpt")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ raise_exception('this model takes no user turns') }}"
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    run = _cli("hi", "--model", str(path), "--chat", "--max-tokens", "2")
+    assert run.returncode == 2, run.stderr
+    assert "this model takes no user turns" in run.stderr and "Traceback" not in run.stderr
+
+
 def test_generate_cli_without_built_in_model_exit_2(monkeypatch, capsys):
     from fuseformer.engine import cli
 
@@ -472,7 +528,10 @@ def test_built_in_model_is_the_default_and_writes_python():
         (out,) = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     text = out.outputs[0].text
     assert text.startswith("\n    ") or text.startswith("\n\t"), repr(text)  # the body is indented
-    run = _cli("def fibonacci(n):", "--max-tokens", "24", "--temperature", "0")
+    # The same threads as here: in bf16 the thread count changes the matmuls' summation order.
+    run = _cli(
+        "def fibonacci(n):", "--max-tokens", "24", "--temperature", "0", "--threads", str(torch.get_num_threads())
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout == text + "\n"
 

@@ -134,3 +134,50 @@ def test_kv_cache_sizes():
     c = ModelConfig(**{**_GOOD, "head_dim": 32})
     assert c.kv_cache_shape(10, 16) == (10, 16, 2, 32)
     assert c.kv_cache_block_bytes(16, torch.bfloat16) == 2 * 2 * 16 * 2 * 32 * 2
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
+        (dict(attention_bias="no"), "attention_bias must be true or false"),
+        (dict(hidden_size="64"), "hidden_size must be an integer, got '64'"),
+        (dict(rms_norm_eps="1e-5"), "rms_norm_eps must be a number"),
+        (dict(rope_scaling="linear"), "rope_scaling must be an object"),
+        (dict(hidden_size=2**40), r"hidden_size 1099511627776 is above the supported"),
+        (dict(max_position_embeddings=2**62), "max_position_embeddings .* is above the supported"),
+        (
+            dict(rope_parameters={"rope_type": "linear", "factor": "x"}),
+            "rope_scaling factor must be a positive number, got 'x'",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "linear", "factor": 0}),
+            "rope_scaling factor must be a positive number, got 0",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "dynamic", "factor": -2}),
+            "rope_scaling factor must be a positive number, got -2",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "linear", "factor": True}),
+            "rope_scaling factor must be a positive number",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 4}),
+            "rope_scaling high_freq_factor 4 must be above low_freq_factor 4",
+        ),
+    ],
+)
+def test_config_json_types_and_ranges_name_file_and_field(change, match, hf_checkpoint, tmp_path):
+    """config.json values of the wrong type or out of range: a ValueError naming the file and the
+    field (as transformers' strict configs check types), never a traceback from later arithmetic
+    or a silently wrong model (a string "false" is truthy; rope factor 0 divides by zero)."""
+    (tmp_path / "config.json").write_text(json.dumps(_hf(hf_checkpoint("llama3")[0]) | change))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}: ModelConfig: {match}"):
+        ModelConfig.from_file(tmp_path)
+
+
+def test_null_counts_as_absent(hf_checkpoint):
+    hf = _hf(hf_checkpoint("llama3")[0]) | {"tie_word_embeddings": None, "rms_norm_eps": None, "head_dim": None}
+    c = ModelConfig.from_hf(hf)
+    assert c.tie_word_embeddings is False and c.rms_norm_eps == 1e-6 and c.head_dim == 16

@@ -145,3 +145,59 @@ def test_sharded_index_errors(hf_checkpoint, tmp_path):
     index_file.write_text('{"metadata": {}}')
     with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json is malformed"):
         load_model(path)
+
+
+def _set_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | changes))
+
+
+def test_string_for_a_bool_is_refused_naming_file_and_field(llama_dir):
+    """``"tie_word_embeddings": "false"`` was truthy: the model was tied and the checkpoint's
+    lm_head.weight dropped. transformers refuses the type; so do we, naming config.json and the field."""
+    path, _ = llama_dir
+    _set_config(path, tie_word_embeddings="false")
+    match = rf"{path / 'config.json'}: .*tie_word_embeddings must be true or false, got 'false'"
+    with pytest.raises(ValueError, match=match):
+        load_model(path)
+
+
+def test_tied_config_with_distinct_lm_head_keeps_it(llama_dir):
+    """tie_word_embeddings true but the checkpoint's lm_head.weight differs from the embedding: as
+    transformers does, both are kept untied, with a warning; no tensor is dropped."""
+    path, hf = llama_dir
+    _set_config(path, tie_word_embeddings=True)
+    with pytest.warns(UserWarning, match="lm_head.weight differs from model.embed_tokens.weight"):
+        model, config = load_model(path)
+    assert not config.tie_word_embeddings
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, hf.lm_head.weight)
+    assert torch.equal(model.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+
+
+def test_tied_config_with_equal_lm_head_or_only_the_head(hf_checkpoint, tmp_path):
+    """A tied checkpoint that also stores lm_head.weight (equal: .bin conversions) stays tied without
+    a warning; one that stores only lm_head.weight loads it as the embedding."""
+    import warnings
+
+    src, hf = hf_checkpoint("qwen2")  # tied; save_pretrained stores the embedding only
+    path = shutil.copytree(src, tmp_path / "ckpt")
+    embed = hf.model.embed_tokens.weight
+    _rewrite(path, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, config = load_model(path)
+    assert config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+
+    _rewrite(path, lambda t: t.pop("model.embed_tokens.weight"))
+    model, config = load_model(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and torch.equal(model.lm_head.weight, embed)
+
+
+def test_sizes_are_checked_before_allocating(llama_dir):
+    """A config.json whose sizes do not match its weights fails from the headers, before memory for
+    the model it describes is allocated (intermediate_size 2**30 would need ~1.5 TiB here)."""
+    path, _ = llama_dir
+    _set_config(path, intermediate_size=2**30)
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.\d\.mlp\.\w+\.weight has shape"):
+        load_model(path)

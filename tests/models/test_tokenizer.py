@@ -158,8 +158,9 @@ def test_chat_template_raise_exception(tok_dir):
 
 def test_chat_template_is_sandboxed(tmp_path):
     tok = Tokenizer(_make(tmp_path, template_file="{{ ''.__class__.__mro__[1].__subclasses__() }}"))
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(jinja2.exceptions.TemplateError) as info:
         tok.apply_chat_template([])
+    assert isinstance(info.value.__cause__, jinja2.exceptions.SecurityError)
 
 
 def test_named_chat_templates_pick_default(tmp_path):
@@ -179,3 +180,31 @@ def test_malformed_file_names_the_file(name, tmp_path):
     (path / name).write_text("{not json")
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         Tokenizer(path)
+
+
+def test_non_utf8_chat_template_file_names_the_file(tmp_path):
+    path = _make(tmp_path)
+    (path / "chat_template.jinja").write_bytes(b"{{ '\xe9t\xe9' }}")  # Latin-1
+    with pytest.raises(ValueError, match=r"chat_template\.jinja is not UTF-8"):
+        Tokenizer(path)
+
+
+@pytest.mark.parametrize(
+    "template, match",
+    [
+        ("{{ raise_exception('no tools here') }}", "no tools here"),
+        ("{{ 1 + 'a' }}", "TypeError"),
+        ("{% for m in messages %}", "does not compile"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
+    ],
+)
+def test_chat_template_failures_are_value_errors(template, match, tmp_path):
+    """Every failure of a template (its raise_exception, a type error inside it, a syntax error,
+    the sandbox's refusal) is a ValueError, the error type of bad input, which the CLI reports;
+    it stays a jinja2.TemplateError for callers that catch that."""
+    from fuseformer.models.tokenizer import ChatTemplateError
+
+    tok = Tokenizer(_make(tmp_path, template_file=template))
+    with pytest.raises(ChatTemplateError, match=match) as info:
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+    assert isinstance(info.value, ValueError) and isinstance(info.value, jinja2.TemplateError)

@@ -152,3 +152,43 @@ def test_checkpoint_of_another_model_shape(tmp_path, model_config, corpus):
             Trainer(_config(model_config(hidden_size=64), tmp_path), train_corpus=corpus())
         with pytest.raises(ValueError, match="not a trainer checkpoint"):
             C.load_checkpoint(t, tmp_path)
+
+
+def test_truncated_newest_state_falls_back_to_older(tmp_path, model_config, corpus):
+    """A truncated trainer_state.pt in the newest checkpoint: resume warns and continues from the
+    intact older checkpoint beside it; when none reads, the error names the file."""
+    with fuseformer.use_backend("reference"):
+        t = Trainer(_config(model_config(), tmp_path, keep_checkpoints=2), train_corpus=corpus())
+        t.train_step()
+        first = C.save_checkpoint(t)
+        t.train_step()
+        newest = C.save_checkpoint(t)
+        state = newest / "trainer_state.pt"
+        state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+        with pytest.warns(UserWarning) as record:
+            resumed = Trainer(_config(model_config(), tmp_path, keep_checkpoints=2), train_corpus=corpus())
+        assert resumed.step == 1
+        messages = [str(w.message) for w in record]
+        assert any("step_0000002: cannot read trainer_state.pt" in m for m in messages), messages
+        assert any("resumed from the older" in m and m.count("step_0000001") == 1 for m in messages), messages
+        state = first / "trainer_state.pt"
+        state.write_bytes(state.read_bytes()[:100])
+        with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"step_0000002: cannot read trainer_state"):
+            Trainer(_config(model_config(), tmp_path, keep_checkpoints=2), train_corpus=corpus())
+
+
+def test_torn_last_metrics_line_is_dropped(tmp_path, model_config, corpus):
+    """A run killed while writing metrics.jsonl leaves a torn last line: resume drops it with a
+    warning; a malformed line elsewhere is an error naming the file and the line."""
+    with fuseformer.use_backend("reference"):
+        t = Trainer(_config(model_config(), tmp_path, save_every=1, max_steps=1), train_corpus=corpus())
+        t.train()
+        metrics = tmp_path / "metrics.jsonl"
+        with metrics.open("a") as f:
+            f.write('{"step": 2, "loss": 3.4')  # killed mid-line
+        with pytest.warns(UserWarning, match=r"metrics\.jsonl line 2 is incomplete"):
+            Trainer(_config(model_config(), tmp_path, save_every=1, max_steps=2), train_corpus=corpus()).train()
+        assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2]
+        metrics.write_text('{"step": 1, "loss": 3.4}\nnot json\n{"step": 2, "loss": 3.3}\n')
+        with pytest.raises(ValueError, match=rf"{metrics} line 2 is not a JSON object"):
+            Trainer(_config(model_config(), tmp_path, save_every=1, max_steps=3), train_corpus=corpus()).train()

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from fuseformer.models.config import ModelConfig
 from fuseformer.models.llama import LlamaForCausalLM
 from fuseformer.train import TrainConfig
 from fuseformer.train.presets import BUILTIN_MODEL, PRESETS
@@ -85,4 +86,21 @@ def test_builtin_preset():
     assert 2 * params <= 25e6
     assert m.num_key_value_heads < m.num_attention_heads  # GQA
     cfg = TrainConfig(**PRESETS["builtin"], data=("x",), tokenizer="t")
-    assert cfg.precision == "bf16" and cfg.seq_len <= m.max_position_embeddings
+    assert cfg.precision == "auto" and cfg.seq_len <= m.max_position_embeddings
+
+
+def test_config_file_in_docs_is_complete_and_valid(tmp_path):
+    """docs/training.md's small config file reads as a TrainConfig from scratch (a [model] table)
+    with the parameter count the text gives."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    toml = re.search(r"```toml\n(.*?)```", doc, re.S).group(1)
+    (tmp_path / "tiny.toml").write_text(toml)
+    cfg = TrainConfig.from_file(tmp_path / "tiny.toml")
+    assert isinstance(cfg.model, ModelConfig) and cfg.tokenizer and cfg.data
+    assert cfg.seq_len <= cfg.model.max_position_embeddings
+    with torch.device("meta"):
+        params = sum(p.numel() for p in LlamaForCausalLM(cfg.model).parameters())
+    assert f"{params / 1e6:.1f}M parameters" in doc

@@ -200,7 +200,7 @@ def test_cli_end_to_end(tmp_path, tokenizer_dir, model_config, capsys):
     )
     out = tmp_path / "run"
     argv = ["--config", str(toml), "--data", str(data), "--tokenizer", str(tokenizer_dir), "--out-dir", str(out)]
-    argv += ["--max-steps", "3", "--save-every", "3", "--eval-split", "0.2", "--progress", "false"]
+    argv += ["--max-steps", "3", "--save-every", "3", "--eval-split", "0.2", "--eval-every", "3", "--progress", "false"]
     with fuseformer.use_backend("reference"), pytest.warns(UserWarning, match="not UTF-8"):
         assert train_main([*argv, "--export", str(tmp_path / "export")]) == 0
     printed = capsys.readouterr().out
@@ -234,3 +234,89 @@ def test_loss_sum_does_not_overflow_low_precision(dtype):
     exact = TF.cross_entropy(hidden.double() @ weight.double().T, target, ignore_index=IGNORE_INDEX, reduction="sum")
     assert low.dtype == torch.float32 and math.isfinite(low.item())
     assert low.item() == pytest.approx(exact.item(), rel=5e-3)
+
+
+def _tiny_run_argv(tmp_path, tokenizer_dir, *extra):
+    """Flags of a 2-step run from scratch on a folder of Python files (config file with a [model] table)."""
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    for i in range(8):
+        (data / f"f{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 3)
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        f'seq_len = 16\nmicro_batch_size = 2\nlr = 0.005\n[model]\narchitecture = "LlamaForCausalLM"\n'
+        f"vocab_size = {len(vocab)}\nhidden_size = 32\nintermediate_size = 48\nnum_hidden_layers = 1\n"
+        "num_attention_heads = 2\nnum_key_value_heads = 1\n"
+    )
+    argv = ["--config", str(toml), "--data", str(data), "--tokenizer", str(tokenizer_dir)]
+    return [*argv, "--out-dir", str(tmp_path / "run"), "--max-steps", "2", "--progress", "false", *extra]
+
+
+def test_export_without_checkpoints(tmp_path, tokenizer_dir, capsys):
+    """--export with the default --save-every 0 exports the final model from memory (it used to
+    train to the end and then fail for want of a checkpoint)."""
+    from fuseformer.models.loader import load_model
+
+    with fuseformer.use_backend("reference"):
+        assert train_main(_tiny_run_argv(tmp_path, tokenizer_dir, "--export", str(tmp_path / "export"))) == 0
+    assert "exported" in capsys.readouterr().out
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    lm, cfg = load_model(tmp_path / "export")
+    assert cfg.hidden_size == 32 and next(lm.parameters()).dtype == torch.bfloat16
+    assert (tmp_path / "export" / "tokenizer.json").is_file()
+    (tmp_path / "file").write_text("x")
+    assert train_main(_tiny_run_argv(tmp_path, tokenizer_dir, "--export", str(tmp_path / "file"))) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def test_eval_every_zero_never_evaluates(tmp_path, model_config, corpus):
+    train_c, eval_c = corpus(80).split(0.25, seed=0)
+    with fuseformer.use_backend("reference"):
+        never = Trainer(_config(model_config(), tmp_path / "a", max_steps=2), train_corpus=train_c, eval_corpus=eval_c)
+        assert never.train().eval_losses == {}
+        every = _config(model_config(), tmp_path / "b", max_steps=3, eval_every=2)
+        assert sorted(Trainer(every, train_corpus=train_c, eval_corpus=eval_c).train().eval_losses) == [2, 3]
+    assert not any("eval_loss" in json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines())
+
+
+def test_default_precision_is_fp32_on_cpu(tmp_path, model_config, corpus):
+    """precision "auto" (the default): bf16 autocast on CUDA, fp32 on a CPU (bf16 ran ~10x slower there)."""
+    cfg = TrainConfig(model=model_config(), seq_len=16, micro_batch_size=2, out_dir=str(tmp_path), resume=False)
+    assert cfg.precision == "auto"
+    t = Trainer(cfg, train_corpus=corpus())
+    assert t.precision == "fp32" and t.amp_dtype is None and t.scaler is None
+
+
+def test_no_matplotlib_no_curve_claimed(tmp_path, tokenizer_dir, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with fuseformer.use_backend("reference"), pytest.warns(UserWarning, match="matplotlib is not installed"):
+        assert train_main(_tiny_run_argv(tmp_path, tokenizer_dir)) == 0
+    out = capsys.readouterr().out
+    assert "no loss curve (matplotlib is not installed)" in out and "loss.png" not in out
+    assert not (tmp_path / "run" / "loss.png").exists()
+
+
+def test_train_model_missing_directory_is_a_clear_error(tmp_path, capsys):
+    code = train_main(["--model", str(tmp_path / "nowhere"), "--data", str(tmp_path), "--out-dir", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "nowhere is not a directory" in err and "from scratch" in err and "Traceback" not in err
+
+
+def test_train_help_is_for_users():
+    """Every flag has help and its default; no reST markup or notes meant for developers; the
+    description says how to describe a model from scratch."""
+    import argparse
+
+    from fuseformer.train.cli import add_train_parser
+
+    parser = add_train_parser(argparse.ArgumentParser().add_subparsers())
+    text = parser.format_help()
+    assert "``" not in text and "add_train_parser" not in text and "cli.py" not in text
+    assert "from scratch" in text and "[model] table" in text and "docs/training.md" in text
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and "(default: " in action.help, action.option_strings
