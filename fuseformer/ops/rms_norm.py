@@ -41,7 +41,6 @@ from fuseformer.ops._utils import (
     KERNEL_DTYPES,
     LaunchConfig,
     Launcher,
-    _functorch_active,
     autograd_function,
     check_tensor,
     covers_row,
@@ -55,8 +54,8 @@ from fuseformer.ops._utils import (
     row_norm_config_key,
     rows_2d,
 )
-from fuseformer.runtime import autotune, native
-from fuseformer.runtime.backend import choose_backend
+from fuseformer.runtime import autotune
+from fuseformer.runtime.backend import choose_backend, forced_backend
 
 _OP = "rms_norm"
 # Longest row held in registers in one pass; longer rows take the chunked loop. H200 sweep
@@ -752,166 +751,12 @@ _RMSNormFunction = autograd_function("_RMSNormFunction", _forward_eager, None, _
 
 
 # --------------------------------------------------------------------------------------------
-# Native path (runtime/native.py, csrc/native.cpp): the eager call with grad as a C++ autograd node
-# launching the same compiled kernels, so the backward runs no Python on autograd's device thread.
-# A plan per (M, N, dtypes, residual, eps, device, stream), built at the key's first call; inputs must
-# be contiguous (M, N) rows, 16-byte aligned (what the plan's kernels were specialized for).
-# --------------------------------------------------------------------------------------------
-_native_plans: dict[tuple, int] = {}  # key -> plan address; 0: this key cannot be planned
-_NATIVE_MAX_PLANS = 1024  # then new keys take the Python path
-_native_fallbacks: dict[tuple[bool, bool], int] = {}
-
-
-def _native_fallback(has_residual: bool, has_weight: bool) -> int:
-    """The registered Python backward of plans of this form: grads (dy[, dh]), then the saved
-    (xn[, weight], rstd) -> (dx, dw, d_residual)."""
-    index = _native_fallbacks.get((has_residual, has_weight))
-    if index is None:
-
-        def fallback(*args):
-            dy, dh, rest = (args[0], args[1], args[2:]) if has_residual else (args[0], None, args[1:])
-            xn, rstd = rest[0], rest[-1]
-            weight = rest[1] if has_weight else None
-            dx, dw = rms_norm_bwd(dy.contiguous(), xn, weight, rstd, dh.contiguous() if dh is not None else None)
-            return dx, dw, (dx if has_residual else None)
-
-        index = _native_fallbacks[(has_residual, has_weight)] = native.register_fallback(fallback)
-    return index
-
-
-def _native_plan(
-    mod, x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float,
-    device_index: int, stream: int,
-) -> int:  # fmt: skip
-    """Build the plan of this call's key (see csrc/native.cpp for the slots): the forward of
-    rms_norm_fwd and the backward of rms_norm_bwd, launch for launch, as their Python forms would
-    run them for an unchanging stream that is not being captured. Raises ValueError for a compiled
-    kernel a plan cannot launch. It repeats rms_norm_fwd/rms_norm_bwd's choices (config, grid, dw
-    form): a change there must come here too (the GPU test compares the two paths bit for bit)."""
-    m, n = x.shape
-    has_res, has_w = residual is not None, weight is not None
-    dtype, device = x.dtype, x.device
-    f32 = torch.empty(1, dtype=torch.float32, device=device)  # compile-time stand-in for fp32 pointers
-    w_like = weight if has_w else x
-    X, W, R = 0, 1, 2
-    # Backward form (rms_norm_bwd's rule): two-launch, single-launch (workspace) or no dw.
-    cfg, fused_cfg, block_m, max_programs, fused_max = _bwd_plan(n, has_res, has_w, dtype, device_index)
-    row_blocks = (m + block_m - 1) // block_m
-    held: list[torch.Tensor] = []
-    group = 0
-    if has_w and fused_max:
-        programs = min(row_blocks, fused_max)
-        group = _fused_dw_rows(m, n, programs)
-        workspace = _workspace(x, device_index, programs * n) if group else None
-        if workspace is None:
-            group = 0
-        else:
-            held = list(workspace)  # counters, partials
-    # Forward: slots x, weight, residual, held..., then y, [h], rstd.
-    first_out = 3 + len(held)
-    Y = first_out
-    H = Y + 1 if has_res else Y
-    RSTD = H + 1 if has_res else Y + 1
-    fwd_outputs = [((m, n), dtype)] + ([((m, n), dtype)] if has_res else []) + [((m,), torch.float32)]
-    fcfg, fblock_m = _fwd_plan(n, has_res, has_w, True, dtype, device)
-    fwd_ptrs = [(X, x), (R if has_res else X, x), (W if has_w else X, w_like), (Y, x), (H, x), (RSTD, f32)]
-    fwd_ints = (n, n, n, n, m, n) if has_res else (n, 0, n, 0, m, n)
-    fwd = native.compiled_launch(
-        _fwd_launcher.kernel, ((m + fblock_m - 1) // fblock_m,), fcfg, fwd_ptrs, fwd_ints, (float(eps),)
-    )
-    saved = [H if has_res else X] + ([W] if has_w else []) + [RSTD]
-    returned = [Y, H] if has_res else [Y]
-    # Backward: slots dy, [dh], the saved (xn, [weight], rstd), held..., then dx, [dw], [partials].
-    DY, DH = 0, 1
-    s0 = 2 if has_res else 1
-    XN, BW = s0, s0 + 1
-    BRSTD = s0 + len(saved) - 1
-    first_held = s0 + len(saved)
-    DX = first_held + len(held)
-    DW = DX + 1
-    dy_slot_for_dh = DH if has_res else DY
-    sdh = n if has_res else 0
-    bwd_outputs = [((m, n), dtype)]
-    if not has_w:
-        bwd = [native.compiled_launch(
-            _bwd_launcher.kernel, (min(row_blocks, max_programs),), cfg,
-            [(XN, x), (XN, x), (DY, x), (dy_slot_for_dh, x), (BRSTD, f32), (DX, x), (BRSTD, f32), (BRSTD, f32),
-             (BRSTD, f32)],
-            (n, n, sdh, n, m, n, 0),
-        )]  # fmt: skip
-        grads = [DX, -1, DX if has_res else -1]
-    elif group:
-        counters, partials = first_held, first_held + 1
-        bwd_outputs.append(((n,), weight.dtype))
-        bwd = [native.compiled_launch(
-            _bwd_launcher.kernel, (programs,), fused_cfg,
-            [(XN, x), (BW, weight), (DY, x), (dy_slot_for_dh, x), (BRSTD, f32), (DX, x), (partials, f32),
-             (DW, weight), (counters, held[0])],
-            (n, n, sdh, n, m, n, group),
-        )]  # fmt: skip
-        grads = [DX, DW, DX if has_res else -1]
-    else:
-        programs = min(row_blocks, max_programs)
-        PART = DW + 1
-        bwd_outputs += [((n,), weight.dtype), ((programs, n), torch.float32)]
-        dw_cfg, dw_block_n = _dw_plan(n, device_index)
-        bwd = [
-            native.compiled_launch(
-                _bwd_launcher.kernel, (programs,), cfg,
-                [(XN, x), (BW, weight), (DY, x), (dy_slot_for_dh, x), (BRSTD, f32), (DX, x), (PART, f32),
-                 (PART, f32), (PART, f32)],
-                (n, n, sdh, n, m, n, 0),
-            ),
-            native.compiled_launch(
-                _dw_launcher.kernel, ((n + dw_block_n - 1) // dw_block_n,), dw_cfg, [(PART, f32), (DW, weight)],
-                (programs, n),
-            ),
-        ]  # fmt: skip
-        grads = [DX, DW, DX if has_res else -1]
-    return mod.make_plan(
-        fwd_outputs, [fwd], bwd_outputs, bwd, held, saved, returned, grads, [dtype] * len(returned),
-        _native_fallback(has_res, has_w), stream, device,
-    )  # fmt: skip
-
-
-def _native_forward(
-    x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-    """The eager call with grad through the native node: y or (y, h); None where it does not apply
-    (no module yet, functorch transforms, non-contiguous or unaligned inputs, a CUDA graph being
-    captured, another device current, a key that cannot be planned)."""
-    mod = native.cuda_module()
-    if mod is None or (_functorch_active is not None and _functorch_active()):
-        return None
-    m, n = x.shape
-    if x.stride() != (n, 1) or (residual is not None and residual.stride() != (n, 1)) or m == 0 or n == 0:
-        return None
-    bits = x.data_ptr() | (weight.data_ptr() if weight is not None else 0)
-    if residual is not None:
-        bits |= residual.data_ptr()
-    device_index = x.get_device()
-    if bits & 15 or device_index != torch._C._cuda_getDevice() or _cuda_capturing():
-        return None
-    stream = _cuda_stream(device_index)
-    key = (m, n, x.dtype, weight.dtype if weight is not None else None, residual is not None, eps, device_index, stream)
-    plan = _native_plans.get(key)
-    if plan is None:
-        if len(_native_plans) >= _NATIVE_MAX_PLANS:
-            return None
-        try:
-            plan = _native_plan(mod, x, weight, residual, eps, device_index, stream)
-        except ValueError:
-            plan = 0
-        _native_plans[key] = plan
-    if not plan:
-        return None
-    out = mod.apply(plan, x, weight, residual)
-    return out[0] if residual is None else (out[0], out[1])
-
-
-# --------------------------------------------------------------------------------------------
 # Public function
 # --------------------------------------------------------------------------------------------
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -945,24 +790,25 @@ def rms_norm(
     supported = x.dtype in KERNEL_DTYPES and (weight is None or weight.dtype in KERNEL_DTYPES)
     backend = choose_backend(_OP, device, supported, "float64 runs on the reference")
     if backend == "reference":
+        if x.is_cpu and x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+            if forced_backend() is None:
+                # The CPU path: the reference's fp32 arithmetic in the same order (bitwise equal), without
+                # its casts and with in-place steps (SmolLM-135M decode row of 576 with the residual, 1
+                # thread, 2026-12-03: 18 -> 11 us a call). torch's F.rms_norm timed the same alone but
+                # ~5x slower inside the decode step (cProfile, 44 us a call).
+                h = x + residual if residual is not None else x
+                y = h * torch.mean(h * h, -1, keepdim=True).add_(eps).rsqrt_()
+                if weight is not None:
+                    y = y.mul_(weight) if not _needs_grad(y, weight) else y * weight
+                return (y, h) if residual is not None else y
         return rms_norm_ref(x, weight, eps, residual)
 
     # What rows_2d returns, without its call for 2-D rows (~0.5 us of the eager forward, CPU 2026-12-01).
     x2 = x if ndim == 2 and x.stride(1) == 1 else rows_2d(x)
     r2 = rows_2d(residual) if residual is not None else None
     w = weight.contiguous() if weight is not None else None
-    out = None
-    if (
-        native.enabled()
-        and x.is_cuda
-        and torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and (x.requires_grad or (w is not None and w.requires_grad) or (r2 is not None and r2.requires_grad))
-    ):
-        out = _native_forward(x2, w, r2, float(eps))  # None where the native node does not apply
-    if out is None:
-        # Eager: y, or (y, h). Under torch.compile, the custom op's (y, h or a 0-size stand-in, rstd).
-        out = dispatch(_rms_norm_fwd_op, _RMSNormFunction, _fwd_no_grad, x2, w, r2, float(eps))
+    # Eager: y, or (y, h). Under torch.compile, the custom op's (y, h or a 0-size stand-in, rstd).
+    out = dispatch(_rms_norm_fwd_op, _RMSNormFunction, _fwd_no_grad, x2, w, r2, float(eps))
     y, h = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
     if ndim != 2:  # 2-D inputs come back in their own shape: no view needed
         y = y.view(*shape)  # sizes as ints: ~2 us faster than passing the torch.Size
@@ -972,7 +818,7 @@ def rms_norm(
 
 
 # --------------------------------------------------------------------------------------------
-# Tuning (``fuseformer bench --tune`` through autotune.tune_all), in the spirit of bench/sweep.py
+# Tuning (``fuseformer bench --tune`` through autotune.tune_all), in the spirit of benchmarks/sweeps.py
 # --------------------------------------------------------------------------------------------
 TUNE_ROWS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 _TUNE_ELEMENTS = 1 << 27  # M x N of each tuning shape: 256 MiB of bf16, far past the 60 MB L2

@@ -1,5 +1,7 @@
 """rms_norm: the Triton kernels against the fp64 reference (DESIGN.md §3), bad input, compile."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -513,6 +515,9 @@ def test_rms_norm_fast_launch_matches_normal_launch(dtype, residual):
     """The direct launch path gives bitwise the outputs and gradients of kernel[grid](...), and is
     taken: across shapes, a second dtype, misaligned (offset) and row-strided views."""
     from fuseformer.ops._utils import fast_launch
+    from fuseformer.testing import skip_unless_direct_launch_triton
+
+    skip_unless_direct_launch_triton()
     from fuseformer.ops.rms_norm import _bwd_launcher, _dw_launcher, _fwd_launcher
 
     launchers = (_fwd_launcher, _bwd_launcher, _dw_launcher)
@@ -569,3 +574,43 @@ def test_rms_norm_reload_forward_matches_two_pass(device):
     torch.testing.assert_close(h1, h0, rtol=0, atol=0)
     torch.testing.assert_close(s1, s0, rtol=0, atol=0)
     torch.testing.assert_close(y1, y0, rtol=2e-3, atol=2e-3)
+
+
+# The CPU path (what the reference backend runs on fp32 CPU tensors unless the reference is forced):
+# torch's fused rms_norm, outputs and gradients against the fp64 reference.
+@pytest.mark.parametrize("shape", [(1, 576), (3, 123), (2, 3, 64)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("weight", [False, True])
+def test_rms_norm_cpu_path_matches_reference(shape, residual, weight, monkeypatch):
+    rn = importlib.import_module("fuseformer.ops.rms_norm")
+    monkeypatch.setattr(rn, "choose_backend", lambda *args: "reference")  # as on a CPU-only install
+    calls = []
+    real = rn.rms_norm_ref
+    monkeypatch.setattr(rn, "rms_norm_ref", lambda *a, **k: calls.append(1) or real(*a, **k))
+    n = shape[-1]
+    leaves = [
+        torch.randn(shape),
+        (1 + 0.5 * torch.randn(n)) if weight else None,
+        torch.randn(shape) if residual else None,
+    ]
+
+    def run(fn, cast, **kw):
+        args = [t.detach().to(cast).requires_grad_() if t is not None else None for t in leaves]
+        out = fn(args[0], args[1], 1e-6, args[2], **kw)
+        return (list(out) if residual else [out]), [a for a in args if a is not None]
+
+    outs, args = run(F.rms_norm, torch.float32)
+    assert calls == []  # the CPU path, not the reference
+    refs, ref_args = run(F.rms_norm_ref, torch.float64)
+    bases, base_args = run(F.rms_norm_ref, torch.float32, upcast=False)
+    for name, o, rf, b in zip(["y", "h"], outs, refs, bases):
+        assert o.dtype == torch.float32
+        assert_close(name, o, rf, b)
+    grads = [torch.randn(o.shape) for o in outs]
+    for res in (outs, refs, bases):
+        torch.autograd.backward(res, [g.to(res[0].dtype) for g in grads])
+    for a, rf, b in zip(args, ref_args, base_args):
+        assert_close("grad", a.grad, rf.grad, b.grad)
+    with fuseformer.use_backend("reference"):  # forced: the reference itself
+        F.rms_norm(leaves[0], leaves[1], 1e-6, leaves[2])
+    assert calls == [1]
