@@ -44,7 +44,7 @@ import triton.language as tl
 
 from fuseformer.ops._utils import FLOAT_DTYPES, KERNEL_DTYPES, check_shape, check_tensor, empty, next_pow2, sm_count
 from fuseformer.runtime import autotune
-from fuseformer.runtime.backend import choose_backend
+from fuseformer.runtime.backend import choose_backend, forced_backend
 
 _OP_CACHE = "reshape_and_cache"
 _OP = "paged_attention"
@@ -115,6 +115,90 @@ def paged_attention_ref(
         p = torch.softmax(s, dim=-1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# CPU paths: what the reference backend runs on CPU tensors (reshape_and_cache: fp16, bf16, fp32;
+# paged_attention: fp32) unless the reference is forced. Same results as the references within
+# DESIGN.md §3, in fewer ops: a decode step calls these once per layer, and on a CPU each op's
+# dispatch costs as much as its arithmetic at one token
+# (SmolLM-135M shape, 1 thread, 2026-12-03: 1.45 ms -> 0.37 ms a call of paged_attention).
+# --------------------------------------------------------------------------------------------
+def _reshape_and_cache_cpu(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """reshape_and_cache_ref by two index_copy_ (no boolean-mask gathers); skipped slots go to the reference."""
+    slots = slot_mapping.long()
+    if slots.numel() == 0:
+        return
+    if int(slots.min()) < 0:
+        reshape_and_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+        return
+    nb, bs = k_cache.shape[:2]
+    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def _paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window: int,
+) -> torch.Tensor:
+    """paged_attention_ref's loop over sequences with each one's attention done by torch's SDPA (its
+    CPU kernel accumulates in fp32; GQA by ``enable_gqa``, without repeating K/V); a mask only where
+    some key is masked. (T, Hq, D) in q's dtype."""
+    t, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    cu = cu_seqlens_q.tolist()
+    ctx_lens = context_lens.tolist()
+    whole = len(cu) == 2 and cu[0] == 0 and cu[1] == t  # one sequence owns every row: return its output
+    out = None if whole else torch.zeros(t, hq, d, dtype=q.dtype, device=q.device)
+    for b in range(len(cu) - 1):
+        q0, q1, ctx = cu[b], cu[b + 1], ctx_lens[b]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        if q_len > ctx:
+            raise ValueError(f"{_OP}: sequence {b} has {q_len} new queries but a context of only {ctx}")
+        blocks = block_tables[b, : (ctx + bs - 1) // bs]
+        ids = blocks.tolist()
+        run = 0 <= ids[0] and ids[-1] < k_cache.shape[0] and ids == list(range(ids[0], ids[0] + len(ids)))
+        if run and k_cache.is_contiguous() and v_cache.is_contiguous():
+            # Blocks in a run (the pool hands a lone sequence consecutive blocks): a view, no gather.
+            k = k_cache.view(-1, hkv, d)[ids[0] * bs : ids[0] * bs + ctx]  # (ctx, Hkv, D)
+            v = v_cache.view(-1, hkv, d)[ids[0] * bs : ids[0] * bs + ctx]
+        else:  # index_select: ~3x faster than advanced indexing at a decode's few blocks
+            k = k_cache.index_select(0, blocks).view(-1, hkv, d)[:ctx]
+            v = v_cache.index_select(0, blocks).view(-1, hkv, d)[:ctx]
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
+        qs = q[q0:q1].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, D)
+        # Query i sits at position ctx - q_len + i (bottom-right aligned); the mask is built only when
+        # a key is outside some query's range: causal with q_len > 1, or a window shorter than the context.
+        windowed = window > 0 and ctx - q_len >= window
+        mask, is_causal = None, False
+        if causal and q_len == ctx and not windowed:
+            is_causal = True  # SDPA's top-left causal mask is the bottom-right one when q_len == ctx
+        elif (causal and q_len > 1) or windowed:
+            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+            k_pos = torch.arange(ctx, device=q.device)[None, :]
+            mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device)
+            if causal:
+                mask &= k_pos <= q_pos
+            if window > 0:
+                mask &= k_pos > q_pos - window
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=hq != hkv
+        )[0].transpose(0, 1)  # (q_len, Hq, D)
+        if whole:
+            return o.contiguous()
+        out[q0:q1] = o
+    return out if out is not None else torch.zeros(t, hq, d, dtype=q.dtype, device=q.device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -584,7 +668,8 @@ def reshape_and_cache(
     supported = k.dtype in KERNEL_DTYPES and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     backend = choose_backend(_OP_CACHE, k.device, supported, "float64 or a cache with non-unit stride in D")
     if backend == "reference":
-        reshape_and_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+        cpu = k.is_cpu and k.dtype in KERNEL_DTYPES and forced_backend() is None
+        (_reshape_and_cache_cpu if cpu else reshape_and_cache_ref)(k, v, k_cache, v_cache, slot_mapping)
         return
     k = k if k.stride(2) == 1 else k.contiguous()
     v = v if v.stride(2) == 1 else v.contiguous()
@@ -650,7 +735,10 @@ def paged_attention(
     supported = q.dtype in KERNEL_DTYPES and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     backend = choose_backend(_OP, q.device, supported, "float64 or a cache with non-unit stride in D")
     if backend == "reference":
-        return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, causal, window)
+        # fp32 only: SDPA's CPU kernel rounds its probabilities to bf16/fp16 there, the reference keeps fp32.
+        cpu = q.is_cpu and q.dtype == torch.float32 and forced_backend() is None
+        run_ref = _paged_attention_cpu if cpu else paged_attention_ref
+        return run_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, causal, window)
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch > 0 else 0
     q = q if q.stride(2) == 1 else q.contiguous()

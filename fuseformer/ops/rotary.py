@@ -49,7 +49,7 @@ from fuseformer.ops._utils import (
     read_offsets,
 )
 from fuseformer.runtime import autotune
-from fuseformer.runtime.backend import choose_backend
+from fuseformer.runtime.backend import choose_backend, forced_backend
 
 _OP = "apply_rotary"
 _MAX_HEAD_DIM = 256
@@ -113,6 +113,45 @@ def apply_rotary_ref(
     o2 = x2 * c + x1 * s
     out = torch.stack((o1, o2), dim=-1).flatten(-2) if interleaved else torch.cat((o1, o2), dim=-1)
     return torch.cat((out.to(dtype), x[..., rot:]), dim=-1)
+
+
+def _needs_grad(x: torch.Tensor) -> bool:
+    return x.requires_grad and torch.is_grad_enabled()
+
+
+def _apply_rotary_cpu(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    seqlen_offsets: int | torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+) -> torch.Tensor:
+    """What the reference backend runs on CPU tensors (fp16, bf16, fp32) without autograd: the
+    reference's arithmetic in fp32 written into one output (out= ops), instead of its cos/sin gathers
+    (an int offset slices them), separate outputs and two cats. SmolLM-135M decode shape
+    (1 token, 12 heads of 64), 1 thread, loaded 2-core machine, 2026-12-03: 306 -> 235 us a call of
+    apply_rotary (checks included). Returns x's shape and dtype, contiguous."""
+    half = cos.shape[-1]
+    rot = 2 * half
+    if cu_seqlens is None and not isinstance(seqlen_offsets, torch.Tensor):
+        c, s = cos[seqlen_offsets : seqlen_offsets + x.shape[1]], sin[seqlen_offsets : seqlen_offsets + x.shape[1]]
+    else:
+        pos = _positions(x, seqlen_offsets, cu_seqlens)
+        c, s = cos[pos], sin[pos]
+    c = c.to(torch.float32).unsqueeze(-2)  # (S, 1, half) or (..., 1, half), broadcast over batch and heads
+    s = s.to(torch.float32).unsqueeze(-2)
+    dtype, x = x.dtype, x.to(torch.float32)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    pairs = (slice(0, rot, 2), slice(1, rot, 2)) if interleaved else (slice(0, half), slice(half, rot))
+    x1, x2 = x[..., pairs[0]], x[..., pairs[1]]
+    o1, o2 = out[..., pairs[0]], out[..., pairs[1]]
+    # The reference's roundings (product, product, sum), not addcmul's: bitwise equal to it.
+    torch.mul(x1, c, out=o1).sub_(x2 * s)  # x1 c - x2 s
+    torch.mul(x2, c, out=o2).add_(x1 * s)  # x2 c + x1 s
+    if rot < x.shape[-1]:
+        out[..., rot:] = x[..., rot:]
+    return out.to(dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -557,6 +596,8 @@ def apply_rotary(
     supported = x.dtype in KERNEL_DTYPES and cos.dtype in KERNEL_DTYPES
     backend = choose_backend(_OP, x.device, supported, "float64 runs on the reference")
     if backend == "reference":
+        if x.is_cpu and x.dtype in KERNEL_DTYPES and forced_backend() is None and not _needs_grad(x):
+            return _apply_rotary_cpu(x, cos, sin, interleaved, seqlen_offsets, cu_seqlens)
         return apply_rotary_ref(x, cos, sin, interleaved, seqlen_offsets, cu_seqlens, max_seqlen)
 
     if x.stride(-1) != 1:

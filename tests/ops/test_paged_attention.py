@@ -479,3 +479,71 @@ def test_llama3_8b_configs_compile_for_sm90_offline():
     """The bf16 configs of Llama-3-8B's decode (also split-K) and prefill compile for sm_90 (Triton's
     bundled ptxas, no GPU needed) without register spills and fit in shared memory."""
     compile_offline(_OFFLINE_COMPILE, timeout=300, tools=("ptxas", "cuobjdump"))
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU path (what the reference backend runs on CPU tensors unless the reference is forced)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "seqs, window, causal, consecutive",
+    [
+        ([(37, 1)], -1, True, True),  # decode, blocks in a run: a view of the cache
+        ([(37, 1)], -1, True, False),  # decode, scattered blocks: index_select
+        ([(40, 40)], -1, True, True),  # prefill without a prefix: SDPA's is_causal
+        ([(50, 13), (9, 1), (5, 0), (16, 16)], -1, True, False),  # a mixed step, one sequence empty
+        ([(50, 13), (33, 1)], 8, True, False),  # window shorter than the context
+        ([(30, 7)], -1, False, True),  # not causal
+    ],
+)
+def test_paged_attention_cpu_path_matches_reference(seqs, window, causal, consecutive, dtype):
+    hq, hkv, d, bs = 6, 2, 40, 16
+    blocks = [-(-ctx // bs) for ctx, _ in seqs]
+    n = sum(blocks) + 2
+    order = list(range(n)) if consecutive else torch.randperm(n).tolist()
+    # NaN in every slot outside the contexts: a read past a context fails.
+    k_cache = torch.full((n, bs, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    tables = torch.full((len(seqs), max(blocks) + 1), n - 1, dtype=torch.int32)
+    used = 0
+    for b, ((ctx, _), m) in enumerate(zip(seqs, blocks, strict=True)):
+        tables[b, :m] = torch.tensor(order[used : used + m], dtype=torch.int32)
+        used += m
+        slots = torch.tensor([int(tables[b, p // bs]) * bs + p % bs for p in range(ctx)])
+        k_cache.view(-1, hkv, d)[slots] = torch.randn(ctx, hkv, d, dtype=dtype)
+        v_cache.view(-1, hkv, d)[slots] = torch.randn(ctx, hkv, d, dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor([q for _, q in seqs]).cumsum(0).tolist()], dtype=torch.int32)
+    ctx_lens = torch.tensor([c for c, _ in seqs], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, dtype=dtype)
+    args = (cu, ctx_lens, tables, d**-0.5, causal, window)
+    out = PA._paged_attention_cpu(q, k_cache, v_cache, *args)
+    ref = F.paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), *args)
+    assert out.dtype == dtype and out.shape == q.shape and not torch.isnan(out).any()
+    assert_close("out", out, ref, F.paged_attention_ref(q, k_cache, v_cache, *args, upcast=False))
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_reshape_and_cache_cpu_path_matches_reference(pad):
+    k_cache = torch.randn(5, 4, 2, 8)
+    v_cache = torch.randn_like(k_cache)
+    k = torch.randn(3, 6, 8)[:, 1:3]  # strided, as a slice of a packed qkv
+    v = torch.randn(3, 2, 8)
+    slots = torch.tensor([7, -1 if pad else 0, 19])
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    PA._reshape_and_cache_cpu(k, v, *caches[0], slots)
+    F.reshape_and_cache_ref(k, v, *caches[1], slots)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_paged_attention_cpu_path_is_the_natural_reference_backend(monkeypatch):
+    # Under TRITON_INTERPRET the tests' CPU tensors go to Triton; choose "reference" as a CPU-only install would.
+    monkeypatch.setattr(PA, "choose_backend", lambda *args: "reference")
+    calls = []
+    monkeypatch.setattr(PA, "_paged_attention_cpu", lambda *args: calls.append("cpu") or PA.paged_attention_ref(*args))
+    q, kc = torch.randn(3, 2, 8), torch.randn(2, 4, 2, 8)
+    args = (torch.tensor([0, 3], dtype=torch.int32), torch.tensor([5], dtype=torch.int32), torch.tensor([[1, 0]]))
+    F.paged_attention(q, kc, kc, *args)
+    assert calls == ["cpu"]
+    with fuseformer.use_backend("reference"):  # forced: the reference itself
+        F.paged_attention(q, kc, kc, *args)
+    assert calls == ["cpu"]

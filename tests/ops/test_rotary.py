@@ -1,6 +1,7 @@
 """apply_rotary: the Triton kernel against the fp64 reference (DESIGN.md §3), the reference against
 independent forms (complex multiplication, HF's rotate_half), varlen, strides, bad input, compile."""
 
+import importlib
 import math
 
 import pytest
@@ -431,7 +432,9 @@ def test_apply_rotary_fast_launch_matches_normal_launch(dtype):
     a pointer off 16-byte alignment and q sliced out of a packed QKV tensor."""
     from fuseformer.ops._utils import fast_launch
     from fuseformer.ops.rotary import _launcher
+    from fuseformer.testing import skip_unless_direct_launch_triton
 
+    skip_unless_direct_launch_triton()
     cos, sin = _table(4096 + 64, 64, "cuda")
     cos32, sin32 = _table(1100, 16, "cuda")
 
@@ -489,3 +492,47 @@ def test_apply_rotary_reads_each_offsets_tensor_once(host_reads):
     with pytest.raises(ValueError, match="non-decreasing"):
         F.apply_rotary(**args)
     assert reads == [3, 3]
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU path (what the reference backend runs on CPU tensors without autograd)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", CPU_SHAPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("offsets", ["int", "tensor", "varlen"])
+def test_apply_rotary_cpu_path_matches_reference(shape, dtype, interleaved, offsets):
+    rot_module = importlib.import_module("fuseformer.ops.rotary")
+    b, s, h, d, rot = shape
+    x = _nan_gapped((b, s, h, d), dtype, "cpu")  # strided with NaN gaps: a read outside x fails
+    cos, sin = _table(s + 5, rot // 2, "cpu")
+    kw = dict(interleaved=interleaved, seqlen_offsets=3, cu_seqlens=None)
+    if offsets == "tensor":
+        kw["seqlen_offsets"] = torch.arange(b) + 1
+    elif offsets == "varlen":
+        x = x.reshape(b * s, h, d)
+        kw["cu_seqlens"] = (torch.arange(b + 1) * s).to(torch.int32)
+        kw["seqlen_offsets"] = 2
+    out = rot_module._apply_rotary_cpu(x, cos, sin, **kw)
+    ref = F.apply_rotary_ref(x.double(), cos.double(), sin.double(), **kw)
+    assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous() and not torch.isnan(out).any()
+    assert_close("out", out, ref, F.apply_rotary_ref(x, cos, sin, upcast=False, **kw))
+    assert torch.equal(out, F.apply_rotary_ref(x, cos, sin, **kw))  # the reference's roundings exactly
+
+
+def test_apply_rotary_cpu_path_only_without_autograd(monkeypatch):
+    rot_module = importlib.import_module("fuseformer.ops.rotary")
+    monkeypatch.setattr(rot_module, "choose_backend", lambda *args: "reference")  # as a CPU-only install
+    calls = []
+    real = rot_module._apply_rotary_cpu
+    monkeypatch.setattr(rot_module, "_apply_rotary_cpu", lambda *args: calls.append(1) or real(*args))
+    x = torch.randn(1, 3, 2, 16)
+    cos, sin = _table(3, 8, "cpu")
+    torch.testing.assert_close(F.apply_rotary(x, cos, sin), F.apply_rotary_ref(x, cos, sin))
+    assert calls == [1]
+    x.requires_grad_()
+    F.apply_rotary(x, cos, sin).sum().backward()  # the out= ops have no autograd: the reference runs
+    assert calls == [1] and x.grad is not None
+    with fuseformer.use_backend("reference"):
+        F.apply_rotary(x.detach(), cos, sin)
+    assert calls == [1]
