@@ -30,7 +30,6 @@ Every ``apply`` / ``undo`` touches this instance only; ``undo`` puts back the sa
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import types
 
@@ -384,21 +383,7 @@ def _attention_candidates(model, prefix, layers, training, result) -> None:
         if not hasattr(attn, "config"):
             result.skipped.append(Skipped(path=path, kind="attention", reason="attention module has no config"))
             continue
-        state: dict = {}
-
-        def apply(attn=attn, state=state):
-            if "original" in state:
-                return
-            state["original"] = attn.config
-            own = copy.copy(attn.config)
-            # Set the field itself: the property's setter would also rename the shared sub-configs.
-            own.__dict__["_attn_implementation_internal"] = name
-            attn.config = own
-
-        def undo(attn=attn, state=state):
-            if "original" in state:
-                attn.config = state.pop("original")
-
+        apply, undo = hf_attention.config_swap(attn, name)
         result.candidates.append(
             Candidate(
                 path=path,

@@ -28,6 +28,7 @@ as the masks transformers builds for a cache, and as flash-attn's.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -161,6 +162,27 @@ def _reference(q, k, v, mask, scale, left, causal, softcap, dropout, training):
         probs = tnf.dropout(probs, p=dropout)
     out = torch.matmul(probs, vf).to(q.dtype)
     return out.transpose(1, 2).contiguous()  # (B, Sq, Hq, D)
+
+
+def config_swap(module: torch.nn.Module, impl: str):
+    """(apply, undo) that give ``module`` a shallow copy of its config naming attention
+    implementation ``impl``, and put the shared config back: one layer switched, not the model."""
+    state: dict = {}
+
+    def apply() -> None:
+        if "original" in state:
+            return
+        state["original"] = module.config
+        own = copy.copy(module.config)
+        # Set the field itself: the property's setter would also rename the shared sub-configs.
+        own.__dict__["_attn_implementation_internal"] = impl
+        module.config = own
+
+    def undo() -> None:
+        if "original" in state:
+            module.config = state.pop("original")
+
+    return apply, undo
 
 
 try:

@@ -30,7 +30,6 @@ and ``bias``).
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 
@@ -322,21 +321,7 @@ def _attention_candidates(model: nn.Module, gpt2: bool, training: bool, result: 
             continue
         causal = bool(getattr(m, "is_causal", gpt2))
         fn = hf_attention.register() if causal else register()
-        state: dict = {}
-
-        def apply(m=m, state=state, fn=fn):
-            if "original" in state:
-                return
-            state["original"] = m.config
-            own = copy.copy(m.config)
-            # The field itself: the property's setter would also rename shared sub-configs.
-            own.__dict__["_attn_implementation_internal"] = fn
-            m.config = own
-
-        def undo(m=m, state=state):
-            if "original" in state:
-                m.config = state.pop("original")
-
+        apply, undo = hf_attention.config_swap(m, fn)
         result.candidates.append(
             Candidate(
                 path=path,
