@@ -1,0 +1,85 @@
+"""Which of optimize's replacements pays, one kind at a time (issue 26's investigation, run 112).
+
+For the BERT-base encoder (B 32 x S 512) and the Llama-3-8B prefill (B 1 x S 4096), random bf16 weights:
+HF eager, then ``fuseformer.optimize(include=[kind])`` for each kind alone (reverted between), then
+all kinds; plus the top CUDA kernels of eager and of all-kinds (torch.profiler), so the slower
+pieces are named. Writes ``optimize_ablation.json`` under ``--out``.
+
+    python3 benchmarks/optimize_ablation.py --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import fuseformer
+from fuseformer.bench._timing import bench_ms
+from fuseformer.bench.optimize import BERT_BASE, LLAMA_8B, _build
+
+
+def _top_kernels(fn, n: int = 15) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            rows.append(dict(name=e.key[:120], ms_per_call_total=t / 3 / 1e3, count=e.count // 3))
+    rows.sort(key=lambda r: -r["ms_per_call_total"])
+    return rows[:n]
+
+
+def ablate(name: str, model, fwd, kinds) -> dict:
+    rec = dict(model=name, ms={})
+    with torch.no_grad():
+        rec["ms"]["eager"] = bench_ms(fwd, warmup=50, rep=400)
+        rec["top_eager"] = _top_kernels(fwd)
+        for kind in kinds:
+            report = fuseformer.optimize(model, training=False, include=[kind])
+            rec["ms"][kind] = bench_ms(fwd, warmup=50, rep=400)
+            rec.setdefault("counts", {})[kind] = report.counts()
+            report.revert()
+        report = fuseformer.optimize(model, training=False)
+        rec["ms"]["all"] = bench_ms(fwd, warmup=50, rep=400)
+        rec["top_all"] = _top_kernels(fwd)
+        report.revert()
+    print(name, {k: round(v, 3) for k, v in rec["ms"].items()}, flush=True)
+    return rec
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="results")
+    p.add_argument("--cases", default="bert,llama")
+    args = p.parse_args()
+    out = []
+    if "bert" in args.cases:
+        model = _build("BertModel", BERT_BASE, "cuda").eval()
+        ids = torch.randint(0, model.config.vocab_size, (32, 512), device="cuda")
+        mask = torch.ones_like(ids)
+        out.append(ablate("bert-base 32x512", model,
+                          lambda: model(input_ids=ids, attention_mask=mask).last_hidden_state,
+                          ("norm", "mlp", "attention")))  # fmt: skip
+        del model
+        torch.cuda.empty_cache()
+    if "llama" in args.cases:
+        model = _build("LlamaForCausalLM", LLAMA_8B, "cuda").eval()
+        ids = torch.randint(0, LLAMA_8B["vocab_size"], (1, 4096), device="cuda")
+        out.append(ablate("llama-8b prefill 1x4096", model, lambda: model(input_ids=ids).logits,
+                          ("norm", "mlp", "attention", "loss")))  # fmt: skip
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, "optimize_ablation.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
