@@ -48,7 +48,7 @@ _COMMON = dict(rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8
 
 
 def build_models(shape: dict, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
-    """(HF LlamaForCausalLM with its random init, our LlamaForCausalLM holding the same weights)."""
+    """(HF LlamaForCausalLM with its random init, ours, built through the registry, holding the same weights)."""
     import transformers
 
     from fuseformer.models.config import ModelConfig
@@ -104,21 +104,22 @@ def _run_ours(
 
     llm = LLM(model, device=device, max_model_len=len(prompts[0]) + output_len, **llm_kwargs)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    core = llm.core
     extra: Record = {}
     graphs = None
     try:
         llm.generate(prompts[: min(8, len(prompts))], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        graphs = llm.runner.decode_graphs
+        graphs = core.runner.decode_graphs
         replays_before = sum(graphs.replays.values()) if graphs is not None else 0
-        steps_before, ahead_before = llm.runner.num_steps, llm.num_steps_ahead
+        steps_before, ahead_before = core.runner.num_steps, core.num_steps_ahead
         _sync(device)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         _sync(device)
         seconds = time.perf_counter() - start
-        extra["steps"] = llm.runner.num_steps - steps_before
-        if llm.async_scheduling:
-            extra["steps_ahead"] = llm.num_steps_ahead - ahead_before
+        extra["steps"] = core.runner.num_steps - steps_before
+        if core.async_scheduling:
+            extra["steps_ahead"] = core.num_steps_ahead - ahead_before
         if graphs is not None:
             extra |= dict(
                 graph_steps=sum(graphs.replays.values()) - replays_before,
@@ -126,8 +127,8 @@ def _run_ours(
                 graph_pool_mib=graphs.pool_bytes / 2**20,
             )
     finally:
-        num_blocks = llm.runner.num_blocks
-        del llm, graphs  # the graphs hold the cache and their memory pool
+        num_blocks = core.runner.num_blocks
+        del llm, core, graphs  # the graphs hold the cache and their memory pool
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -18,18 +18,18 @@ Records:
   (Poisson arrivals would be vLLM's choice; fixed 1 s gaps make runs comparable), and its ratio to the
   lone p50 (the bar: <= 1.1): as served (``as_served``; on CUDA ``fuseformer serve`` launches a new
   request's prefill behind the decode step in flight, ``AsyncEngine.overlap_prefill``, on a stream of
-  its own, ``LLM.prefill_stream``), and with the other settings beside it.
+  its own, ``EngineCore.prefill_stream``), and with the other settings beside it.
 Every phase is bounded in requests and in wall time (``_PHASE_TIMEOUT_S``)."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import json
 import multiprocessing
 import socket
 import statistics
+import sys
 import threading
 import time
 import urllib.parse
@@ -44,20 +44,14 @@ Record = dict[str, Any]
 _PHASE_TIMEOUT_S = 300.0
 
 
-def _start_server(llm_or_engine, model_name: str, overlap_prefill: bool = False):
-    """Serve an LLM (on an AsyncEngine with ``overlap_prefill``) or an engine on a loopback port:
-    (url, stop, engine)."""
+def _start_server(llm, model_name: str, overlap_prefill: bool = False):
+    """Serve an LLM's engine (an AsyncEngine with ``overlap_prefill``) on a loopback port: (url, stop, engine)."""
     import uvicorn
 
     from fuseformer.engine.async_engine import AsyncEngine
-    from fuseformer.engine.llm import LLM
     from fuseformer.serve.app import create_app
 
-    engine = (
-        AsyncEngine(llm_or_engine, start=False, overlap_prefill=overlap_prefill)
-        if isinstance(llm_or_engine, LLM)
-        else llm_or_engine
-    )
+    engine = AsyncEngine(llm, start=False, overlap_prefill=overlap_prefill)
     app = create_app(engine, model_name)
     # IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (as
     # uvicorn's own, made by getaddrinfo, do). Without it Nagle held a response's first token chunk
@@ -219,17 +213,14 @@ def run_serve_case(
     shape_name: str = "custom",
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
-    engines: tuple[str, ...] = ("thread",),
     overlap_prefill: bool = False,
     **llm_kwargs: Any,
 ) -> list[Record]:
     """Offline vs server throughput on ``num_requests`` x (input_len, output_len), the server's run
     ``num_unlimited`` times (each a record: the ratio depends on how arrivals fall on steps); p50 TTFT
     of ``num_rated`` requests at ``rate`` req/s vs ``num_lone`` lone ones (same lengths), interleaved in
-    ``rounds`` rounds (``_light_load``). ``engines``:
-    "thread" (``AsyncEngine`` in this process, as ``fuseformer serve`` runs by default) and/or "process"
-    (``ProcessEngine``, ``fuseformer serve --engine-process``), each through the same phases, serving
-    with ``overlap_prefill`` (and ``llm_kwargs``' ``prefill_stream``) as given."""
+    ``rounds`` rounds (``_light_load``). The server (``AsyncEngine``, as ``fuseformer serve`` runs)
+    serves with ``overlap_prefill`` (and ``llm_kwargs``' ``prefill_stream``) as given."""
     from fuseformer.bench.engine import build_models
     from fuseformer.engine.llm import LLM
     from fuseformer.engine.sampling_params import SamplingParams
@@ -266,10 +257,14 @@ def run_serve_case(
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     sync()
     # With async_scheduling, a synchronous offline run first, on prompts of its own (a record for
-    # comparison); the ratios are to the offline run with the server's settings.
-    for ahead in (False, True) if case["async_scheduling"] else (False,):
-        llm.async_scheduling = ahead
-        steps_before, ahead_before = llm.step_log.totals(), llm.num_steps_ahead
+    # comparison); the ratios are to the offline run with the server's settings. The same engine runs
+    # it: its AsyncScheduler schedules ahead no step of fewer than min_seqs requests.
+    core = llm.core
+    served_min_seqs = getattr(core.scheduler, "min_seqs", None)
+    for ahead in (False, True) if core.async_scheduling else (False,):
+        if core.async_scheduling:
+            core.scheduler.min_seqs = served_min_seqs if ahead else sys.maxsize
+        steps_before, ahead_before = core.step_log.totals(), core.num_steps_ahead
         start = time.perf_counter()
         outs = llm.generate(
             prompts if ahead == case["async_scheduling"] else fresh(num_requests), params, use_tqdm=False
@@ -278,12 +273,12 @@ def run_serve_case(
         offline_s = time.perf_counter() - start
         num_out = sum(len(o.outputs[0].token_ids) for o in outs)
         offline_tok_s = num_out / offline_s
-        steps = totals_since(llm.step_log.totals(), steps_before)
+        steps = totals_since(core.step_log.totals(), steps_before)
         impl = "offline LLM.generate" + (", async_scheduling" if ahead else "")
         records.append(
             dict(
                 bench="serve", impl=impl, **(case | dict(async_scheduling=ahead)), seconds=offline_s,
-                output_tok_s=offline_tok_s, steps=steps, steps_ahead=llm.num_steps_ahead - ahead_before,
+                output_tok_s=offline_tok_s, steps=steps, steps_ahead=core.num_steps_ahead - ahead_before,
             )
         )  # fmt: skip
         progress(f"{impl}: {offline_tok_s:.0f} output tok/s; steps {steps}")
@@ -300,60 +295,17 @@ def run_serve_case(
 
     stop = None
     try:
-        if "thread" in engines:
-            url, stop, engine = _start_server(llm, name, overlap_prefill)
-            records += _server_phases(url, engine, "server", case, offline_tok_s, fresh, spec, progress)
+        url, stop, engine = _start_server(llm, name, overlap_prefill)
+        records += _server_phases(url, engine, "server", case, offline_tok_s, fresh, spec, progress)
     finally:
         if stop is not None:
             stop()
-        # The server (stop's closure), its engine and the LLM all go, so that the engine process below
-        # finds this process's GPU memory free.
-        stop = engine = llm = ours = outs = None
-        gc.collect()
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-            progress(f"this process holds {torch.cuda.memory_allocated() / 2**30:.2f} GiB of GPU memory now")
-    if "process" in engines:
-        # The same server on an engine in a process of its own (ProcessEngine), which builds the same
-        # model (random weights, the same shape and settings) once this process's is freed.
-        from fuseformer.engine.process_engine import ProcessEngine
-
-        progress("starting the engine process ...")
-        factory = functools.partial(
-            _bench_llm, shape, device, dtype, dict(max_model_len=input_len + output_len, **llm_kwargs)
-        )
-        engine = ProcessEngine(factory, overlap_prefill=overlap_prefill)
-        stop = None
-        try:
-            url, stop, _ = _start_server(engine, name)
-            records += _server_phases(
-                url, engine, "process engine", case, offline_tok_s, fresh, spec, progress, warm_up=True
-            )
-        finally:
-            if stop is not None:
-                stop()  # the app's lifespan shuts the engine (and its process) down
     return records
 
 
-def _bench_llm(shape: dict, device: str, dtype: torch.dtype, llm_kwargs: dict):
-    """The bench's LLM, built in an engine process (``ProcessEngine``'s factory)."""
-    from fuseformer.bench.engine import build_models
-    from fuseformer.engine.llm import LLM
-
-    torch.manual_seed(0)
-    hf, ours = build_models(shape, device, dtype)
-    del hf
-    gc.collect()
-    return LLM(ours, device=device, **llm_kwargs)
-
-
-def _server_phases(
-    url, engine, label, case, offline_tok_s, fresh, spec, progress, warm_up: bool = False
-) -> list[Record]:
+def _server_phases(url, engine, label, case, offline_tok_s, fresh, spec, progress) -> list[Record]:
     """The server phases against one engine: unlimited rate (``spec["unlimited"]`` times), then the
-    light-load phases (``_light_load``). ``label`` starts each record's impl ("server", "process engine"). ``warm_up``: first an
-    untimed unlimited phase of 4-token outputs, for an engine that has not run the offline shapes
-    (a fresh engine process: its Triton kernels load, its plans fill)."""
+    light-load phases (``_light_load``). ``label`` starts each record's impl ("server")."""
     from fuseformer.serve.cli import serving_process
 
     num_requests, output_len = spec["requests"], spec["output_len"]
@@ -362,8 +314,6 @@ def _server_phases(
     with serving_process():  # as `fuseformer serve` runs
         try:
             client = _ClientProcess(url, "bench")
-            if warm_up:
-                client.run("unlimited", fresh(num_requests), 4)
             for attempt in range(spec["unlimited"]):
                 before = dict(engine.counters)
                 steps_before = engine.step_log.totals()
@@ -391,22 +341,18 @@ def _server_phases(
 
 
 def _light_load(client, engine, label, case, fresh, spec, progress) -> list[Record]:
-    """Lone requests (as served) and requests at ``spec["rate"]``: as served, and, where the engine can
-    switch them (``AsyncEngine``), with the other settings of ``overlap_prefill`` and, on CUDA,
-    ``LLM.prefill_stream``; interleaved in ``spec["rounds"]`` rounds of a share of each: the host's speed
-    drifts between phases (a lone p50 of 20 ms in one run, 41 ms in another), so the ratio compares
+    """Lone requests (as served) and requests at ``spec["rate"]``: as served, and with the other settings
+    of ``AsyncEngine.overlap_prefill`` and, on CUDA, ``EngineCore.prefill_stream``; interleaved in
+    ``spec["rounds"]`` rounds of a share of each: the host's speed drifts between phases (a lone p50 of 20 ms in one run, 41 ms in another), so the ratio compares
     samples taken side by side. A variant is (kind, overlap_prefill, prefill_stream)."""
     output_len, rate, rounds = spec["output_len"], spec["rate"], spec["rounds"]
-    switchable = hasattr(engine, "overlap_prefill")
-    served = (engine.overlap_prefill, engine.llm.prefill_stream) if switchable else (None, None)
+    served = (engine.overlap_prefill, engine.core.prefill_stream)
     variants = [("lone", *served), ("rated", *served)]
-    if switchable:
-        settings = [(False, False), (True, False)]
-        if engine.llm.runner.device.type == "cuda":
-            settings.append((True, True))
-        variants += [("rated", *s) for s in settings if s != served]
-    # RequestStream.times of the engine's first outputs (AsyncEngine only: not across processes)
-    times = getattr(engine, "first_output_times", None)
+    settings = [(False, False), (True, False)]
+    if engine.core.runner.device.type == "cuda":
+        settings.append((True, True))
+    variants += [("rated", *s) for s in settings if s != served]
+    times = engine.first_output_times  # RequestStream.times of the engine's first outputs
     got = {v: dict(ttft=[], times=[], steps=[], overlapped=0) for v in variants}
     for r in range(rounds):
         for v in variants:
@@ -415,20 +361,17 @@ def _light_load(client, engine, label, case, fresh, spec, progress) -> list[Reco
             count = total // rounds + (1 if r < total % rounds else 0)
             if not count:
                 continue
-            if switchable:
-                engine.overlap_prefill, engine.llm.prefill_stream = overlap, stream
-            if times is not None:
-                times.clear()
-            before, logged = engine.counters.get("overlapped", 0), engine.step_log.count
+            engine.overlap_prefill, engine.core.prefill_stream = overlap, stream
+            times.clear()
+            before, logged = engine.counters["overlapped"], engine.step_log.count
             try:
                 args = (rate,) if kind == "rated" else ()
                 got[v]["ttft"] += client.run(kind, fresh(count), output_len, *args)
             finally:
-                if switchable:
-                    engine.overlap_prefill, engine.llm.prefill_stream = served
+                engine.overlap_prefill, engine.core.prefill_stream = served
             got[v]["steps"] += engine.step_log.since(logged)
-            got[v]["times"] += [t for t in times or () if "added" in t]
-            got[v]["overlapped"] += engine.counters.get("overlapped", 0) - before
+            got[v]["times"] += [t for t in times if "added" in t]
+            got[v]["overlapped"] += engine.counters["overlapped"] - before
     records = []
     lone_p50 = statistics.median(got[variants[0]]["ttft"])
     for v in variants:
@@ -442,14 +385,13 @@ def _light_load(client, engine, label, case, fresh, spec, progress) -> list[Reco
             bench="serve", impl=impl, **(case | dict(requests=len(ttft))), rounds=rounds, p50_ttft_ms=1e3 * p50,
             ttft_ms=[round(1e3 * t, 2) for t in ttft], as_served=(overlap, stream) == served,
         )  # fmt: skip
-        if switchable:
-            record.update(overlap_prefill=overlap, prefill_stream=stream)
+        record.update(overlap_prefill=overlap, prefill_stream=stream)
         if kind == "rated":
             record["ratio_to_lone"] = p50 / lone_p50
         if got[v]["times"]:
             record["engine_ms"] = _breakdown(got[v]["times"])
         record["prefill_steps"] = _prefill_steps(got[v]["steps"])
-        if switchable and kind == "rated":
+        if kind == "rated":
             record["overlapped"] = got[v]["overlapped"]
         records.append(record)
         ratio = f" = {p50 / lone_p50:.3f}x lone" if kind == "rated" else ""
@@ -499,12 +441,11 @@ def bench_serve(
     cuda_graphs: bool = True,
     async_scheduling: bool = True,
     overlap_prefill: bool = True,
-    engines: tuple[str, ...] = ("thread", "process"),
 ) -> list[Record]:
     """Issue 6's measurement on a CUDA GPU: 256 requests x (256 in, 256 out) at the Llama-3-8B shape,
     then 30 lone requests and 30 at 1 req/s; ``quick``: the Llama-3.2-1B shape, 64 requests, 4 + 8.
 
-    ``engines``: which engines serve (``run_serve_case``). ``cuda_graphs``: the engine replays decode
+    ``cuda_graphs``: the engine replays decode
     steps as CUDA graphs in both the offline and the server runs, as ``fuseformer serve --cuda-graphs``
     does; at light load a decode step is then short, so a new request waits less for the step in
     flight (the TTFT bar). ``async_scheduling``: ``LLM(async_scheduling=True)`` from ``fuseformer
@@ -522,7 +463,7 @@ def bench_serve(
     n, lone, rated = (64, 4, 8) if quick else (256, 30, 30)
     records = run_serve_case(
         SHAPES[name], n, 256, 256, num_lone=lone, num_rated=rated, shape_name=name, cuda_graphs=cuda_graphs,
-        engines=engines, overlap_prefill=overlap, prefill_stream=overlap, **ahead,
+        overlap_prefill=overlap, prefill_stream=overlap, **ahead,
     )  # fmt: skip
     print(format_table(records))
     return records

@@ -1,16 +1,16 @@
-"""AsyncEngine: the ``LLM`` step loop on a background thread, driven from asyncio (the server's engine).
+"""AsyncEngine: an ``EngineCore``'s steps on a background thread, driven from asyncio (the server's engine).
 
 A model step is blocking compute (seconds on a CPU, milliseconds on a GPU), so it runs on its own
-thread and never on the event loop. All ``LLM`` calls happen on that thread: ``add_request`` and
-``abort`` from the event loop are queued as commands, which the thread applies between steps (at
-once when it is idle), so the scheduler is never touched by two threads. A step's outputs go back to
-the event loop in one ``loop.call_soon_threadsafe`` call (not one per request: at 256 requests a step
-those calls cost more than the step's scheduling), which appends each delta to its request's buffer
-and wakes that request's reader; the thread then waits for the event loop to finish that work (the
-handoff), and under load hands outputs over every few steps instead of every step (``AsyncEngine``
-says why: the two threads share the GIL).
+thread and never on the event loop. All calls of the core and its ``OutputProcessor`` happen on that
+thread: ``add_request`` and ``abort`` from the event loop are queued as commands, which the thread
+applies between steps (at once when it is idle), so the scheduler is never touched by two threads.
+A step's outputs go back to the event loop in one ``loop.call_soon_threadsafe`` call (not one per
+request: at 256 requests a step those calls cost more than the step's scheduling), which appends each
+delta to its request's buffer and wakes that request's reader; the thread then waits for the event
+loop to finish that work (the handoff), and under load hands outputs over every few steps instead of
+every step (``AsyncEngine`` says why: the two threads share the GIL).
 
-    engine = AsyncEngine(LLM(path))
+    engine = AsyncEngine(LLM(path))  # the LLM's core and output processor; the LLM itself is not called
     stream = await engine.add_request("req-1", "Hello", SamplingParams(max_tokens=8))  # ValueError if bad
     async for delta in stream:  # RequestOutput deltas, as LLM.step returns them; the last has finished=True
         ...
@@ -29,12 +29,15 @@ import collections
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fuseformer.engine.llm import LLM, Prompt
+from fuseformer.engine.output_processor import Prompt
 from fuseformer.engine.outputs import CompletionOutput, RequestOutput
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import SchedulerStats
+
+if TYPE_CHECKING:
+    from fuseformer.engine.llm import LLM
 
 
 class EngineDeadError(RuntimeError):
@@ -243,7 +246,7 @@ def take_stream(streams: dict[str, RequestStream], out: RequestOutput) -> Reques
 
 def _join(into: RequestOutput, out: RequestOutput) -> None:
     """Append delta ``out`` to the held delta ``into`` of the same request (objects of the engine
-    thread's own, from ``LLM.step``)."""
+    thread's own, from ``EngineCore.step``)."""
     by_index = {c.index: c for c in into.outputs}
     for c in out.outputs:
         prev = by_index.get(c.index)
@@ -261,10 +264,11 @@ def _join(into: RequestOutput, out: RequestOutput) -> None:
 
 
 class AsyncEngine:
-    """An ``LLM`` stepped on a background thread (see the module docstring).
+    """An ``EngineCore`` stepped on a background thread (see the module docstring).
 
     Args:
-        llm: the engine to drive; from now on only this object's thread may call it.
+        llm: the engine to drive, as ``LLM(...)`` built it: its ``core`` and ``output_processor`` are
+            driven from now on, by this object's thread only (the LLM's own methods are not called).
         start: start the thread now (else on the first ``add_request`` or ``start()``).
         max_stream_overhead: the share of the engine's time that handing outputs to the event loop may
             take (see "Under load" below); ``None`` or 0: every step's outputs are handed over at once.
@@ -293,12 +297,12 @@ class AsyncEngine:
     later step's: the same text, in fewer, larger chunks. A request's first output, a finished one
     and an abort are never held.
 
-    ``overlap_prefill`` (off by default here; ``fuseformer serve`` turns it on with ``LLM.prefill_stream``
+    ``overlap_prefill`` (off by default here; ``fuseformer serve`` turns it on with ``LLM(prefill_stream=True)``
     on CUDA: on an H200 the 1 req/s p50 time to first token was then 0.95-1.00x a lone request's, runs
     31-33, against 0.84-1.08x without either): while a CUDA-graph decode step
     runs on the device, the engine thread watches for new requests instead of blocking on the step's
     result; one that arrives has its prefill launched at once, behind the decode step in the device's
-    queue (``LLM.launch_step(admit_only=True)``), and both steps finish in order. A new request then
+    queue (``EngineCore.step_with_arrivals``), and both steps finish in order. A new request then
     no longer waits for the rest of the decode step in flight before its prefill's host work starts
     (~5 ms a step at batch 1-2 of an 8B model on an H200, against a ~20 ms lone time to first token).
 
@@ -310,10 +314,11 @@ class AsyncEngine:
     def __init__(
         self, llm: LLM, start: bool = True, max_stream_overhead: float | None = 0.05, overlap_prefill: bool = False
     ) -> None:
-        self.llm = llm
+        self.core = llm.core
+        self.output_processor = llm.output_processor
         self.overlap_prefill = overlap_prefill
-        self.tokenizer = llm.tokenizer
-        self.max_model_len = llm.max_model_len
+        self.tokenizer = self.output_processor.tokenizer
+        self.max_model_len = self.core.max_model_len
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._commands: collections.deque[_Add | tuple[str, str]] = collections.deque()
         self._wake = threading.Condition()
@@ -321,7 +326,7 @@ class AsyncEngine:
         self._stopping = False  # no new requests
         self._stop = False  # the thread exits at its next turn
         self.error: BaseException | None = None
-        self._stats = llm.scheduler.get_stats()
+        self._stats = self.core.get_stats()
         self.num_steps = 0
         self.max_stream_overhead = max_stream_overhead
         # Outputs not yet handed over, joined per request (engine thread only); the steps they cover;
@@ -346,8 +351,8 @@ class AsyncEngine:
 
     @property
     def step_log(self):
-        """The engine's ``LLM.step_log`` (read it from another thread only for benchmarks)."""
-        return self.llm.step_log
+        """The core's ``step_log`` (read it from another thread only for benchmarks)."""
+        return self.core.step_log
 
     @property
     def is_running(self) -> bool:
@@ -375,7 +380,7 @@ class AsyncEngine:
         self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> RequestStream:
         """Queue a prompt (text or token ids); returns its stream of deltas. Raises ``ValueError`` for a
-        bad prompt or parameter (as ``LLM.add_request``), ``EngineShutdownError`` once shutting down,
+        bad prompt or parameter (``OutputProcessor.make_request``), ``EngineShutdownError`` once shutting down,
         ``EngineDeadError`` after a failed step."""
         self._check_alive()
         self.start()
@@ -386,7 +391,7 @@ class AsyncEngine:
         done = loop.create_future()
         self._command(_Add(request_id, prompt, sampling_params, stream, done))
         try:
-            await done  # raises what LLM.add_request raised
+            await done  # raises what OutputProcessor.make_request raised
         except asyncio.CancelledError:  # the caller left while the add was queued: do not leave it running
             self.abort(request_id)
             raise
@@ -394,7 +399,7 @@ class AsyncEngine:
 
     def default_sampling_params(self) -> SamplingParams:
         """The model's defaults (generation_config.json) for requests that leave a parameter unset."""
-        return self.llm.get_default_sampling_params()
+        return self.output_processor.default_sampling_params()
 
     def abort(self, request_id: str) -> None:
         """Abort a request: it is removed and its blocks freed before the next step. Safe from any thread."""
@@ -422,11 +427,11 @@ class AsyncEngine:
     # ---- the engine thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        llm = self.llm
+        core, processor = self.core, self.output_processor
         try:
             while True:
                 with self._wake:
-                    while not self._stop and not self._commands and not llm.has_unfinished_requests():
+                    while not self._stop and not self._commands and not processor.has_unfinished_requests():
                         self._wake.wait()
                     commands = list(self._commands)
                     self._commands.clear()
@@ -438,11 +443,11 @@ class AsyncEngine:
                     return
                 outputs = []
                 start = time.perf_counter()
-                if llm.has_unfinished_requests():
-                    outputs = self._overlapped_step() if self.overlap_prefill else llm.step()
+                if processor.has_unfinished_requests():
+                    outputs = self._overlapped_step() if self.overlap_prefill else core.step(processor)
                     self.num_steps += 1
                 # Stats before outputs: a client that has its last token sees its blocks freed.
-                self._stats = llm.scheduler.get_stats()
+                self._stats = core.get_stats()
                 self._deliver(outputs, time.perf_counter() - start)
         except BaseException as exc:  # a failed step: every waiting caller gets the error, not a hang
             self.error = exc
@@ -453,11 +458,11 @@ class AsyncEngine:
                 if isinstance(command, _Add):
                     self._resolve(command, EngineDeadError(f"AsyncEngine: the engine failed: {exc}"))
         finally:
-            self._stats = llm.scheduler.get_stats()
+            self._stats = core.get_stats()
 
     def _overlapped_step(self) -> list[RequestOutput]:
-        """``LLM.step``, with new requests' prefill launched behind a graph-replayed decode step in
-        flight (``overlap_prefill``): their outputs follow the decode step's."""
+        """``EngineCore.step``, with new requests' prefill launched behind a graph-replayed decode step
+        in flight (``overlap_prefill``): their outputs follow the decode step's."""
 
         def arrivals(timeout: float) -> bool:
             with self._wake:
@@ -469,7 +474,7 @@ class AsyncEngine:
                 self._apply(command)
             return bool(commands)
 
-        outputs, early = self.llm.step_with_arrivals(arrivals, _POLL_S)
+        outputs, early = self.core.step_with_arrivals(arrivals, self.output_processor, _POLL_S)
         self.counters["overlapped"] += early
         return outputs
 
@@ -483,7 +488,9 @@ class AsyncEngine:
                 )
             else:
                 try:
-                    self.llm.add_request(command.request_id, command.prompt, command.params)
+                    processor = self.output_processor
+                    group = processor.make_request(command.request_id, command.prompt, command.params)
+                    self.core.add_requests(processor.add(group))
                     self._streams[command.request_id] = command.stream
                     command.stream.times["added"] = time.perf_counter()
                     error = None
@@ -494,8 +501,8 @@ class AsyncEngine:
             _, request_id = command
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                self.llm.abort(request_id)
-                self._stats = self.llm.scheduler.get_stats()
+                self.core.abort(self.output_processor.abort(request_id))
+                self._stats = self.core.get_stats()
                 self._put_abort(stream)
 
     def _put_abort(self, stream: RequestStream) -> None:
@@ -596,6 +603,6 @@ class AsyncEngine:
 
     def _abort_all(self) -> None:
         for request_id, stream in list(self._streams.items()):
-            self.llm.abort(request_id)
+            self.core.abort(self.output_processor.abort(request_id))
             self._put_abort(stream)
         self._streams.clear()

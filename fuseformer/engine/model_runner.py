@@ -24,8 +24,8 @@ import torch
 
 from fuseformer.engine.sampler import SamplingMetadata, make_generator, sample, staged, to_device
 from fuseformer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from fuseformer.models.attention_metadata import AttentionMetadata
 from fuseformer.models.config import ModelConfig
-from fuseformer.models.llama import AttentionMetadata
 
 
 @dataclass(kw_only=True, slots=True)
@@ -236,7 +236,8 @@ class _DecodeGraphs:
 
 
 class ModelRunner:
-    """Executes scheduled steps of ``model`` (a ``LlamaForCausalLM``) over its own paged KV cache.
+    """Executes scheduled steps of ``model`` (one the registry builds: ``fuseformer.models.registry``) over
+    its own paged KV cache.
 
     Args:
         model: the model, in eval mode, on its device and in its dtype.
@@ -497,7 +498,7 @@ class ModelRunner:
             host = tuple(
                 None if t is None else _to_host(t) for t in (out.sampled_token_ids, out.logprob_token_ids, out.logprobs)
             )
-            done = torch.cuda.Event(enable_timing=True)  # LLM.step_log times the step with it
+            done = torch.cuda.Event(enable_timing=True)  # EngineCore.step_log times the step with it
             done.record()
         return LaunchedStep(sampling, params, out, done, graphed, host)
 

@@ -13,13 +13,9 @@ freed, its computed tokens forgotten, and it goes to the front of the waiting qu
 One step: ``schedule()`` -> model runner -> ``update_from_output(output, sampled)``. ``abort`` and
 ``finish_requests`` may be called between steps, not while a step's output is outstanding.
 
-Scheduling ahead (``schedule_ahead``, the engine's ``async_scheduling``, vLLM's name): while a decode
-step is on the device, the next one is scheduled for the same requests before their tokens are
-known: each computes, at the next position, the token the step in flight samples (the runner takes
-it from the device: ``SchedulerOutput.ahead_rows``). ``update_from_output`` of the two comes in launch
-order; a request that finished in the first has its row in the second ignored. Its blocks may be
-freed (and handed to another request) while the second step is still writing its last slot: the
-device runs the steps in launch order on one stream, so the other request's writes come after.
+Scheduling ahead (the engine's ``async_scheduling``, vLLM's name) is a subclass's:
+``async_scheduler.AsyncScheduler``. Here ``schedule_ahead`` always says no, so that the engine core
+asks every scheduler the same question.
 """
 
 from __future__ import annotations
@@ -122,7 +118,7 @@ class SchedulerOutput:
     # Requests finished or aborted since the previous step: the runner can drop its state for them
     # (seeded generators, cached block tables).
     finished_request_ids: list[str] = field(default_factory=list)
-    # A step scheduled ahead (``Scheduler.schedule_ahead``): row i's input token is row
+    # A step scheduled ahead (``AsyncScheduler.schedule_ahead``): row i's input token is row
     # ``ahead_rows[i]`` of the previous step's sampled tokens, on the device (its token_ids hold
     # AHEAD_TOKEN, a placeholder no model accepts).
     ahead_rows: list[int] | None = None
@@ -271,43 +267,9 @@ class Scheduler:
         return out
 
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
-        """The step after ``prev`` (launched, its update not applied yet), scheduled now: every request
-        of ``prev`` that cannot finish by length in it computes one token at its next position, the
-        token ``prev`` samples for it (``ahead_rows``). None when the next step must be scheduled
-        normally, after ``prev``'s update: ``prev`` is not a decode step of all running requests, it
-        preempted, requests wait to be admitted, a request has penalties (they read its output
-        tokens), every request finishes by length in ``prev``, or the blocks are short."""
-        running = RequestStatus.RUNNING
-        live = [(row, s) for row, s in enumerate(prev.scheduled) if s.request.status is running]
-        if self.waiting or prev.preempted_request_ids or len(live) != len(self.running):
-            return None  # (requests that finished since prev was scheduled are left out)
-        cfg = self.config
-        out = SchedulerOutput()
-        rows = []
-        for row, s in live:
-            req = s.request
-            if (
-                len(s.token_ids) != 1
-                or not s.sample
-                or req.num_computed_tokens != s.start_position
-                or req.sampling_params.needs_penalties
-            ):
-                return None
-            # After prev's token: at max_tokens or max_model_len it finishes whatever it samples.
-            if req.num_output_tokens + 1 >= req.sampling_params.max_tokens or req.num_tokens + 1 >= cfg.max_model_len:
-                continue
-            if self.kv.allocate_slots(req, 2) is None:  # prev's token and this one's
-                return None
-            out.scheduled.append(
-                ScheduledRequest(req, [AHEAD_TOKEN], req.num_tokens, tuple(req.block_ids), sample=True)
-            )
-            rows.append(row)
-        if not rows:
-            return None
-        out.ahead_rows = rows
-        out.num_batched_tokens = len(rows)
-        out.finished_request_ids, self._finished_ids = self._finished_ids, []
-        return out
+        """The step after ``prev`` scheduled before ``prev``'s tokens are known: never here (each step is
+        scheduled after the previous one's update); ``AsyncScheduler`` does."""
+        return None
 
     def update_from_output(
         self,

@@ -1,12 +1,12 @@
-"""Where an engine's steps spend their time, by kind of step (``LLM.step_log``).
+"""Where an engine's steps spend their time, by kind of step (``EngineCore.step_log``, also ``LLM.step_log``).
 
 Each step is one ``StepRecord``: its kind ("graph": a decode step replayed from a CUDA graph;
 "decode": a decode-only step run eagerly; "prefill": prompt chunks only; "mixed": prompt chunks and
 decoding requests), its tokens and requests, and three host intervals:
 
-- ``launch_ms``: scheduling and enqueuing the device work (``LLM.launch_step``);
+- ``launch_ms``: scheduling and enqueuing the device work (``EngineCore.launch_step``);
 - ``wait_ms``: waiting for the device and reading the sampled tokens (``ModelRunner.collect``);
-- ``post_ms``: the rest of ``LLM.finish_step`` (scheduler update, detokenizing, the outputs);
+- ``post_ms``: the rest of ``EngineCore.finish_step`` (scheduler update, detokenizing, the outputs);
 
 and, on CUDA, ``gpu_ms``: the device's span from the step's first enqueued work to its last (CUDA
 events; it includes the device's idle gaps while the host is still launching, so a span close to

@@ -1,5 +1,6 @@
 """LLM(async_scheduling=True): the next decode step is scheduled and launched before the current
-one's tokens are read (Scheduler.schedule_ahead; the runner takes its input tokens from the device).
+one's tokens are read (AsyncScheduler.schedule_ahead, launched by the EngineCore; the runner takes its
+input tokens from the device).
 On the CPU the launch is synchronous, so nothing overlaps, but every path runs: outputs equal those
 of async_scheduling=False (greedy, seeded sampling with logprobs, n > 1, stop tokens, penalties,
 prefix-cache hits, preemption, the padded decode-graph buffers), no block leaks, and requests aborted
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import fuseformer
+from fuseformer.engine.async_scheduler import AsyncScheduler
 from fuseformer.engine.llm import LLM
 from fuseformer.engine.request import Request
 from fuseformer.engine.sampling_params import SamplingParams
@@ -60,7 +62,7 @@ def test_outputs_equal_those_of_synchronous_steps(padded):
         for async_scheduling in (False, True):
             llm = LLM(model, async_scheduling=async_scheduling, **_KW)
             if padded:  # the decode-graph buffers, without graphs (the CPU's stand-in for capture)
-                llm.runner.decode_graphs = llm.runner.make_decode_graphs([1, 2, 4, 8], capture=False)
+                llm.core.runner.decode_graphs = llm.core.runner.make_decode_graphs([1, 2, 4, 8], capture=False)
             runs.append((llm, llm.generate(prompts, params, use_tqdm=False)))
     (sync_llm, expected), (llm, got) = runs
     assert _flat(got) == _flat(expected)
@@ -69,13 +71,13 @@ def test_outputs_equal_those_of_synchronous_steps(padded):
             if ca is not None:
                 assert [list(d) for d in ca] == [list(d) for d in cb]
                 assert all(abs(x - y) < 1e-5 for da, db in zip(ca, cb) for x, y in zip(da.values(), db.values()))
-    assert llm.num_steps_ahead > 0 and sync_llm.num_steps_ahead == 0
-    assert llm.scheduler.num_preemptions > 0 and llm.scheduler.kv.pool.prefix_stats.hits > 0
-    assert llm.scheduler.kv.pool.num_free_blocks == 39 and llm._ahead is None
+    assert llm.core.num_steps_ahead > 0 and sync_llm.core.num_steps_ahead == 0
+    assert llm.core.scheduler.num_preemptions > 0 and llm.core.scheduler.kv.pool.prefix_stats.hits > 0
+    assert llm.core.scheduler.kv.pool.num_free_blocks == 39 and llm.core.step_in_flight is None
     # From 100 requests on: never here.
     with fuseformer.use_backend("reference"):
         few = LLM(model, async_scheduling=True, async_scheduling_min_seqs=100, **_KW)
-        assert _flat(few.generate(prompts, params, use_tqdm=False)) == _flat(expected) and few.num_steps_ahead == 0
+        assert _flat(few.generate(prompts, params, use_tqdm=False)) == _flat(expected) and few.core.num_steps_ahead == 0
     with pytest.raises(ValueError, match="async_scheduling_min_seqs"):
         LLM(model, async_scheduling=True, async_scheduling_min_seqs=0, **_KW)
     with pytest.raises(ValueError, match="async_scheduling must be a bool"):
@@ -83,7 +85,7 @@ def test_outputs_equal_those_of_synchronous_steps(padded):
     with pytest.raises(ValueError, match="prefill_stream must be a bool"):
         LLM(model, prefill_stream=1, **_KW)
     if padded:
-        assert sum(llm.runner.decode_graphs.replays.values()) > 0
+        assert sum(llm.core.runner.decode_graphs.replays.values()) > 0
 
 
 def test_abort_while_a_step_is_scheduled_ahead():
@@ -106,14 +108,14 @@ def test_abort_while_a_step_is_scheduled_ahead():
                 tokens[out.request_id] += out.outputs[0].token_ids
             steps += 1
             if steps == 4:
-                assert llm._ahead is not None  # the next step is on its way
+                assert llm.core.step_in_flight is not None  # the next step is on its way
                 llm.abort("b")
     assert tokens["a"] == expected[0].outputs[0].token_ids
     assert tokens["b"] == expected[1].outputs[0].token_ids[: len(tokens["b"])] and len(tokens["b"]) < 10
     cut = expected[2].outputs[0].token_ids
     assert tokens["c"] == cut[: cut.index(stop_at) + 1]
-    assert llm.num_steps_ahead > 0 and llm._ahead is None
-    assert llm.scheduler.kv.pool.num_free_blocks == 39
+    assert llm.core.num_steps_ahead > 0 and llm.core.step_in_flight is None
+    assert llm.core.scheduler.kv.pool.num_free_blocks == 39
     with pytest.raises(RuntimeError, match="scheduled ahead"):  # launch_step is not for an ahead step
         llm.add_request("d", prompts[0], greedy)
         llm.step()
@@ -121,11 +123,17 @@ def test_abort_while_a_step_is_scheduled_ahead():
 
 
 def test_schedule_ahead_only_for_decodes_of_every_running_request():
-    """Scheduler.schedule_ahead: None for a prefill, with requests waiting, or for a request with
+    """AsyncScheduler.schedule_ahead: None for a prefill, with requests waiting, or for a request with
     penalties; else the next position of each request, its input the placeholder, a row per request,
-    and the slot of that position allocated; a request that finishes by length is left out."""
+    and the slot of that position allocated; a request that finishes by length is left out. The plain
+    Scheduler never schedules ahead."""
     cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32)
-    sched = Scheduler(cfg)
+    plain = Scheduler(cfg)
+    plain.add_request(Request("a", list(range(1, 5)), SamplingParams(max_tokens=8)))
+    plain.update_from_output(plain.schedule(), {"a": [7]})
+    decode = plain.schedule()
+    assert len(decode.scheduled) == 1 and plain.schedule_ahead(decode) is None
+    sched = AsyncScheduler(cfg)
     a = Request("a", list(range(1, 5)), SamplingParams(max_tokens=8))
     b = Request("b", list(range(1, 4)), SamplingParams(max_tokens=1))  # finishes with its first token
     sched.add_request(a)
@@ -142,16 +150,34 @@ def test_schedule_ahead_only_for_decodes_of_every_running_request():
     assert len(a.block_ids) == 2  # positions 0..5 need two blocks of 4
     sched.add_request(Request("c", [1, 2], SamplingParams()))
     assert sched.schedule_ahead(step) is None  # a request waits to be admitted
-    pen = Scheduler(cfg)
+    pen = AsyncScheduler(cfg)
     pen.add_request(Request("p", [1, 2, 3], SamplingParams(max_tokens=8, frequency_penalty=0.5)))
     out = pen.schedule()
     pen.update_from_output(out, {"p": [4]})
     assert pen.schedule_ahead(pen.schedule()) is None
-    last = Scheduler(cfg)
+    last = AsyncScheduler(cfg)
     r = Request("r", [1, 2, 3], SamplingParams(max_tokens=2))
     last.add_request(r)
     last.update_from_output(last.schedule(), {"r": [4]})
     assert last.schedule_ahead(last.schedule()) is None  # r finishes by length in that step
+
+
+def test_schedule_ahead_needs_min_seqs_running():
+    """min_seqs: a decode step of fewer running requests is not scheduled ahead; of that many, it is."""
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32)
+    sched = AsyncScheduler(cfg, min_seqs=2)
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=8)))
+    sched.update_from_output(sched.schedule(), {"a": [4]})
+    assert sched.schedule_ahead(sched.schedule()) is None  # one request runs
+    sched.add_request(Request("b", [5, 6], SamplingParams(max_tokens=8)))
+    step = sched.schedule()  # a's decode, b's prompt
+    sched.update_from_output(step, {"a": [7], "b": [8]})
+    step = sched.schedule()  # both decode
+    ahead = sched.schedule_ahead(step)
+    assert ahead is not None and [s.request_id for s in ahead.scheduled] == ["a", "b"]
+    for bad in (0, -1, 1.5, True, None):
+        with pytest.raises(ValueError, match="min_seqs must be an int >= 1"):
+            AsyncScheduler(cfg, min_seqs=bad)
 
 
 @pytest.mark.gpu
@@ -174,5 +200,5 @@ def test_async_scheduling_with_cuda_graphs_gpu(dtype):
     # The same batches in the same order: the same numbers (a rare tie aside).
     same = sum(a == b for a, b in zip(_flat(got), _flat(expected)))
     assert same >= 0.95 * len(prompts), same
-    assert llm.num_steps_ahead > 0 and sum(llm.runner.decode_graphs.replays.values()) > 0
-    assert llm.scheduler.num_preemptions > 0 and llm.scheduler.kv.pool.num_free_blocks == 59
+    assert llm.core.num_steps_ahead > 0 and sum(llm.core.runner.decode_graphs.replays.values()) > 0
+    assert llm.core.scheduler.num_preemptions > 0 and llm.core.scheduler.kv.pool.num_free_blocks == 59

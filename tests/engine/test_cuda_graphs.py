@@ -165,12 +165,12 @@ def test_padded_decode_through_llm_changes_no_token():
         eager = LLM(model, **kw)
         expected = eager.generate(prompts, params, use_tqdm=False)
         llm = LLM(model, **kw)
-        llm.runner.decode_graphs = graphs = llm.runner.make_decode_graphs([1, 2, 4, 8], capture=False)
+        llm.core.runner.decode_graphs = graphs = llm.core.runner.make_decode_graphs([1, 2, 4, 8], capture=False)
         got = llm.generate(prompts, params, use_tqdm=False)
     assert _near_tie_or_equal(expected, got, tol=1e-4) == len(prompts)
-    assert llm.scheduler.num_preemptions > 0 and llm.scheduler.kv.pool.prefix_stats.hits > 0
+    assert llm.core.scheduler.num_preemptions > 0 and llm.core.scheduler.kv.pool.prefix_stats.hits > 0
     assert sum(c > 0 for c in graphs.replays.values()) >= 3 and graphs.padded_rows > 0
-    assert llm.scheduler.kv.pool.num_free_blocks == 39
+    assert llm.core.scheduler.kv.pool.num_free_blocks == 39
 
 
 # ---- on a GPU: captured graphs ---------------------------------------------------------------
@@ -219,16 +219,16 @@ def test_cuda_graphs_greedy_equals_eager_gpu(dtype, tol, tmp_path):
     eager = LLM(tmp_path, **kw)
     expected = eager.generate(prompts, params, use_tqdm=False)
     llm = LLM(tmp_path, cuda_graphs=True, **kw)
-    graphs = llm.runner.decode_graphs
+    graphs = llm.core.runner.decode_graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 8, 16, 24, 32]  # min(max_num_seqs, max_num_batched_tokens)
-    assert all(k.count_nonzero() == 0 and v.count_nonzero() == 0 for k, v in llm.runner.kv_caches)
+    assert all(k.count_nonzero() == 0 and v.count_nonzero() == 0 for k, v in llm.core.runner.kv_caches)
     got = llm.generate(prompts, params, use_tqdm=False)
     identical = _near_tie_or_equal(expected, got, tol)
     assert identical >= (0.9 if dtype == "float32" else 0.75) * len(prompts), identical
     assert all(len(o.outputs[0].token_ids) == p.max_tokens for o, p in zip(got, params))
-    assert llm.scheduler.num_preemptions > 0 and llm.scheduler.kv.pool.prefix_stats.hits > 0
+    assert llm.core.scheduler.num_preemptions > 0 and llm.core.scheduler.kv.pool.prefix_stats.hits > 0
     assert sum(c > 0 for c in graphs.replays.values()) >= 4 and graphs.padded_rows > 0, graphs.replays
-    assert llm.scheduler.kv.pool.num_free_blocks == 59
+    assert llm.core.scheduler.kv.pool.num_free_blocks == 59
 
 
 @pytest.mark.gpu
@@ -274,7 +274,7 @@ def test_bench_graphs_row_code_path_on_cpu(monkeypatch):
         def __init__(self, *args, cuda_graphs=False, **kwargs):
             super().__init__(*args, **kwargs)
             if cuda_graphs:
-                self.runner.decode_graphs = self.runner.make_decode_graphs([1, 2, 4], capture=False)
+                self.core.runner.decode_graphs = self.core.runner.make_decode_graphs([1, 2, 4], capture=False)
 
     monkeypatch.setattr(llm_module, "LLM", PaddedLLM)
     shape = dict(

@@ -186,15 +186,15 @@ def test_continuous_batching_changes_nothing(checkpoint):
         assert _tokens(chunked.generate(prompts, params, use_tqdm=False)) == [[a] for a in alone]
 
         # A prefix-cache hit: llm computed these prompts already; their full blocks are cached.
-        hits = llm.scheduler.kv.pool.prefix_stats.hits
+        hits = llm.core.scheduler.kv.pool.prefix_stats.hits
         assert _tokens(llm.generate(prompts[:1], params, use_tqdm=False)) == [[alone[0]]]
-        assert llm.scheduler.kv.pool.prefix_stats.hits >= hits + 12  # 3 blocks of 4 of the 13-token prompt
+        assert llm.core.scheduler.kv.pool.prefix_stats.hits >= hits + 12  # 3 blocks of 4 of the 13-token prompt
 
         # 9 usable blocks of 4 (36 tokens) for 5 requests of up to 27 tokens: some are preempted.
         small = _llm(path, num_kv_blocks=10, max_model_len=32)
         assert _tokens(small.generate(prompts, params, use_tqdm=False)) == [[a] for a in alone]
-        assert small.scheduler.num_preemptions > 0
-        assert small.scheduler.kv.pool.num_free_blocks == 9  # nothing leaked
+        assert small.core.scheduler.num_preemptions > 0
+        assert small.core.scheduler.kv.pool.num_free_blocks == 9  # nothing leaked
 
 
 def test_n_with_seeds(checkpoint):
@@ -254,7 +254,7 @@ def test_stop_token_ids_and_eos(checkpoint, async_scheduling):
         llm.eos_token_ids = [stop_id]
         (out,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
         assert out.outputs[0].token_ids == cut and out.outputs[0].finish_reason == "stop"
-        assert llm.scheduler.kv.pool.num_free_blocks == 63 and (llm.num_steps_ahead > 0) == async_scheduling
+        assert llm.core.scheduler.kv.pool.num_free_blocks == 63 and (llm.core.num_steps_ahead > 0) == async_scheduling
     assert _llm(path).eos_token_ids == [2]
 
 
@@ -274,8 +274,8 @@ def test_stop_strings_and_text(text_checkpoint, async_scheduling):
         c = out.outputs[0]
         assert (c.text, c.finish_reason, c.stop_reason) == (text[: text.index(stop)], "stop", stop)
         assert len(c.token_ids) < len(full.outputs[0].token_ids)
-        assert llm.scheduler.kv.pool.num_free_blocks == 63
-        assert (llm.num_steps_ahead > 0) == async_scheduling
+        assert llm.core.scheduler.kv.pool.num_free_blocks == 63
+        assert (llm.core.num_steps_ahead > 0) == async_scheduling
 
 
 def test_chat_uses_the_template(text_checkpoint):
@@ -328,8 +328,8 @@ def test_bad_input_raises_before_scheduling(prompt, params, match, checkpoint):
             llm.generate([good, good], [*params, GREEDY], use_tqdm=False)
         else:
             llm.generate([good, prompt], params, use_tqdm=False)
-    assert not llm.has_unfinished_requests() and not llm.scheduler.requests
-    assert llm.scheduler.kv.pool.num_free_blocks == 63
+    assert not llm.has_unfinished_requests() and not llm.core.scheduler.requests
+    assert llm.core.scheduler.kv.pool.num_free_blocks == 63
 
 
 def test_batch_error_leaves_nothing_queued(checkpoint):
@@ -340,13 +340,13 @@ def test_batch_error_leaves_nothing_queued(checkpoint):
     bad = SamplingParams(n=2, seed=2**64 - 1, max_tokens=4)
     with pytest.raises(ValueError, match=r"seed 18446744073709551615 with n=2 .* at most 18446744073709551614"):
         llm.generate([[3, 4, 5], [6, 7]], [GREEDY, bad], use_tqdm=False)
-    assert not llm.has_unfinished_requests() and not llm.scheduler.requests and not llm.scheduler.waiting
+    assert not llm.has_unfinished_requests() and not llm.core.scheduler.requests and not llm.core.scheduler.waiting
     with pytest.raises(ValueError, match="seed"):
         llm.add_request(None, [6, 7], bad)
-    assert not llm.scheduler.requests
+    assert not llm.core.scheduler.requests
     with fuseformer.use_backend("reference"):
         outs = llm.generate([[1, 2]], GREEDY, use_tqdm=False)
-    assert len(outs) == 1 and llm.scheduler.kv.pool.num_free_blocks == 63
+    assert len(outs) == 1 and llm.core.scheduler.kv.pool.num_free_blocks == 63
     ok = SamplingParams(n=2, seed=2**64 - 2, max_tokens=2, ignore_eos=True)  # seeds 2**64-2 and 2**64-1
     with fuseformer.use_backend("reference"):
         assert len(llm.generate([[1, 2]], ok, use_tqdm=False)[0].outputs) == 2
@@ -423,10 +423,10 @@ def test_step_api_streams_what_generate_returns(text_checkpoint, async_schedulin
                     finished = out.finished
             if steps == 3:
                 llm.abort("b")  # frees at once; its last delta is never produced
-                assert "b" not in llm.scheduler.requests
+                assert "b" not in llm.core.scheduler.requests
         assert finished and text == expected.outputs[0].text and tokens == expected.outputs[0].token_ids
-        assert llm.scheduler.kv.pool.num_free_blocks == 63
-        assert (llm.num_steps_ahead > 0) == async_scheduling
+        assert llm.core.scheduler.kv.pool.num_free_blocks == 63
+        assert (llm.core.num_steps_ahead > 0) == async_scheduling
 
 
 def _cli(*args, timeout=120):
@@ -540,7 +540,7 @@ def test_bench_engine_code_paths_on_cpu():
     """bench_engine's case at a tiny shape: ours and both transformers peers run; ours holds HF's
     weights exactly (same logits), so the peers compute the same model."""
     from fuseformer.bench.engine import build_models, format_table, run_case
-    from fuseformer.models.llama import AttentionMetadata
+    from fuseformer.models.attention_metadata import AttentionMetadata
 
     shape = dict(
         hidden_size=64,
@@ -587,7 +587,7 @@ def test_generate_gpu_fp32_matches_transformers(name, checkpoint):
         "alone": [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts],
         "preempted": [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)],
     }
-    assert small.scheduler.num_preemptions > 0
+    assert small.core.scheduler.num_preemptions > 0
     for got in runs.values():
         for prompt, g, e in zip(prompts, got, expected):
             _assert_greedy_or_near_tie(hf, prompt, g, e)
@@ -620,8 +620,8 @@ def test_engine_gpu_half_at_real_layer_sizes(dtype, tmp_path):
     llm = LLM(tmp_path, dtype=dtype, device="cuda", num_kv_blocks=4096, max_num_batched_tokens=512, max_model_len=2048)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 16 and o.outputs[0].finish_reason == "length" for o in outs)
-    assert llm.scheduler.kv.pool.prefix_stats.hits > 0
-    assert llm.scheduler.kv.pool.num_free_blocks == 4095
+    assert llm.core.scheduler.kv.pool.prefix_stats.hits > 0
+    assert llm.core.scheduler.kv.pool.num_free_blocks == 4095
     agree = 0
     with torch.no_grad():
         for p, o in zip(prompts, outs):

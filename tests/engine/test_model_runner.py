@@ -12,7 +12,7 @@ from fuseformer.engine.model_runner import CacheConfig, ModelRunner
 from fuseformer.engine.request import Request
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import Scheduler, SchedulerConfig
-from fuseformer.models.llama import AttentionMetadata
+from fuseformer.models.attention_metadata import AttentionMetadata
 from fuseformer.testing import tiny_llama
 
 _model = tiny_llama

@@ -37,11 +37,11 @@ def test_llm_logs_each_step_by_kind():
     prompts = [list(range(1, 12)), list(range(3, 9))]  # 11 + 6 tokens: more than one 16-token step
     with fuseformer.use_backend("reference"):
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
-    totals = llm.step_log.totals()
+    totals = llm.core.step_log.totals()
     assert set(totals) <= {"prefill", "mixed", "decode"} and "decode" in totals
     # Every scheduled token is in one record: the prompts once, each output token but the last.
     assert sum(t["tokens"] for t in totals.values()) == 11 + 6 + 2 * 4
-    assert sum(t["steps"] for t in totals.values()) == llm.step_log.count == len(llm.step_log.records)
-    assert all(r.gpu_ms is None and r.launch_ms > 0 and r.wall_ms >= r.launch_ms for r in llm.step_log.records)
-    first = llm.step_log.records[0]
+    assert sum(t["steps"] for t in totals.values()) == llm.core.step_log.count == len(llm.core.step_log.records)
+    assert all(r.gpu_ms is None and r.launch_ms > 0 and r.wall_ms >= r.launch_ms for r in llm.core.step_log.records)
+    first = llm.core.step_log.records[0]
     assert first.kind == "prefill" and first.tokens == 16 and first.seqs == 2

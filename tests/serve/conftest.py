@@ -17,7 +17,6 @@ import transformers
 import fuseformer
 from fuseformer.engine.async_engine import AsyncEngine
 from fuseformer.engine.llm import LLM
-from fuseformer.engine.process_engine import ProcessEngine
 from fuseformer.testing import save_tiny_tokenizer
 
 CORPUS = [
@@ -71,18 +70,15 @@ def running_server(
     **llm_kwargs,
 ):
     """Yield (base URL, AsyncEngine) of a server on 127.0.0.1 (a free port), stopped on exit, built as
-    ``fuseformer serve`` builds it (``make_uvicorn_server``). ``checkpoint``: a model directory, an LLM
-    to serve as it is, or an engine (a ProcessEngine). ``app_kwargs``: more ``create_app`` arguments;
+    ``fuseformer serve`` builds it (``make_uvicorn_server``). ``checkpoint``: a model directory, or an
+    LLM to serve as it is. ``app_kwargs``: more ``create_app`` arguments;
     ``server_kwargs``: ``make_uvicorn_server``'s (shutdown_timeout 5 s unless given)."""
     from fuseformer.serve.app import create_app
     from fuseformer.serve.cli import make_uvicorn_server
 
     with fuseformer.use_backend(backend):
-        if isinstance(checkpoint, ProcessEngine):
-            engine = checkpoint
-        else:
-            llm = checkpoint if isinstance(checkpoint, LLM) else LLM(checkpoint, **(LLM_KWARGS | llm_kwargs))
-            engine = AsyncEngine(llm, start=False, overlap_prefill=overlap_prefill)
+        llm = checkpoint if isinstance(checkpoint, LLM) else LLM(checkpoint, **(LLM_KWARGS | llm_kwargs))
+        engine = AsyncEngine(llm, start=False, overlap_prefill=overlap_prefill)
         app = create_app(engine, MODEL, api_key=api_key, **(app_kwargs or {}))
         # IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (uvicorn's own do);
         # without it a reused connection's first chunk waits ~40 ms for the client's delayed ACK.

@@ -1,6 +1,7 @@
 """AsyncEngine without HTTP: streams hold what LLM.generate returns; bad input raises at add_request;
 leaving a stream early or abort() frees the blocks before the next step; shutdown lets requests
-finish within its grace period and aborts the rest; a failed step reaches every caller."""
+finish within its grace period and aborts the rest; a failed step reaches every caller; the engine
+drives the LLM's core, never the LLM."""
 
 import asyncio
 
@@ -26,7 +27,9 @@ def test_streams_hold_what_generate_returns(engine):
     prompts = ["Hello world", "The quick brown fox", "Say hello"]
     params = [GREEDY, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=7, ignore_eos=True), GREEDY]
     with fuseformer.use_backend("reference"):
-        offline = LLM(engine.llm.model, tokenizer=engine.tokenizer, num_kv_blocks=64, block_size=4, max_model_len=64)
+        offline = LLM(
+            engine.core.runner.model, tokenizer=engine.tokenizer, num_kv_blocks=64, block_size=4, max_model_len=64
+        )
         expected = offline.generate(prompts, params, use_tqdm=False)
 
     async def main():
@@ -40,7 +43,36 @@ def test_streams_hold_what_generate_returns(engine):
         assert [tokens[c.index] for c in out.outputs] == [c.token_ids for c in out.outputs]
         assert [finishes[c.index] for c in out.outputs] == ["length"] * len(out.outputs)
     run_bounded(engine.shutdown())
-    assert engine.llm.scheduler.kv.pool.num_free_blocks == 255
+    assert engine.core.scheduler.kv.pool.num_free_blocks == 255
+
+
+def test_the_engine_drives_the_core_never_the_llm(checkpoint, llm_kwargs):
+    """AsyncEngine steps the LLM's core and output processor; none of the LLM's own methods is called
+    (each raises here), and a request streams what LLM.generate returns."""
+    with fuseformer.use_backend("reference"):
+        (expected,) = LLM(checkpoint, **llm_kwargs).generate(["Hello world"], GREEDY, use_tqdm=False)
+        llm = LLM(checkpoint, **llm_kwargs)
+        for name in (
+            "add_request", "abort", "step", "step_with_arrivals", "launch_step", "finish_step", "generate",
+            "chat", "has_unfinished_requests", "has_waiting_requests", "get_default_sampling_params",
+        ):  # fmt: skip
+            setattr(llm, name, lambda *args, _name=name, **kwargs: pytest.fail(f"AsyncEngine called LLM.{_name}"))
+        engine = AsyncEngine(llm)
+        assert engine.core is llm.core and engine.output_processor is llm.output_processor
+        assert engine.default_sampling_params() == SamplingParams()
+
+        async def main():
+            stream = await engine.add_request("x", "Hello world", GREEDY)
+            other = await engine.add_request("y", "Say hello", SamplingParams(max_tokens=50, ignore_eos=True))
+            await other.__anext__()
+            engine.abort("y")
+            return await collect_stream(stream), [out async for out in other]
+
+        (texts, tokens, finishes, _), rest = run_bounded(main())
+        run_bounded(engine.shutdown())
+    assert tokens[0] == expected.outputs[0].token_ids and texts[0] == expected.outputs[0].text
+    assert finishes == {0: "length"} and rest[-1].outputs[-1].finish_reason == "abort"
+    assert engine.core.scheduler.kv.pool.num_free_blocks == 255
 
 
 def test_bad_input_raises_at_add_request(engine):
@@ -93,7 +125,8 @@ def test_leaving_a_stream_or_abort_frees_blocks_at_once(engine):
 
     steps = run_bounded(main())
     assert steps < 50  # none ran to its 50 tokens
-    assert engine.llm.scheduler.kv.pool.num_free_blocks == 255 and not engine.llm.has_unfinished_requests()
+    assert engine.core.scheduler.kv.pool.num_free_blocks == 255
+    assert not engine.core.has_unfinished_requests() and not engine.output_processor.has_unfinished_requests()
     run_bounded(engine.shutdown())
 
 
@@ -101,8 +134,8 @@ def test_shutdown_finishes_within_grace_then_aborts(engine):
     """Steps of >= 20 ms: a 3-token request finishes within a 0.5 s grace period, a 60-token one is aborted."""
     import time
 
-    step = engine.llm.step
-    engine.llm.step = lambda: (time.sleep(0.02), step())[1]
+    step = engine.core.step
+    engine.core.step = lambda processor: (time.sleep(0.02), step(processor))[1]
 
     async def main():
         short = await engine.add_request("short", "Hello", SamplingParams(temperature=0, max_tokens=3))
@@ -115,14 +148,14 @@ def test_shutdown_finishes_within_grace_then_aborts(engine):
     (_, _, short_finish, _), (_, long_tokens, long_finish, _) = run_bounded(main())
     assert short_finish in ({0: "length"}, {0: "stop"})
     assert long_finish == {0: "abort"} and len(long_tokens[0]) < 60
-    assert not engine.is_running and engine.llm.scheduler.kv.pool.num_free_blocks == 255
+    assert not engine.is_running and engine.core.scheduler.kv.pool.num_free_blocks == 255
 
 
 def test_a_failed_step_reaches_every_caller(engine):
-    def broken_step():
+    def broken_step(processor):
         raise RuntimeError("device lost")
 
-    engine.llm.step = broken_step
+    engine.core.step = broken_step
 
     async def main():
         stream = await engine.add_request("x", "Hello", GREEDY)
@@ -177,7 +210,7 @@ def test_outputs_held_under_load_are_joined_not_lost(checkpoint, llm_kwargs):
                 assert [lp.keys() for lp in logprobs[c.index]] == [lp.keys() for lp in c.logprobs]
                 assert logprobs[c.index] == [pytest.approx(lp, abs=1e-4) for lp in c.logprobs]
         assert deltas[-1].finished and [c.finish_reason for c in deltas[-1].outputs] == ["length"] * sp.n
-    assert engine.llm.scheduler.kv.pool.num_free_blocks == 255
+    assert engine.core.scheduler.kv.pool.num_free_blocks == 255
     # The budget also rations the waits for the event loop: with (almost) none, no handoff waited.
     counters = engine.counters
     assert counters["held_steps"] > 0 and counters["handoffs"] + counters["held_steps"] == counters["steps"]
@@ -193,8 +226,8 @@ def test_an_abort_delivers_the_held_outputs_first(checkpoint, llm_kwargs):
     with fuseformer.use_backend("reference"):
         (expected,) = LLM(checkpoint, **llm_kwargs).generate(["Hello world"], greedy, use_tqdm=False)
         engine = AsyncEngine(LLM(checkpoint, **llm_kwargs), max_stream_overhead=1e-12)
-        step = engine.llm.step
-        engine.llm.step = lambda: (time.sleep(0.01), step())[1]
+        step = engine.core.step
+        engine.core.step = lambda processor: (time.sleep(0.01), step(processor))[1]
 
         async def main():
             stream = await engine.add_request("x", "Hello world", greedy)
@@ -213,58 +246,28 @@ def test_an_abort_delivers_the_held_outputs_first(checkpoint, llm_kwargs):
 # --------------------------------------------------------------------------------------------
 # overlap_prefill: a new request's prefill launched behind a decode step in flight
 # --------------------------------------------------------------------------------------------
-def test_launch_step_admit_only_leaves_the_step_in_flight_alone(checkpoint, llm_kwargs):
-    """LLM.launch_step / finish_step: a prefill-only step launched while a decode step is in flight
-    schedules only the new request, and finishing the two in order gives every request the tokens it
-    gets alone (greedy, fp32 reference)."""
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with fuseformer.use_backend("reference"):
-        alone = [LLM(checkpoint, **llm_kwargs).generate([p], params, use_tqdm=False)[0] for p in ("Hello world", "Say")]
-        llm = LLM(checkpoint, **llm_kwargs)
-        llm.add_request("a", "Hello world", params)
-        llm.step()  # a's prefill: a decodes from here on
-        tokens = {"a": [], "b": []}
-        in_flight = llm.launch_step()
-        assert [s.request_id for s in in_flight.scheduler_output.scheduled] == ["a"]
-        llm.add_request("b", "Say", params)
-        assert llm.has_waiting_requests()
-        admitted = llm.launch_step(admit_only=True)
-        assert [s.request_id for s in admitted.scheduler_output.scheduled] == ["b"]
-        first = llm.finish_step(in_flight)
-        second = llm.finish_step(admitted)
-        assert [o.request_id for o in first] == ["a"] and [o.request_id for o in second] == ["b"]
-        outs = first + second
-        while llm.has_unfinished_requests():
-            outs += llm.step()
-    for out in outs:
-        for c in out.outputs:
-            tokens[out.request_id] += c.token_ids
-    assert tokens["a"] == alone[0].outputs[0].token_ids[1:]  # the first came from the prefill step
-    assert tokens["b"] == alone[1].outputs[0].token_ids
-
-
 def _hold_steps_in_flight(monkeypatch, seconds: float) -> None:
     """Make every launched step report itself unfinished (``StepHandle.ready`` false) for ``seconds``
     after its launch, so that requests arriving meanwhile land in its window whatever the device's
     speed (on the CPU the work is done already; a tiny model's GPU step takes well under a ms)."""
     import time
 
-    from fuseformer.engine.llm import StepHandle
+    from fuseformer.engine.core import EngineCore, StepHandle
 
     launched_at: dict[int, float] = {}  # id(handle) -> launch time, while the handle is unfinished
-    launch, finish = LLM._launch, LLM.finish_step  # every step's launch goes through _launch
+    launch, finish = EngineCore._launch, EngineCore.finish_step  # every step's launch goes through _launch
 
     def timed_launch(self, *args):
         handle = launch(self, *args)
         launched_at[id(handle)] = time.perf_counter()
         return handle
 
-    def timed_finish(self, handle):
+    def timed_finish(self, handle, processor):
         launched_at.pop(id(handle), None)
-        return finish(self, handle)
+        return finish(self, handle, processor)
 
-    monkeypatch.setattr(LLM, "_launch", timed_launch)
-    monkeypatch.setattr(LLM, "finish_step", timed_finish)
+    monkeypatch.setattr(EngineCore, "_launch", timed_launch)
+    monkeypatch.setattr(EngineCore, "finish_step", timed_finish)
     ready_later = property(lambda self: time.perf_counter() - launched_at[id(self)] > seconds)
     monkeypatch.setattr(StepHandle, "ready", ready_later)
 
@@ -276,7 +279,7 @@ def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwar
     meanwhile are launched behind it, and every stream holds what LLM.generate returns. With async
     scheduling from 2 requests on, both overlaps happen: arrivals launched behind a lone request's
     step, steps of two or more scheduled ahead."""
-    from fuseformer.engine.llm import StepHandle
+    from fuseformer.engine.core import StepHandle
 
     monkeypatch.setattr(StepHandle, "overlappable", property(lambda self: bool(self.scheduler_output.scheduled)))
     _hold_steps_in_flight(monkeypatch, 0.05)
@@ -293,11 +296,11 @@ def test_overlap_prefill_streams_hold_what_generate_returns(checkpoint, llm_kwar
         results = run_bounded(collect_staggered(engine, prompts, params, 0.03))  # arrive while r0 decodes
         run_bounded(engine.shutdown())
     assert engine.counters["overlapped"] >= 1
-    assert (engine.llm.num_steps_ahead > 0) == async_scheduling
+    assert (engine.core.num_steps_ahead > 0) == async_scheduling
     for (texts, tokens, finishes, _), out in zip(results, expected):
         assert tokens[0] == out.outputs[0].token_ids and texts[0] == out.outputs[0].text
         assert finishes[0] == "length"
-    assert engine.llm.scheduler.kv.pool.num_free_blocks == 255
+    assert engine.core.scheduler.kv.pool.num_free_blocks == 255
 
 
 @pytest.mark.gpu
@@ -322,4 +325,4 @@ def test_overlap_prefill_with_cuda_graphs_matches_generate_gpu(checkpoint, gpu_s
     # replay, a prefill in a step of its own).
     same = sum(tokens[0] == out.outputs[0].token_ids for (_, tokens, _, _), out in zip(results, expected))
     assert same >= 3, same
-    assert engine.llm.scheduler.kv.pool.num_free_blocks == 255
+    assert engine.core.scheduler.kv.pool.num_free_blocks == 255

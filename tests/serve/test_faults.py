@@ -241,19 +241,20 @@ def test_requests_running_at_the_shutdown_timeout_get_an_error(checkpoint, start
     results = {}
     body = dict(model=MODEL, prompt="Hello", max_tokens=40, ignore_eos=True)
     with start_server(checkpoint, server_kwargs=dict(shutdown_timeout=0.5)) as (url, engine):
-        step = engine.llm.step
+        step = engine.core.step
 
-        def slow_step():
+        def slow_step(output_processor):
             time.sleep(0.05)
-            return step()
+            return step(output_processor)
 
-        monkeypatch.setattr(engine.llm, "step", slow_step)
+        monkeypatch.setattr(engine.core, "step", slow_step)
 
         def whole():
             results["whole"] = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
         def streamed():
-            with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json=body | dict(
+            chat = {k: v for k, v in body.items() if k != "prompt"}  # chat takes messages (unknown names: 400)
+            with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json=chat | dict(
                 stream=True, messages=[{"role": "user", "content": "hi"}])) as r:  # fmt: skip
                 results["stream"] = [line for line in r.iter_lines() if line.startswith("data: ")]
 

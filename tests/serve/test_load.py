@@ -70,68 +70,24 @@ def test_64_concurrent_streaming_clients(checkpoint, start_server, read_metric, 
             assert finishes == ["length"], (i, finishes)  # finished exactly once
             assert usage.completion_tokens == max_tokens
             assert text == expected[i], i  # its own text: nothing crossed between requests
-        assert engine.llm.scheduler.num_preemptions > 0  # the cache was over-subscribed
+        assert engine.core.scheduler.num_preemptions > 0  # the cache was over-subscribed
         _wait_until(lambda: read_metric(url, "fuseformer_kv_cache_usage_perc") == 0.0, 5, "KV usage 0")
         assert read_metric(url, "fuseformer_num_requests_running") == 0
         assert read_metric(url, "fuseformer_num_requests_waiting") == 0
         assert read_metric(url, "fuseformer_generation_tokens_total") == num_clients * max_tokens
-        assert engine.llm.scheduler.kv.pool.num_free_blocks == 255
+        assert engine.core.scheduler.kv.pool.num_free_blocks == 255
     assert seconds < 90
-
-
-def test_64_concurrent_streaming_clients_on_an_engine_process(checkpoint, start_server, read_metric, llm_kwargs):
-    """The same load on ``ProcessEngine`` (the engine in a child process): every request completes
-    exactly once with its own text, the cache was over-subscribed, and afterwards it is empty."""
-    import functools
-
-    from fuseformer.engine.process_engine import ProcessEngine
-
-    num_clients, max_tokens = 64, 12
-    prompts = [f"Hello {i} the quick fox {i * 7}" for i in range(num_clients)]
-    params = SamplingParams(temperature=0.7, seed=1, max_tokens=max_tokens, ignore_eos=True)
-    with fuseformer.use_backend("reference"):
-        expected = [o.outputs[0].text for o in LLM(checkpoint, **llm_kwargs).generate(prompts, params, use_tqdm=False)]
-
-    async def one(client, i):
-        stream = await client.completions.create(
-            model=MODEL, prompt=prompts[i], max_tokens=max_tokens, temperature=0.7, seed=1, stream=True,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        text, finishes = "", []
-        async for chunk in stream:
-            for c in chunk.choices:
-                text += c.text
-                if c.finish_reason is not None:
-                    finishes.append(c.finish_reason)
-        return text, finishes
-
-    async def run(url):
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
-            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(num_clients))), 90)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FUSEFORMER_BACKEND", "reference")  # the child's backend
-        engine = ProcessEngine(functools.partial(LLM, str(checkpoint), **(llm_kwargs | dict(max_num_seqs=64))))
-    with start_server(engine) as (url, _):
-        results = asyncio.run(run(url))
-        for i, (text, finishes) in enumerate(results):
-            assert finishes == ["length"] and text == expected[i], i
-        assert engine.get_stats().num_preemptions > 0
-        _wait_until(lambda: read_metric(url, "fuseformer_kv_cache_usage_perc") == 0.0, 5, "KV usage 0")
-        assert read_metric(url, "fuseformer_num_requests_running") == 0
-        assert read_metric(url, "fuseformer_generation_tokens_total") == num_clients * max_tokens
-    assert not engine.is_running
 
 
 def _slow_steps(engine, seconds):
     """Make each engine step take at least ``seconds`` and record finished and aborted request ids."""
-    llm = engine.llm
-    step, abort = llm.step, llm.abort
+    core, processor = engine.core, engine.output_processor
+    step, abort = core.step, processor.abort
     finished, aborted = [], []
 
-    def slow_step():
+    def slow_step(output_processor):
         time.sleep(seconds)
-        outs = step()
+        outs = step(output_processor)
         finished.extend(o.request_id for o in outs if o.finished)
         return outs
 
@@ -139,7 +95,7 @@ def _slow_steps(engine, seconds):
         aborted.append(request_id)
         return abort(request_id)
 
-    llm.step, llm.abort = slow_step, recording_abort
+    core.step, processor.abort = slow_step, recording_abort
     return finished, aborted
 
 
@@ -178,7 +134,7 @@ def test_clients_that_drop_mid_stream_are_aborted(checkpoint, start_server):
         _wait_until(lambda: engine.get_stats().kv_cache_usage == 0, 5, "KV usage 0")
         stats = engine.get_stats()
         assert (stats.num_running, stats.num_waiting, engine.num_unfinished_requests) == (0, 0, 0)
-        assert engine.llm.scheduler.kv.pool.num_free_blocks == 255 and not engine.llm.scheduler.requests
+        assert engine.core.scheduler.kv.pool.num_free_blocks == 255 and not engine.core.scheduler.requests
         # and it still serves
         r = httpx.post(f"{url}/v1/completions", json=body | dict(max_tokens=3), timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
@@ -190,9 +146,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async-scheduling"])
 @pytest.mark.parametrize("finishes", [True, False], ids=["in-flight-finishes", "past-timeout-aborted"])
-def test_sigterm_stops_accepting_and_exits_0(checkpoint, finishes, engine_process):
+def test_sigterm_stops_accepting_and_exits_0(checkpoint, finishes, async_scheduling):
     """SIGTERM mid-stream: the in-flight request finishes (within --shutdown-timeout) or, past it, is
     aborted and its stream ends with an error event and [DONE]; new connections are refused; the
     process exits 0."""
@@ -203,7 +159,7 @@ def test_sigterm_stops_accepting_and_exits_0(checkpoint, finishes, engine_proces
         "--host", "127.0.0.1", "--device", "cpu", "--num-kv-blocks", "2048", "--block-size", "4",
         "--max-model-len", "64", "--served-model-name", MODEL, "--log-level", "critical",
         "--shutdown-timeout", "30" if finishes else "0.1",
-    ] + (["--engine-process", "--async-scheduling"] if engine_process else [])  # fmt: skip
+    ] + (["--async-scheduling"] if async_scheduling else [])  # fmt: skip
     # 40 tokens; or 128 completions x 60 tokens, which take well over 0.1 s on the CPU
     body = dict(model=MODEL, prompt="Hello", max_tokens=40, stream=True)
     if not finishes:
@@ -357,8 +313,8 @@ def test_gpu_256_concurrent_streams_at_real_layer_sizes(
             assert usage["completion_tokens"] == max_tokens[i] and usage["prompt_tokens"] == len(prompts[i])
         _wait_until(lambda: read_metric(url, "fuseformer_kv_cache_usage_perc") == 0.0, 10, "KV usage 0")
         assert read_metric(url, "fuseformer_prefix_cache_hit_rate") > 0.2
-        assert engine.llm.scheduler.num_preemptions > 0
-        assert (engine.llm.num_steps_ahead > 0) == async_scheduling
+        assert engine.core.scheduler.num_preemptions > 0
+        assert (engine.core.num_steps_ahead > 0) == async_scheduling
 
 
 def test_serving_process_settings_are_restored():

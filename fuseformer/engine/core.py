@@ -1,0 +1,277 @@
+"""EngineCore: the step loop over a scheduler, a KV cache and a model runner (vLLM v1's engine core).
+
+One step is ``Scheduler.schedule`` -> ``ModelRunner.launch`` -> ``ModelRunner.collect`` ->
+``Scheduler.update_from_output``; the updates go through the output processor (text, stop strings),
+and the requests it says a stop string ended are finished before the next step is scheduled. The step
+comes in two halves (``launch_step``, ``finish_step``), so that host work can overlap the device's:
+
+- async scheduling (an ``AsyncScheduler``): ``step`` launches the next decode step before reading
+  this one's tokens;
+- prefill overlap (``step_with_arrivals``): while a CUDA-graph decode step runs on the device, a new
+  request's prefill is launched behind it (with ``prefill_stream``, beside it on a second stream).
+
+The core sees token ids only: prompts, text and ``n > 1`` are the output processor's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fuseformer.engine.async_scheduler import AsyncScheduler
+from fuseformer.engine.model_runner import CacheConfig, LaunchedStep, ModelRunner
+from fuseformer.engine.output_processor import OutputProcessor
+from fuseformer.engine.outputs import RequestOutput
+from fuseformer.engine.request import Request, RequestStatus
+from fuseformer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
+from fuseformer.engine.step_log import StepLog, StepRecord
+from fuseformer.models.config import ModelConfig
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """A launched step (``EngineCore.launch_step``): what was scheduled and the runner's enqueued work."""
+
+    scheduler_output: SchedulerOutput
+    launched: LaunchedStep
+    launch_ms: float = 0.0
+    start_event: torch.cuda.Event | None = None  # recorded before the step's first device work
+
+    @property
+    def ready(self) -> bool:
+        """Its device work has finished (``finish_step`` will not wait)."""
+        return self.launched.ready()
+
+    @property
+    def overlappable(self) -> bool:
+        """A decode step replayed from a CUDA graph that preempted nothing: while it runs on the device,
+        a new request's prefill may be launched behind it (its memory is the graph pool's, and the
+        blocks were not short)."""
+        return self.launched.graphed and not self.scheduler_output.preempted_request_ids
+
+
+class EngineCore:
+    """A model's scheduler, KV cache and runner, and the step over them (see the module docstring).
+
+    Args:
+        model: a model the registry builds (``fuseformer.models.registry``), on its device, in eval mode.
+        config: its config.
+        cache_config: KV block size and how many blocks (a count, or the memory to fill).
+        max_num_seqs: requests running at once at most.
+        max_num_batched_tokens: tokens computed per step at most (prefills are chunked to fit).
+        max_model_len: prompt + output tokens of one request at most; None: the model's
+            max_position_embeddings, lowered to what the KV cache holds when that is less.
+        enable_prefix_caching: share the KV blocks of equal prompt prefixes.
+        cuda_graphs: replay decode-only steps as CUDA graphs captured now.
+        async_scheduling: schedule with an ``AsyncScheduler`` (steps of at least
+            ``async_scheduling_min_seqs`` requests scheduled ahead); else a ``Scheduler``.
+        prefill_stream: on CUDA, launch ``step_with_arrivals``' early prefills on a second stream.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ModelConfig,
+        cache_config: CacheConfig,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        cuda_graphs: bool = False,
+        async_scheduling: bool = False,
+        async_scheduling_min_seqs: int = 1,
+        prefill_stream: bool = False,
+    ) -> None:
+        limit = max_model_len or config.max_position_embeddings
+        self.runner = ModelRunner(
+            model,
+            config,
+            cache_config,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=limit,
+            cuda_graphs=cuda_graphs,
+        )
+        capacity = (self.runner.num_blocks - 1) * cache_config.block_size
+        if max_model_len is None:
+            limit = min(limit, capacity)  # the default adapts to the cache; an explicit value is checked
+        self.max_model_len = limit
+        scheduler_config = SchedulerConfig(
+            num_blocks=self.runner.num_blocks,
+            block_size=cache_config.block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=limit,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.scheduler: Scheduler = (
+            AsyncScheduler(scheduler_config, async_scheduling_min_seqs)
+            if async_scheduling
+            else Scheduler(scheduler_config)
+        )
+        self.prefill_stream = prefill_stream
+        self._side_stream = None  # prefill_stream's CUDA stream, made at first use
+        self._ahead: StepHandle | None = None  # a step scheduled ahead, launched, not yet finished
+        self.num_steps_ahead = 0  # steps launched ahead of the previous step's tokens
+        # Where the steps' time goes, by kind (see fuseformer.engine.step_log): for benchmarks.
+        self.step_log = StepLog()
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Steps may be scheduled ahead of the previous one's tokens (the scheduler is an ``AsyncScheduler``)."""
+        return isinstance(self.scheduler, AsyncScheduler)
+
+    @property
+    def step_in_flight(self) -> StepHandle | None:
+        """The step scheduled ahead (async scheduling): launched, not yet finished; the next ``step``
+        finishes it. None when there is none."""
+        return self._ahead
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_requests(self, requests: Iterable[Request]) -> None:
+        for req in requests:
+            self.scheduler.add_request(req)
+
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Finish requests as aborted and free their KV blocks now (unknown or finished ids are ignored)."""
+        self.scheduler.abort(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_waiting_requests(self) -> bool:
+        """Requests added (or preempted) and not yet running."""
+        return bool(self.scheduler.waiting)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self, output_processor: OutputProcessor) -> list[RequestOutput]:
+        """One step; its updates go through ``output_processor`` (``OutputProcessor.process``), whose
+        deltas it returns. With an ``AsyncScheduler`` the next decode step is launched before this
+        one's tokens are read (it is the next call's step; its requests' outputs come from that call)."""
+        handle = self._take_ahead() or self.launch_step()
+        self._launch_ahead(handle)
+        return self._finish_with_ahead(handle, output_processor)
+
+    def step_with_arrivals(
+        self, arrivals: Callable[[float], bool], output_processor: OutputProcessor, poll_s: float = 2e-4
+    ) -> tuple[list[RequestOutput], bool]:
+        """``step``, letting requests that arrive meanwhile start early: while a CUDA-graph decode step
+        runs on the device (``StepHandle.overlappable``), call ``arrivals(poll_s)``, which waits up to
+        ``poll_s`` seconds for new requests, adds them and says whether any came; the first that do get
+        their prefill launched at once, behind the decode step in the device's queue. Returns (the
+        deltas of both steps, in launch order; whether a prefill was launched early).
+
+        A step that can be scheduled ahead is (as in ``step``), and then arrivals wait for the next
+        call: the two overlaps are for large and for small batches."""
+        handle = self._take_ahead() or self.launch_step()
+        if self._launch_ahead(handle):
+            return self._finish_with_ahead(handle, output_processor), False
+        admitted = None
+        if handle.overlappable:
+            while not handle.ready:
+                if arrivals(poll_s):
+                    if self.has_waiting_requests():
+                        admitted = self._launch_admitted()
+                    break
+        outputs = self.finish_step(handle, output_processor)
+        if admitted is not None:
+            outputs += self.finish_step(admitted, output_processor)
+        return outputs, admitted is not None
+
+    def launch_step(self, admit_only: bool = False) -> StepHandle:
+        """The first half of ``step``: schedule and enqueue the device work, without waiting for it.
+        ``admit_only``: waiting requests only (``Scheduler.schedule``), for a step launched while
+        another is in flight; finish the steps in launch order."""
+        if self._ahead is not None and not admit_only:
+            raise RuntimeError("launch_step: a step scheduled ahead is in flight (async_scheduling): use step()")
+        return self._launch(lambda: self.scheduler.schedule(admit_only=admit_only), None)
+
+    def finish_step(self, handle: StepHandle, output_processor: OutputProcessor) -> list[RequestOutput]:
+        """The second half of ``step``: wait for the launched step, apply its tokens, and return the
+        deltas ``output_processor`` makes of them; the requests a stop string ended are finished here."""
+        start = time.perf_counter()
+        result = self.runner.collect(handle.launched)
+        collected = time.perf_counter()
+        sched = self.scheduler
+        updates = sched.update_from_output(handle.scheduler_output, result.sampled_token_ids, result.logprobs)
+        outputs, stopped = output_processor.process(updates)
+        if stopped:
+            sched.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._log_step(handle, 1e3 * (collected - start), 1e3 * (time.perf_counter() - collected))
+        return outputs
+
+    def _take_ahead(self) -> StepHandle | None:
+        handle, self._ahead = self._ahead, None
+        return handle
+
+    def _launch_ahead(self, handle: StepHandle) -> bool:
+        """Schedule and launch the step after ``handle`` now, if the scheduler can (``schedule_ahead``)."""
+        if handle.launched.output is None:
+            return False
+        ahead = self.scheduler.schedule_ahead(handle.scheduler_output)
+        if ahead is None:
+            return False
+        self._ahead = self._launch(lambda: ahead, handle.launched.output.sampled_token_ids)
+        self.num_steps_ahead += 1
+        return True
+
+    def _finish_with_ahead(self, handle: StepHandle, output_processor: OutputProcessor) -> list[RequestOutput]:
+        outputs = self.finish_step(handle, output_processor)
+        if self._ahead is not None and not self.scheduler.has_unfinished_requests():
+            # Every request of the step ahead finished: it has nothing to report.
+            self.finish_step(self._take_ahead(), output_processor)
+        return outputs
+
+    def _launch_admitted(self) -> StepHandle:
+        """``launch_step(admit_only=True)``; with ``prefill_stream`` on CUDA, on a stream of its own.
+
+        The admitted requests' work touches nothing of the step in flight: their KV blocks are their
+        own (a prefix-cache hit is a full block written by an earlier, finished step); the memory of
+        their intermediates is the side stream's in the caching allocator; their inputs and results
+        go through pinned host memory. ``finish_step`` waits for its event on the host, so the next
+        step, on the default stream, starts after it."""
+        if not self.prefill_stream or self.runner.device.type != "cuda":
+            return self.launch_step(admit_only=True)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.runner.device)
+        with torch.cuda.stream(self._side_stream):
+            return self.launch_step(admit_only=True)
+
+    def _launch(self, schedule: Callable[[], SchedulerOutput], prev_tokens: torch.Tensor | None) -> StepHandle:
+        """Schedule (``schedule()``) and launch a step, timed for ``step_log``; ``prev_tokens``: the
+        sampled tokens of the step in flight, for a step scheduled ahead."""
+        start = time.perf_counter()
+        event = None
+        if self.runner.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        scheduler_output = schedule()
+        launched = self.runner.launch(scheduler_output, prev_tokens=prev_tokens)
+        return StepHandle(scheduler_output, launched, 1e3 * (time.perf_counter() - start), event)
+
+    def _log_step(self, handle: StepHandle, wait_ms: float, post_ms: float) -> None:
+        scheduled = handle.scheduler_output.scheduled
+        if not scheduled:
+            return
+        tokens = handle.scheduler_output.num_batched_tokens
+        if handle.launched.graphed:
+            kind = "graph"
+        elif tokens == len(scheduled):
+            kind = "decode"
+        else:
+            kind = "mixed" if any(len(s.token_ids) == 1 for s in scheduled) else "prefill"
+        gpu_ms = None
+        done = handle.launched.done
+        if handle.start_event is not None and done is not None:
+            gpu_ms = handle.start_event.elapsed_time(done)
+        self.step_log.add(StepRecord(kind, tokens, len(scheduled), handle.launch_ms, wait_ms, post_ms, gpu_ms))
