@@ -1,7 +1,9 @@
 """The lab: launch-config sweeps and one-off investigations behind docs/perf-notes.md, each timed in one
 run on a CUDA GPU. Not part of the installed package (DESIGN.md §1; STYLE.md §15): what a sweep varies
-is an argument of the op's launcher (``config=``, ``gluon=``, ``pdl=``, ``dq_config=``, ``chunk_size=``),
-never a module global set from here.
+is an argument of the op's launcher (``config=``, ``gluon=``, ``pdl=``, ``dkdv_config=``, ``dq_config=``,
+``gluon_dq_config=``, ``chunk_size=``), never a module global set from here. The tuning drivers of
+``fuseformer bench --tune`` are fuseformer/bench/tune.py; the candidates they time are the ops' own
+``candidate_configs``, which the config sweeps below time too.
 
     python benchmarks/sweeps.py NAME [NAME ...] [--out DIR]     # records as JSON lines, and DIR/sweep.json
     python benchmarks/sweeps.py --list
@@ -36,8 +38,9 @@ from fuseformer.bench._timing import (
     tb_per_s,
 )
 
-# The module, not the function of the same name that fuseformer.ops exports.
+# The modules, not the function of the same name that fuseformer.ops exports.
 rn = importlib.import_module("fuseformer.ops.rms_norm")
+rn_bwd = importlib.import_module("fuseformer.ops.rms_norm_bwd")
 
 
 def sweep_rms_norm() -> list[dict]:
@@ -306,7 +309,7 @@ def sweep_small_rows() -> list[dict]:
     # Last: the first call of a torch.library custom op with autograd may set up state the others
     # would then pay for (see the note on the kernel listing below).
     calls["ours custom op with grad"] = lambda: rn._rms_norm_fwd_op(x, w, None, 1e-6)
-    launchers = (rn._fwd_launcher, rn._bwd_launcher, rn._dw_launcher)
+    launchers = (rn._fwd_launcher, rn_bwd._bwd_launcher, rn_bwd._dw_launcher)
     out = []
     for name, fn in calls.items():
         rec = dict(kind="small_rows", impl=name, shape=[m, n])
@@ -372,7 +375,7 @@ def sweep_flce() -> list[dict]:
     tokens per chunk: time, peak memory above the inputs, and (default chunk) the GPU time per kernel.
     (Runs 72-74 also timed the column CE kernels' tiles by setting ``_COLS_CONFIG``: 64 x 128 / 4 warps
     shipped; that part is in the commits before session 19.)"""
-    ce = importlib.import_module("fuseformer.ops.cross_entropy")
+    ce = importlib.import_module("fuseformer.ops.fused_linear_cross_entropy")
     n, h, v = 8192, 4096, 128256
     hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5
@@ -522,7 +525,7 @@ def sweep_flce_energy() -> list[dict]:
     (:func:`_energy_record`), each after the same heating, the shipped plan first and last. (Run 106
     also timed the growing chunks' scratch x1.5 / x2 / x3 by replacing ``_growing_plan``; a memory-budget
     goal would make that scratch a launcher argument, not a patched module function.)"""
-    ce = importlib.import_module("fuseformer.ops.cross_entropy")
+    ce = importlib.import_module("fuseformer.ops.fused_linear_cross_entropy")
     mlp_ce = importlib.import_module("fuseformer.bench.mlp_ce")
     handle = _nvml_handle()
     hidden, weight, target = mlp_ce.ce_inputs()
@@ -586,10 +589,11 @@ def sweep_flce_energy() -> list[dict]:
 
 
 def sweep_attention_configs(quick: bool = False, head_dims: tuple[int, ...] = (128,)) -> list[dict]:
-    """Time the Triton forward, dk/dv and dq kernels over the candidates of ops/attention.py's tuner
-    (``candidate_configs``: the full grid, or around the current tables when ``quick``) on the goal
+    """Time the Triton forward, dk/dv and dq kernels over the tuning candidates (ops/_attention_common.py's
+    ``candidate_configs``: the full grid, or around the current tables when ``quick``) on the goal
     shapes (bf16, H 32): causal S4096 for all three kernels, full S16384 for the forward (and, not
-    quick, the backward). ``gluon=False``: where the Gluon kernels would run, the Triton ones are timed.
+    quick, the backward). An explicit config (the launchers' ``config=``, ``dkdv_config=``, ``dq_config=``)
+    runs the Triton kernels, also where the Gluon ones would run.
 
     Each record: kernel, case, config (as requested; a config that does not fit falls back, see
     ``launch``), ms, TFLOP/s (the forward's count for fwd; the backward's 2.5x for the whole
@@ -609,6 +613,7 @@ def _attention_configs_case(d: int, seqlen: int, causal: bool, quick: bool, back
 
     attn = importlib.import_module("fuseformer.ops.attention")
     attn_bwd = importlib.import_module("fuseformer.ops.attention_bwd")
+    attn_cfg = importlib.import_module("fuseformer.ops._attention_common")
     batch = ba.TOKENS // seqlen
     case = dict(batch=batch, seqlen=seqlen, heads=ba.HEADS, head_dim=d, causal=causal)
     flops = ba.attention_flops(batch, seqlen, ba.HEADS, d, causal)
@@ -620,24 +625,18 @@ def _attention_configs_case(d: int, seqlen: int, causal: bool, quick: bool, back
     dout = torch.randn_like(out)
     block_d = max(16, attn.next_pow2(d))
 
-    def fwd():
-        attn.flash_attention_fwd(*args, gluon=False)
-
-    def bwd():
-        attn_bwd.flash_attention_bwd(
-            dout, q, k, v, out, lse, None, None, None, seqlen, seqlen, scale, -1, right, gluon=False
-        )
+    bwd_args = (dout, q, k, v, out, lse, None, None, None, seqlen, seqlen, scale, -1, right)
 
     records = []
-    for cfg in attn.candidate_configs("fwd", block_d, causal, quick):
-        with attn.tuning_config("fwd", cfg):
-            records.append(ba._record(dict(case, kernel="fwd", **cfg), "fuseformer", "fwd", flops, fwd))
+    for cfg in attn_cfg.candidate_configs("fwd", block_d, causal, quick):
+        fwd = lambda cfg=cfg: attn.flash_attention_fwd(*args, config=cfg)  # noqa: E731
+        records.append(ba._record(dict(case, kernel="fwd", **cfg), "fuseformer", "fwd", flops, fwd))
     if not backward:
         return records
-    for kind in ("bwd_dkdv", "bwd_dq"):
-        for cfg in attn.candidate_configs(kind, block_d, causal, quick):
-            with attn.tuning_config(kind, cfg):
-                records.append(ba._record(dict(case, kernel=kind, **cfg), "fuseformer", "bwd", 2.5 * flops, bwd))
+    for kind, arg in (("bwd_dkdv", "dkdv_config"), ("bwd_dq", "dq_config")):
+        for cfg in attn_cfg.candidate_configs(kind, block_d, causal, quick):
+            bwd = lambda cfg=cfg, arg=arg: attn_bwd.flash_attention_bwd(*bwd_args, **{arg: cfg})  # noqa: E731
+            records.append(ba._record(dict(case, kernel=kind, **cfg), "fuseformer", "bwd", 2.5 * flops, bwd))
     return records
 
 
@@ -734,11 +733,11 @@ def sweep_attention_gluon_bwd() -> list[dict]:
             dq_config = dict(STAGES=dq_stages)
             rec = dict(case, DQ_STAGES=dq_stages if d in bwd.attention_hopper.DQ_HEAD_DIMS else None)
             try:
-                got = bwd.flash_attention_bwd(*args, dq_config=dq_config)
+                got = bwd.flash_attention_bwd(*args, gluon_dq_config=dq_config)
                 torch.cuda.synchronize()
                 rec["max_abs_diff"] = {n: float((a.float() - r.float()).abs().max())
                                        for n, a, r in zip(("dq", "dk", "dv"), got, ref)}  # fmt: skip
-                fn = lambda dq_config=dq_config: bwd.flash_attention_bwd(*args, dq_config=dq_config)  # noqa: E731
+                fn = lambda dq_config=dq_config: bwd.flash_attention_bwd(*args, gluon_dq_config=dq_config)  # noqa: E731
                 rec = ba._record(rec, "fuseformer gluon", "bwd", flops, fn)
                 if seqlen == 4096:
                     rec["kernels"] = gpu_kernels(fn)[:6]
@@ -833,6 +832,7 @@ def sweep_mlp_decode(
     from fuseformer.bench.mlp_ce import _eager_mlp, _heat
 
     mlp = importlib.import_module("fuseformer.ops.mlp")  # the module, not fuseformer.ops.fused_mlp
+    mlp_dec = importlib.import_module("fuseformer.ops.mlp_decode")  # the decode kernels
     on_gpu = torch.cuda.is_available()
     dev, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float16)
     timer = timer or (lambda fn: bench_ms(fn, warmup=10, rep=50))
@@ -854,10 +854,10 @@ def sweep_mlp_decode(
             cases.append((dict(kind="mlp_decode", T=t, H=h, I=i, part=part, impl=impl, **extra), fn))
 
         for glu, n, k, part, a, w in ((True, i, h, "gate_up", x, w_gate_up), (False, h, i, "down", y, w_down)):
-            for j, cfg in enumerate(mlp.decode_candidates(t, n, k, glu)):
-                case(part, "decode", lambda a=a, w=w, glu=glu, cfg=cfg: mlp._decode_gemm(a, w, glu, "silu", cfg),
+            for j, cfg in enumerate(mlp_dec.decode_candidates(t, n, k, glu)):
+                case(part, "decode", lambda a=a, w=w, glu=glu, cfg=cfg: mlp_dec._decode_gemm(a, w, glu, "silu", cfg),
                      config=cfg, rule=j == 0, programs=-(-n // cfg["BLOCK_N"]) * -(-t // cfg["BLOCK_M"]) * cfg["SPLIT_K"],
-                     smem=mlp.decode_smem_bytes(cfg, glu))  # fmt: skip
+                     smem=mlp_dec.decode_smem_bytes(cfg, glu))  # fmt: skip
         case("gate_up", "prefill-style kernel", lambda: mlp.mlp_gate_up_fwd(x, w_gate_up, "silu"))
         case("gate_up", "cublas", lambda: x @ w_gate_up.T)
         case("down", "cublas", lambda: y @ w_down.T)

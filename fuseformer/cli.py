@@ -34,7 +34,7 @@ def _info(args: argparse.Namespace) -> int:
         f"TRITON_INTERPRET={'1' if backend.INTERPRET else '0'}  FUSEFORMER_BACKEND={backend.forced_backend() or 'auto'}"
     )
     from fuseformer.ops import _gluon
-    from fuseformer.ops._utils import launch_path
+    from fuseformer.runtime.launch import launch_path
 
     # What runs here, not what could run elsewhere: Gluon needs an sm_90 GPU and Triton 3.6.x.
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -73,7 +73,7 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
         import json
 
-        from fuseformer.runtime.autotune import tune_all
+        from fuseformer.bench.tune import tune_all
 
         for record in tune_all(quick=args.quick):
             print(json.dumps(record))
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks against peers on a GPU (table, JSON, PNG)")
     p.add_argument(
-        "suites", nargs="*", default=[], help="suites: ops (default), attention, mlp_ce, engine, serve, train, sweep"
+        "suites", nargs="*", default=[], help="suites: ops (default), attention, mlp_ce, engine, serve, train, optimize"
     )
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG (default: bench-results)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")

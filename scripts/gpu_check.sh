@@ -62,12 +62,12 @@ if [[ "$stage" == gluon ]]; then
     tail -n 3 "$out/sweep-gluon.log"
 fi
 if [[ "$stage" == serve ]]; then
-    # The serving checks in one device call (~7 min): the GPU tests of the engine and both serving
-    # engines (CUDA graphs, sampling, overlap_prefill, the engine process, the load test as served on CUDA),
-    # then `fuseformer bench serve` (both engines, 8B shape).
-    python3 -m pytest -q -m gpu tests/serve/test_process_engine.py tests/serve/test_async_engine.py \
+    # The serving checks in one device call (~7 min): the GPU tests of the engine and the serving
+    # engine (CUDA graphs, sampling, overlap_prefill, the load test as served on CUDA),
+    # then `fuseformer bench serve` (8B shape).
+    python3 -m pytest -q -m gpu tests/serve/test_async_engine.py \
         tests/engine/test_cuda_graphs.py tests/engine/test_sampler.py tests/engine/test_llm.py \
-        tests/engine/test_async_scheduling.py \
+        tests/engine/test_core.py \
         "tests/serve/test_load.py::test_gpu_256_concurrent_streams_at_real_layer_sizes[bfloat16-served]" \
         2>&1 | tee "$out/gpu-tests-serve.log" | tail -n 15
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1

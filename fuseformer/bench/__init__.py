@@ -2,7 +2,8 @@
 
 ``run_suites(["ops", "attention"], out_dir)`` prints a table per suite and writes
 ``<suite>.json`` (records plus the environment and the two ceilings) and PNG plots to ``out_dir``.
-Config sweeps and one-off investigations are the lab's, outside the package: ``benchmarks/sweeps.py``.
+``fuseformer bench --tune`` runs the tuning drivers of ``bench/tune.py`` first. Config sweeps and one-off
+investigations are the lab's, outside the package: ``benchmarks/sweeps.py``.
 """
 
 from __future__ import annotations

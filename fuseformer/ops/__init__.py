@@ -6,20 +6,12 @@ y, h = F.rms_norm(x, weight, eps=1e-6, residual=r)
 
 from fuseformer.ops.activations import geglu, geglu_ref, swiglu, swiglu_ref
 from fuseformer.ops.attention import flash_attention, flash_attention_ref
-from fuseformer.ops.cross_entropy import (
-    cross_entropy,
-    cross_entropy_ref,
-    fused_linear_cross_entropy,
-    fused_linear_cross_entropy_ref,
-)
+from fuseformer.ops.cross_entropy import cross_entropy, cross_entropy_ref
+from fuseformer.ops.fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 from fuseformer.ops.layer_norm import layer_norm, layer_norm_ref
 from fuseformer.ops.mlp import fused_mlp, fused_mlp_ref
-from fuseformer.ops.paged_attention import (
-    paged_attention,
-    paged_attention_ref,
-    reshape_and_cache,
-    reshape_and_cache_ref,
-)
+from fuseformer.ops.paged_attention import paged_attention, paged_attention_ref
+from fuseformer.ops.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from fuseformer.ops.rms_norm import rms_norm, rms_norm_ref
 from fuseformer.ops.rotary import apply_rotary, apply_rotary_ref
 

@@ -21,12 +21,7 @@ import triton
 import triton.language as tl
 
 from fuseformer.ops import _gluon, attention_hopper
-from fuseformer.ops._utils import empty, next_pow2
-from fuseformer.ops.attention import (
-    KERNELS,
-    TUNE_CASES,
-    TUNE_HEADS,
-    TUNE_TOKENS,
+from fuseformer.ops._attention_common import (
     KernelConfig,
     _descriptor,
     _kv_bounds,
@@ -35,15 +30,11 @@ from fuseformer.ops.attention import (
     _seq_strides,
     _unit_last,
     _use_tma,
-    candidate_configs,
-    config_key,
-    flash_attention_fwd,
-    kernel_config,
     launch,
-    tune_inputs,
-    tuning_config,
+    resolve_config,
+    tanh,
 )
-from fuseformer.runtime import autotune
+from fuseformer.ops._utils import empty, next_pow2
 
 # The Gluon dK/dV kernel (ops/attention_hopper.py) for what the Gluon forward takes: run 84, the whole
 # backward 362.7 -> 392.8 TFLOP/s (causal S4096), 397.2 -> 450.9 (full S16384). With it, dq from the
@@ -135,10 +126,10 @@ def _pad_stats_kernel(
 @triton.jit
 def _dkdv_loop(
     dk, dv, k, v, Q, DO, q_base, do_base, lse_base, delta_base, q_offs, stride_qs, q_row0, q_col,
-    cols, sq, sk, qk_scale, window_left, window_right, start, end,
+    cols, sq, sk, qk_scale, softcap, window_left, window_right, start, end,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, QD_DESC: tl.constexpr,
-    PAD_STATS: tl.constexpr,
+    PAD_STATS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dk, dv (BLOCK_N, BLOCK_D) fp32 over the q tiles [start, end) of one q head.
 
@@ -147,7 +138,10 @@ def _dkdv_loop(
     written): unmasked, aligned loads.
 
     q and do share one layout (the launcher makes them contiguous), so one int32 offset tile
-    q_offs (BLOCK_M, BLOCK_D) serves both: fewer live registers in a kernel that spills easily."""
+    q_offs (BLOCK_M, BLOCK_D) serves both: fewer live registers in a kernel that spills easily.
+
+    SOFTCAP: the scores are c * tanh(qk * qk_scale) (qk_scale = scale / cap, c = softcap = cap * log2(e)),
+    and ds picks up the tanh's derivative 1 - tanh^2."""
     offs_m = tl.arange(0, BLOCK_M)
     d_ok = tl.arange(0, BLOCK_D) < HEAD_DIM
     diag = sk - sq
@@ -179,7 +173,11 @@ def _dkdv_loop(
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # saw no key: p = 0
         # The scale inside the exponent's FMA (qk * s - lse), the mask applied to p (for any sign of s).
         qk_t = tl.dot(k, tl.trans(q))  # (BLOCK_N, BLOCK_M)
-        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
+        if SOFTCAP:
+            th_t = tanh(qk_t * qk_scale)
+            p_t = tl.math.exp2(th_t * softcap - lse2[None, :])
+        else:
+            p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
         if MASK:
             valid = (cols[:, None] < sk) & row_ok[None, :]
             if HAS_RIGHT:
@@ -189,7 +187,10 @@ def _dkdv_loop(
             p_t = tl.where(valid, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))  # (BLOCK_N, BLOCK_M)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        if SOFTCAP:
+            ds_t = (p_t * (dp_t - delta[None, :]) * (1.0 - th_t * th_t)).to(q.dtype)
+        else:
+            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk = tl.dot(ds_t, q, dk)
     return dk, dv
 
@@ -198,10 +199,10 @@ def _dkdv_loop(
 def _flash_attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, group_size, sm_scale, qk_scale, window_left, window_right,
+    seqlen_q, seqlen_k, group_size, sm_scale, qk_scale, window_left, window_right, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    QD_DESC: tl.constexpr, PAD_STATS: tl.constexpr = False,
+    QD_DESC: tl.constexpr, PAD_STATS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     # Grid (cdiv(max Sk, BLOCK_N), Hkv, B). Q, DO: pointers, or with QD_DESC TMA descriptors over
     # (rows, Hq * D) views (rows B * Sq, or Tq). PAD_STATS (varlen): LSE and DELTA are the padded
@@ -269,8 +270,8 @@ def _flash_attention_bwd_dkdv_kernel(
         dk, dv = _dkdv_loop(
             dk, dv, k, v, Q, DO, q_base, do_base, lse_base, delta_base, q_offs, stride_qs,
             q_row0, h * HEAD_DIM,
-            cols, sq, sk, qk_scale, window_left, window_right, lo, hi,
-            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_M, QD_DESC, PAD_STATS,
+            cols, sq, sk, qk_scale, softcap, window_left, window_right, lo, hi,
+            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_M, QD_DESC, PAD_STATS, SOFTCAP,
         )  # fmt: skip
 
     mask = col_ok[:, None] & d_ok[None, :]
@@ -281,9 +282,10 @@ def _flash_attention_bwd_dkdv_kernel(
 @triton.jit
 def _dq_loop(
     dq, q, do, lse2, delta, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_col, rows, sq, sk,
-    qk_scale, window_left, window_right, start, end,
+    qk_scale, softcap, window_left, window_right, start, end,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_DESC: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dq (BLOCK_M, BLOCK_D) fp32 (without the scale) over the key blocks [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -303,7 +305,11 @@ def _dq_loop(
             k = tl.load(k_ptrs + n64 * stride_ks)
             v = tl.load(v_ptrs + n64 * stride_vs)
         qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N); the scale goes into exp2's FMA
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if SOFTCAP:  # as in _dkdv_loop
+            th = tanh(qk * qk_scale)
+            p = tl.math.exp2(th * softcap - lse2[:, None])
+        else:
+            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASK:
             valid = col_ok[None, :]
             if HAS_RIGHT:
@@ -312,7 +318,10 @@ def _dq_loop(
                 valid = valid & (cols[None, :] >= rows[:, None] + (diag - window_left))
             p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
-        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        if SOFTCAP:
+            ds = (p * (dp - delta[:, None]) * (1.0 - th * th)).to(k.dtype)
+        else:
+            ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq = tl.dot(ds, k, dq)
     return dq
 
@@ -322,9 +331,10 @@ def _flash_attention_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, group_size, sm_scale, qk_scale, window_left, window_right,
+    seqlen_q, seqlen_k, group_size, sm_scale, qk_scale, window_left, window_right, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KV_DESC: tl.constexpr,
+    SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     # Grid (cdiv(max Sq, BLOCK_M), Hq, B), heaviest blocks first when causal (as the forward).
     pid_m = tl.program_id(0)
@@ -385,18 +395,18 @@ def _flash_attention_bwd_dq_kernel(
     if HAS_LEFT:
         dq = _dq_loop(
             dq, q, do, lse2, delta, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_h * HEAD_DIM, rows, sq, sk,
-            qk_scale, window_left, window_right, lo, full_lo,
-            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC,
+            qk_scale, softcap, window_left, window_right, lo, full_lo,
+            True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, SOFTCAP,
         )  # fmt: skip
     dq = _dq_loop(
         dq, q, do, lse2, delta, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_h * HEAD_DIM, rows, sq, sk,
-        qk_scale, window_left, window_right, full_lo, full_hi,
-        False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC,
+        qk_scale, softcap, window_left, window_right, full_lo, full_hi,
+        False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, SOFTCAP,
     )  # fmt: skip
     dq = _dq_loop(
         dq, q, do, lse2, delta, K, V, k_ptrs, v_ptrs, stride_ks, stride_vs, kv_row0, kv_h * HEAD_DIM, rows, sq, sk,
-        qk_scale, window_left, window_right, full_hi, hi,
-        True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC,
+        qk_scale, softcap, window_left, window_right, full_hi, hi,
+        True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, KV_DESC, SOFTCAP,
     )  # fmt: skip
     dq_ptrs = DQ + dq_off + h * stride_dqh + rows64[:, None] * stride_dqs + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -420,14 +430,20 @@ def flash_attention_bwd(
     softmax_scale: float,
     window_left: int,
     window_right: int,
+    softcap: float = 0.0,
     *,
     gluon: bool = True,
+    dkdv_config: dict | None = None,
     dq_config: dict | None = None,
+    gluon_dq_config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward launcher. dout, out like q; lse from the forward; dlse (lse's gradient) or None.
+    """Backward launcher. dout, out like q; lse from the forward; dlse (lse's gradient) or None;
+    ``softcap`` as the forward's (> 0: the Triton kernels, with the tanh's derivative in ds).
 
     Returns dq, dk, dv shaped like q, k, v (contiguous). ``gluon=False`` keeps the Triton kernels where
-    the Gluon ones would run; ``dq_config`` goes to the Gluon dq kernel (sweeps and tests).
+    the Gluon ones would run. ``dkdv_config``, ``dq_config``: KernelConfig fields put on the looked-up
+    configs of the Triton dk/dv and dq kernels, which then run (tuning, sweeps, tests);
+    ``gluon_dq_config`` goes to the Gluon dq kernel where it runs (sweeps).
     """
     varlen = cu_seqlens_q is not None
     # The dk/dv kernel reads q, do (and writes dq) with one set of strides, and k, v (dk, dv) with
@@ -466,9 +482,13 @@ def flash_attention_bwd(
         delta = delta - dlse.float()
 
     # The Gluon dK/dV kernel where the Gluon forward applies (dq then from the separate dq kernel).
+    # Soft-capping: the Triton kernels only (the Gluon ones have none).
+    capped = softcap > 0
+    gluon = gluon and not capped and dkdv_config is None and dq_config is None
     gluon = gluon and _GLUON_BWD and attention_hopper.usable(q, k, v, varlen, window_left, window_right, softmax_scale)
-    qk_scale = softmax_scale * 1.4426950408889634
-    common = (seqlen_q, seqlen_k, hq // hkv, softmax_scale, qk_scale, window_left, window_right)
+    qk_scale = softmax_scale / softcap if capped else softmax_scale * 1.4426950408889634
+    common = (seqlen_q, seqlen_k, hq // hkv, softmax_scale, qk_scale, window_left, window_right,
+              softcap * 1.4426950408889634 if capped else 0.0)  # fmt: skip
     # TMA descriptors (see attention._use_tma): q, do streamed by the dk/dv kernel; k, v by the dq kernel.
     tma = _use_tma(q)
     q_view, do_view = (_rows_view(q, varlen), _rows_view(dout, varlen)) if tma else (None, None)
@@ -505,14 +525,14 @@ def flash_attention_bwd(
         launch(
             _flash_attention_bwd_dkdv_kernel,
             lambda c: (triton.cdiv(seqlen_k, c.BLOCK_N), hkv, batch),
-            kernel_config("bwd_dkdv", block_d, bounded, q.dtype, q.device),
+            resolve_config("bwd_dkdv", dkdv_config, block_d, bounded, q.dtype, q.device),
             dkdv_args,
-            dict(**flags, **window, QD_DESC=qd_desc, PAD_STATS=pad_stats),
-            key=(q.dtype, d, varlen, qd_desc, pad_stats, tuple(window.items())),
+            dict(**flags, **window, QD_DESC=qd_desc, PAD_STATS=pad_stats, SOFTCAP=capped),
+            key=(q.dtype, d, varlen, qd_desc, pad_stats, capped, tuple(window.items())),
         )
     if gluon and q.shape[-1] in attention_hopper.DQ_HEAD_DIMS:
         attention_hopper.backward_dq(
-            q, k, v, dout, lse, delta, softmax_scale, window_right == 0, config=dq_config, dq=dq
+            q, k, v, dout, lse, delta, softmax_scale, window_right == 0, config=gluon_dq_config, dq=dq
         )
         return dq, dk, dv
     dq_rest = (
@@ -529,10 +549,10 @@ def flash_attention_bwd(
     launch(
         _flash_attention_bwd_dq_kernel,
         lambda c: (triton.cdiv(seqlen_q, c.BLOCK_M), hq, batch),
-        kernel_config("bwd_dq", block_d, bounded, q.dtype, q.device),
+        resolve_config("bwd_dq", dq_config, block_d, bounded, q.dtype, q.device),
         dq_args,
-        dict(**flags, **window, KV_DESC=kv_desc),
-        key=(q.dtype, d, varlen, kv_desc, tuple(window.items())),
+        dict(**flags, **window, KV_DESC=kv_desc, SOFTCAP=capped),
+        key=(q.dtype, d, varlen, kv_desc, capped, tuple(window.items())),
     )
     return dq, dk, dv
 
@@ -556,62 +576,19 @@ def flash_attention_bwd_op(
     softmax_scale: float,
     window_left: int,
     window_right: int,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return flash_attention_bwd(
         dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+        max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
     )  # fmt: skip
 
 
 @flash_attention_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right):
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right, softcap=0.0):
     fmt = torch.contiguous_format
     return (
         torch.empty_like(q, memory_format=fmt),
         torch.empty_like(k, memory_format=fmt),
         torch.empty_like(v, memory_format=fmt),
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Tuning (``fuseformer bench --tune`` through autotune.tune_all)
-# --------------------------------------------------------------------------------------------
-def tune_attention_bwd(quick: bool = False) -> list[dict]:
-    """Tune the dk/dv kernel, then the dq kernel (with the dk/dv config just chosen), over head dims,
-    causal and full, on this GPU (bf16), each timed as the whole Triton backward (as benchmarks/sweeps.py's
-    attention sweep); one record a (kernel, key). Quick: head dim 128, causal only."""
-    from fuseformer.bench._timing import bench_ms
-
-    records = []
-    dtype = torch.bfloat16
-    cases = [c for c in TUNE_CASES if c[0] == 128 and c[2]] if quick else TUNE_CASES
-    for d, seqlen, causal in cases:
-        q, k, v = tune_inputs(d, seqlen, dtype)
-        scale, right = d**-0.5, 0 if causal else -1
-        out, lse = flash_attention_fwd(q, k, v, None, None, seqlen, seqlen, scale, -1, right)
-        dout = torch.randn_like(out)
-        args = (dout, q, k, v, out, lse, None, None, None, seqlen, seqlen, scale, -1, right)
-        block_d = max(16, next_pow2(d))
-        key = config_key(block_d, causal, dtype)
-        flops = 2.5 * 4.0 * TUNE_TOKENS * TUNE_HEADS * seqlen * d / (2 if causal else 1)
-        for kind in ("bwd_dkdv", "bwd_dq"):
-
-            def bench(cfg, kind=kind, args=args):
-                def run():
-                    with tuning_config(kind, cfg):
-                        flash_attention_bwd(*args, gluon=False)  # the Triton kernels' configs are tuned
-
-                return run
-
-            try:
-                candidates = candidate_configs(kind, block_d, causal, quick)
-                best = autotune.tune(KERNELS[kind], candidates, bench, key, force=True)
-                ms = bench_ms(lambda args=args: flash_attention_bwd(*args, gluon=False))
-                records.append(dict(kernel=KERNELS[kind], key=key, config=best, ms=ms,
-                                    tflop_s=flops / (ms * 1e-3) / 1e12))  # fmt: skip
-            except Exception as exc:
-                records.append(dict(kernel=KERNELS[kind], key=key, error=f"{type(exc).__name__}: {exc}"[:300]))
-    return records
-
-
-autotune.register_tuner("attention_bwd", tune_attention_bwd)

@@ -32,6 +32,7 @@ import triton.language as tl
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
+    Launcher,
     autograd_function,
     check_shape,
     check_tensor,
@@ -39,6 +40,7 @@ from fuseformer.ops._utils import (
     dispatch,
     empty,
     float_dtype_of,
+    launch_config,
     next_pow2,
     row_norm_config_key,
     rows_2d,
@@ -368,14 +370,14 @@ def layer_norm_fwd(
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
     assert (weight is None or weight.is_contiguous()) and (bias is None or bias.is_contiguous())
     cfg = fwd_config(n, residual is not None, x.dtype, x.device)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
-    _layer_norm_fwd_kernel[grid](
-        x, residual if residual is not None else x, weight if weight is not None else x,
-        bias if bias is not None else x, y, h if h is not None else y, mean, rstd,
-        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
-        h.stride(0) if h is not None else 0,
-        m, n, eps,
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **cfg,
+    flags = dict(HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    _fwd_launcher(
+        (triton.cdiv(m, cfg["BLOCK_M"]),), launch_config(**flags, **cfg),
+        (x, residual if residual is not None else x, weight if weight is not None else x,
+         bias if bias is not None else x, y, h if h is not None else y, mean, rstd),
+        (x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+         h.stride(0) if h is not None else 0, m, n),
+        (float(eps),),
     )  # fmt: skip
     return y, h, mean, rstd
 
@@ -409,16 +411,22 @@ def layer_norm_bwd(
     programs = max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), sm_count(x) * cfg.pop("programs_per_sm")))
     dw_partial = empty((programs, n), dtype=torch.float32, device=x.device) if weight is not None else rstd
     db_partial = empty((programs, n), dtype=torch.float32, device=x.device) if bias is not None else rstd
-    _layer_norm_bwd_kernel[(programs,)](
-        x, weight if weight is not None else x, dy, dh if dh is not None else dy, mean, rstd, dx,
-        dw_partial, db_partial,
-        x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0),
-        m, n,
-        HAS_DH=dh is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **cfg,
+    flags = dict(HAS_DH=dh is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    _bwd_launcher(
+        (programs,), launch_config(**flags, **cfg),
+        (x, weight if weight is not None else x, dy, dh if dh is not None else dy, mean, rstd, dx,
+         dw_partial, db_partial),
+        (x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), m, n),
     )  # fmt: skip
     dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
     db = db_partial.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dw, db
+
+
+# The one launch path (runtime/launch.py): kernel[grid] for a specialization's first launch, then, on
+# the Triton it was written for, the compiled kernel's C launcher.
+_fwd_launcher = Launcher(_layer_norm_fwd_kernel)
+_bwd_launcher = Launcher(_layer_norm_bwd_kernel)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""Attention over a paged KV cache, and the write of new K/V into it (inference only; no autograd).
+"""Attention over a paged KV cache (inference only; no autograd). The write of new K/V into the cache is
+its own op, ops/reshape_and_cache.py.
 
 KV cache layout per layer (DESIGN.md §4): k_cache, v_cache (num_blocks, block_size, Hkv, D). A
 sequence's context lives in the blocks its row of ``block_tables`` (B, max_blocks) int32 names, in
 order: token position p sits in block ``block_tables[b, p // block_size]`` at offset
-``p % block_size``. ``slot_mapping`` (T,) int64 gives each new token's flat slot
-``block * block_size + offset`` (-1: do not write).
+``p % block_size``.
 
 ``paged_attention`` serves a step that mixes prefill chunks (with a cached prefix) and single-token
 decodes: sequence b has q_len = cu_seqlens_q[b+1] - cu_seqlens_q[b] new queries at positions
@@ -13,10 +13,9 @@ and the new tokens, already written by ``reshape_and_cache``), causal masks alig
 ``window`` > 0 limits each query at position i to the keys j with i - window < j <= i (Hugging
 Face's ``sliding_window``; flash-attn's window_size=(window - 1, 0)).
 
-Everything below autograd lives here (STYLE.md §1): the references ``reshape_and_cache_ref`` and
-``paged_attention_ref``, the Triton kernels, the launchers ``reshape_and_cache_fwd`` and
-``paged_attention_fwd`` (the engine calls these), the ``torch.library`` registration and the public
-functions.
+Everything below autograd lives here (STYLE.md §1): the reference ``paged_attention_ref`` (and the
+CPU path of the reference backend), the Triton kernels, the launcher ``paged_attention_fwd`` (the engine
+calls it), the ``torch.library`` registration and the public function.
 
 The attention kernel packs GQA groups: one program per (sequence, q tile, KV head), whose BLOCK_M
 rows are (query, q head of the group) pairs (row r: query m_tile * ROWS + r // HEADS, q head
@@ -42,30 +41,19 @@ import torch
 import triton
 import triton.language as tl
 
+from fuseformer.ops._attention_common import tanh
 from fuseformer.ops._utils import FLOAT_DTYPES, KERNEL_DTYPES, check_shape, check_tensor, empty, next_pow2, sm_count
 from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend, forced_backend
 
-_OP_CACHE = "reshape_and_cache"
 _OP = "paged_attention"
 _MAX_HEAD_DIM = 256
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
 # --------------------------------------------------------------------------------------------
-# References
+# Reference
 # --------------------------------------------------------------------------------------------
-def reshape_and_cache_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write k, v (T, Hkv, D) into the caches at ``slot_mapping`` (T,); slots < 0 are skipped."""
-    nb, bs = k_cache.shape[:2]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(nb * bs, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(nb * bs, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
-
-
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -76,9 +64,11 @@ def paged_attention_ref(
     softmax_scale: float | None = None,
     causal: bool = True,
     window: int = -1,
+    softcap: float = 0.0,
     upcast: bool = True,
 ) -> torch.Tensor:
-    """Pure PyTorch: gather each sequence's blocks, mask bottom-right aligned, softmax, weight V.
+    """Pure PyTorch: gather each sequence's blocks, cap the scores (``softcap`` > 0), mask bottom-right
+    aligned, softmax, weight V.
 
     Computes in fp32 (fp64 stays fp64) when ``upcast``, else in q's dtype. Returns (T, Hq, D) in
     q's dtype. A loop over sequences with host syncs: the oracle and the CPU path, not a fast path.
@@ -104,6 +94,8 @@ def paged_attention_ref(
         v = v.repeat_interleave(hq // hkv, dim=1)
         qs = q[q0:q1].to(compute)  # (q_len, Hq, D)
         s = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
         allowed = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device)
@@ -118,27 +110,11 @@ def paged_attention_ref(
 
 
 # --------------------------------------------------------------------------------------------
-# CPU paths: what the reference backend runs on CPU tensors (reshape_and_cache: fp16, bf16, fp32;
-# paged_attention: fp32) unless the reference is forced. Same results as the references within
-# DESIGN.md §3, in fewer ops: a decode step calls these once per layer, and on a CPU each op's
-# dispatch costs as much as its arithmetic at one token
-# (SmolLM-135M shape, 1 thread, 2026-12-03: 1.45 ms -> 0.37 ms a call of paged_attention).
+# CPU path: what the reference backend runs on fp32 CPU tensors unless the reference is forced. The
+# reference's results within DESIGN.md §3, in fewer ops: a decode step calls it once per layer, and on
+# a CPU each op's dispatch costs as much as its arithmetic at one token
+# (SmolLM-135M shape, 1 thread, 2026-12-03: 1.45 ms -> 0.37 ms a call).
 # --------------------------------------------------------------------------------------------
-def _reshape_and_cache_cpu(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """reshape_and_cache_ref by two index_copy_ (no boolean-mask gathers); skipped slots go to the reference."""
-    slots = slot_mapping.long()
-    if slots.numel() == 0:
-        return
-    if int(slots.min()) < 0:
-        reshape_and_cache_ref(k, v, k_cache, v_cache, slot_mapping)
-        return
-    nb, bs = k_cache.shape[:2]
-    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slots, v)
-
-
 def _paged_attention_cpu(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -149,10 +125,12 @@ def _paged_attention_cpu(
     scale: float,
     causal: bool,
     window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """paged_attention_ref's loop over sequences with each one's attention done by torch's SDPA (its
     CPU kernel accumulates in fp32; GQA by ``enable_gqa``, without repeating K/V); a mask only where
-    some key is masked. (T, Hq, D) in q's dtype."""
+    some key is masked. With ``softcap`` > 0 (SDPA cannot cap its scores) the capped scores are
+    computed here, per KV group without repeating K/V. (T, Hq, D) in q's dtype."""
     t, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     cu = cu_seqlens_q.tolist()
@@ -192,53 +170,57 @@ def _paged_attention_cpu(
                 mask &= k_pos <= q_pos
             if window > 0:
                 mask &= k_pos > q_pos - window
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qs, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=hq != hkv
-        )[0].transpose(0, 1)  # (q_len, Hq, D)
+        if softcap > 0:
+            o = _capped_attention(qs[0], k[0], v[0], scale, softcap, mask, is_causal).transpose(0, 1)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qs, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=hq != hkv
+            )[0].transpose(0, 1)  # (q_len, Hq, D)
         if whole:
             return o.contiguous()
         out[q0:q1] = o
     return out if out is not None else torch.zeros(t, hq, d, dtype=q.dtype, device=q.device)
 
 
+def _capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    softcap: float,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+) -> torch.Tensor:
+    """q (Hq, q_len, D), k/v (Hkv, ctx, D) -> (Hq, q_len, D): softmax(softcap * tanh(s / softcap) + mask) v
+    with s = scale * q k^T, in fp32 (q's dtype out); q heads grouped per KV head, K/V not repeated."""
+    hq, q_len, d = q.shape
+    hkv, ctx = k.shape[0], k.shape[1]
+    qg = q.float().reshape(hkv, hq // hkv * q_len, d)  # (Hkv, group * q_len, D): head h = kv * group + g
+    s = torch.matmul(qg, k.float().transpose(1, 2)).view(hq, q_len, ctx) * scale
+    s = softcap * torch.tanh(s / softcap)
+    if is_causal:  # q_len == ctx: top-left is bottom-right
+        mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).view(hkv, hq // hkv * q_len, ctx)
+    return torch.matmul(p, v.float()).view(hq, q_len, d).to(q.dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _reshape_and_cache_kernel(
-    K, V, K_CACHE, V_CACHE, SLOTS,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    block_size,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    # One program per (token, kv head): copy one D-vector of K and of V.
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    slot = tl.load(SLOTS + t).to(tl.int64)
-    if slot >= 0:
-        block = slot // block_size
-        offset = slot % block_size
-        d = tl.arange(0, BLOCK_D)
-        mask = d < HEAD_DIM
-        k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=mask)
-        v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask)
-        kc = K_CACHE + block * stride_kcb + offset * stride_kcs + h * stride_kch + d
-        vc = V_CACHE + block * stride_vcb + offset * stride_vcs + h * stride_vch + d
-        tl.store(kc, k.to(K_CACHE.dtype.element_ty), mask=mask)
-        tl.store(vc, v.to(V_CACHE.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _paged_attention_loop(
     acc, l_i, m_i, q, q_pos, k_base, v_base, table, stride_kb, stride_ks, stride_vb, stride_vs,
-    qk_scale, window, start, end, hi,
+    qk_scale, softcap, window, start, end, hi,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over the keys [start, end) (start a multiple of BLOCK_N). acc (BLOCK_M, BLOCK_D)
     fp32; l_i, m_i (BLOCK_M,) running sum and max in log2 units; q_pos (BLOCK_M,) absolute positions.
-    MASK: mask keys >= hi and the causal/window bounds (blocks at the edges of the tile's range)."""
+    MASK: mask keys >= hi and the causal/window bounds (blocks at the edges of the tile's range).
+    SOFTCAP: scores softcap * tanh(q k^T * qk_scale), with qk_scale = scale / cap and softcap = cap * log2(e)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -269,6 +251,8 @@ def _paged_attention_loop(
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        if SOFTCAP:
+            s = tanh(s) * softcap
         if MASK:
             valid = n_ok[None, :]
             if CAUSAL:
@@ -291,10 +275,11 @@ def _paged_attention_fwd_kernel(
     stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
-    qk_scale, window, q_tiles, num_splits,
+    qk_scale, window, q_tiles, num_splits, softcap,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GROUP: tl.constexpr, HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     # Grid (B * q_tiles, Hkv * CHUNKS * num_splits). A tile's BLOCK_M rows are (query, q head)
     # pairs of one KV group: row r is query m_tile * ROWS + r // HEADS of the sequence with q head
@@ -380,18 +365,18 @@ def _paged_attention_fwd_kernel(
     v_base = V_CACHE + kv_head * stride_vh
     acc, l_i, m_i = _paged_attention_loop(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table, stride_kb, stride_ks, stride_vb, stride_vs,
-        qk_scale, window, s_lo, tl.minimum(s_hi, full_lo), hi,
-        True, CAUSAL, HAS_WINDOW, DOT_PRECISION, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+        qk_scale, softcap, window, s_lo, tl.minimum(s_hi, full_lo), hi,
+        True, CAUSAL, HAS_WINDOW, DOT_PRECISION, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP,
     )  # fmt: skip
     acc, l_i, m_i = _paged_attention_loop(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table, stride_kb, stride_ks, stride_vb, stride_vs,
-        qk_scale, window, tl.maximum(s_lo, full_lo), tl.minimum(s_hi, full_hi), hi,
-        False, CAUSAL, HAS_WINDOW, DOT_PRECISION, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+        qk_scale, softcap, window, tl.maximum(s_lo, full_lo), tl.minimum(s_hi, full_hi), hi,
+        False, CAUSAL, HAS_WINDOW, DOT_PRECISION, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP,
     )  # fmt: skip
     acc, l_i, m_i = _paged_attention_loop(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table, stride_kb, stride_ks, stride_vb, stride_vs,
-        qk_scale, window, tl.maximum(s_lo, full_hi), s_hi, hi,
-        True, CAUSAL, HAS_WINDOW, DOT_PRECISION, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+        qk_scale, softcap, window, tl.maximum(s_lo, full_hi), s_hi, hi,
+        True, CAUSAL, HAS_WINDOW, DOT_PRECISION, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP,
     )  # fmt: skip
 
     o_ptrs = OUT + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
@@ -434,24 +419,6 @@ def _paged_attention_merge_kernel(
 # --------------------------------------------------------------------------------------------
 # Launchers (no autograd; inputs already checked; unit stride in the head dim)
 # --------------------------------------------------------------------------------------------
-def reshape_and_cache_fwd(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """k, v (T, Hkv, D) -> k_cache, v_cache (num_blocks, block_size, Hkv, D) at slot_mapping (T,)."""
-    t, hkv, d = k.shape
-    if t == 0:
-        return
-    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    _reshape_and_cache_kernel[(t, hkv)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        k_cache.shape[1],
-        HEAD_DIM=d, BLOCK_D=next_pow2(d), num_warps=1 if d <= 128 else 2,
-    )  # fmt: skip
-
-
 # Launch configuration. Rows of a tile are (query, q head of the group) pairs, so the tile height
 # follows max_seqlen_q * GROUP up to a cap: a Llama-3-8B decode step (GROUP 4) takes BLOCK_M 16 (4
 # rows used; mma needs 16), its prefill BLOCK_M 128 (32 queries x 4 heads). Chosen so that ptxas
@@ -464,11 +431,7 @@ def reshape_and_cache_fwd(
 #   fp32 ("ieee" products run on FMA, not tensor cores, and take far more registers): BLOCK_N 32,
 #     8 warps, 1 stage; BLOCK_M 32 at hd <= 64 (62 regs), else 16 (hd 128: 79 regs, hd 256: 122).
 #     At hd 128, BLOCK_M 32 spills 64 B; the old 64x32, 4 warps, 2 stages spilled 17 KB.
-# Sweeps: fields set here (e.g. CONFIG_OVERRIDES["decode"] = {"BLOCK_N": 32, "num_stages": 2})
-# replace the chosen ones for decode steps (max_seqlen_q == 1) or for the others ("prefill").
-CONFIG_OVERRIDES: dict[str, dict[str, int]] = {"decode": {}, "prefill": {}}
-
-
+# A sweep passes its fields as paged_attention_fwd's ``config=`` (put on the chosen ones).
 KERNEL = "paged_attention"
 _FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
@@ -479,8 +442,8 @@ def config_key(decode: bool, rows: int, block_d: int, element_size: int) -> str:
     return f"{'decode' if decode else 'prefill'}-R{min(rows, 128)}-D{block_d}-E{element_size}"
 
 
-def _default_config(rows: int, block_d: int, element_size: int) -> dict:
-    """The default BLOCK_M, BLOCK_N, num_warps, num_stages (see the comment above CONFIG_OVERRIDES)."""
+def default_config(rows: int, block_d: int, element_size: int) -> dict:
+    """The default BLOCK_M, BLOCK_N, num_warps, num_stages (see the comment above ``KERNEL``)."""
     if element_size == 4:
         block_m = min(rows, 32 if block_d <= 64 else 16)
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=8, num_stages=1)
@@ -495,20 +458,25 @@ def _cached_config(decode: bool, rows: int, block_d: int, element_size: int, dev
     """The autotune cache's config for this bucket, else the default; looked up once per bucket and device."""
     return autotune.get_config(
         KERNEL, config_key(decode, rows, block_d, element_size), device=device,
-        default=lambda: _default_config(rows, block_d, element_size), fields=_FIELDS,
+        default=lambda: default_config(rows, block_d, element_size), fields=_FIELDS,
     )  # fmt: skip
 
 
 def _attn_config(
-    max_seqlen_q: int, group: int, head_dim: int, element_size: int, device: torch.device | None = None
+    max_seqlen_q: int,
+    group: int,
+    head_dim: int,
+    element_size: int,
+    device: torch.device | None = None,
+    config: dict | None = None,
 ) -> dict:
     """BLOCK_M, BLOCK_N, HEADS (q heads per tile), num_warps, num_stages for one step: the cached
-    (or default) config of its bucket, then CONFIG_OVERRIDES, then HEADS from BLOCK_M."""
+    (or default) config of its bucket, then the fields of an explicit ``config``, then HEADS from BLOCK_M."""
     block_d = max(16, next_pow2(head_dim))
     rows = min(128, max(16, next_pow2(max_seqlen_q * group)))
     decode = max_seqlen_q == 1
     cfg = dict(_cached_config(decode, rows, block_d, element_size, device))
-    cfg.update(CONFIG_OVERRIDES["decode" if decode else "prefill"])
+    cfg.update(config or {})
     cfg["HEADS"] = min(group, cfg["BLOCK_M"])
     return cfg
 
@@ -540,8 +508,11 @@ def paged_attention_fwd(
     causal: bool,
     window: int,
     max_seqlen_q: int,
+    softcap: float = 0.0,
+    config: dict | None = None,
 ) -> torch.Tensor:
-    """q (T, Hq, D) -> out (T, Hq, D); see the module docstring for the other arguments."""
+    """q (T, Hq, D) -> out (T, Hq, D); see the module docstring for the other arguments. ``config``:
+    fields (BLOCK_M, BLOCK_N, num_warps, num_stages) put on the looked-up config (sweeps, tests)."""
     t, hq, d = q.shape
     out = empty((t, hq, d), dtype=q.dtype, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
@@ -550,7 +521,7 @@ def paged_attention_fwd(
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    cfg = _attn_config(max_seqlen_q, group, d, q.element_size(), q.device)
+    cfg = _attn_config(max_seqlen_q, group, d, q.element_size(), q.device, config)
     q_tiles = triton.cdiv(max_seqlen_q, cfg["BLOCK_M"] // cfg["HEADS"])
     head_programs = hkv * triton.cdiv(group, cfg["HEADS"])
     splits = 1
@@ -560,8 +531,9 @@ def paged_attention_fwd(
         if window > 0:
             max_keys = min(max_keys, window + max_seqlen_q)
         splits = _num_splits(batch * head_programs, max_keys, sm_count(q))
+    capped = softcap > 0
     consts = dict(
-        CAUSAL=causal, HAS_WINDOW=window > 0, SPLIT=splits > 1,
+        CAUSAL=causal, HAS_WINDOW=window > 0, SPLIT=splits > 1, SOFTCAP=capped,
         # fp32 inputs: true fp32 products (tf32 would fail the §3 criterion against fp32 PyTorch).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), **cfg,
@@ -579,7 +551,9 @@ def paged_attention_fwd(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        softmax_scale * 1.4426950408889634, window, q_tiles, splits,
+        # Soft-capping: tanh of the scores * scale / cap, times the cap in log2 units.
+        softmax_scale / softcap if capped else softmax_scale * 1.4426950408889634, window, q_tiles, splits,
+        softcap * 1.4426950408889634 if capped else 0.0,
         **consts,
     )  # fmt: skip
     if splits > 1:
@@ -594,18 +568,6 @@ def paged_attention_fwd(
 # --------------------------------------------------------------------------------------------
 # torch.library registration: opaque to torch.compile; CUDA-graph capturable (no host syncs)
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("fuseformer::reshape_and_cache", mutates_args=("k_cache", "v_cache"))
-def _reshape_and_cache_op(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    reshape_and_cache_fwd(k, v, k_cache, v_cache, slot_mapping)
-
-
-@_reshape_and_cache_op.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping):
-    return None
-
-
 @torch.library.custom_op("fuseformer::paged_attention", mutates_args=())
 def _paged_attention_op(
     q: torch.Tensor,
@@ -618,65 +580,27 @@ def _paged_attention_op(
     causal: bool,
     window: int,
     max_seqlen_q: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     return paged_attention_fwd(
-        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, softmax_scale, causal, window, max_seqlen_q
-    )
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, softmax_scale, causal, window, max_seqlen_q,
+        softcap,
+    )  # fmt: skip
 
 
 @_paged_attention_op.register_fake
-def _(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, softmax_scale, causal, window, max_seqlen_q):
+def _(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, softmax_scale, causal, window, max_seqlen_q,
+      softcap=0.0):  # fmt: skip
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 # --------------------------------------------------------------------------------------------
-# Public functions
+# Public function
 # --------------------------------------------------------------------------------------------
 def _check_caches(op: str, k_cache: object, v_cache: object, device: torch.device, dtype: torch.dtype) -> None:
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(op, name, c, dtypes=(dtype,), ndim=4, device=device, device_of="q")
     check_shape(op, "v_cache", v_cache, tuple(k_cache.shape), "the shape of k_cache")
-
-
-def reshape_and_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write new keys and values into their slots of the paged KV cache, in place.
-
-    Args:
-        k, v: (T, Hkv, D) fp16, bf16, fp32 (fp64 runs on the reference); any strides with a unit
-            stride in D (e.g. slices of a packed qkv projection go in without a copy).
-        k_cache, v_cache: (num_blocks, block_size, Hkv, D), k's dtype. Written in place.
-        slot_mapping: (T,) int64 (or int32): flat slot ``block * block_size + offset`` of each token;
-            -1 skips the token (e.g. padding).
-    """
-    check_tensor(_OP_CACHE, "k", k, dtypes=FLOAT_DTYPES, ndim=3)
-    check_tensor(_OP_CACHE, "v", v, dtypes=(k.dtype,), ndim=3, device=k.device, device_of="k")
-    check_shape(_OP_CACHE, "v", v, tuple(k.shape), "the shape of k")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(_OP_CACHE, name, c, dtypes=(k.dtype,), ndim=4, device=k.device, device_of="k")
-    check_shape(_OP_CACHE, "v_cache", v_cache, tuple(k_cache.shape), "the shape of k_cache")
-    check_shape(
-        _OP_CACHE,
-        "k_cache",
-        k_cache,
-        (k_cache.shape[0], k_cache.shape[1], *k.shape[1:]),
-        "(blocks, block_size, Hkv, D) of k",
-    )
-    check_tensor(_OP_CACHE, "slot_mapping", slot_mapping, dtypes=_INT_DTYPES, ndim=1, device=k.device, device_of="k")
-    check_shape(_OP_CACHE, "slot_mapping", slot_mapping, (k.shape[0],), "one slot per token of k")
-    supported = k.dtype in KERNEL_DTYPES and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    backend = choose_backend(_OP_CACHE, k.device, supported, "float64 or a cache with non-unit stride in D")
-    if backend == "reference":
-        cpu = k.is_cpu and k.dtype in KERNEL_DTYPES and forced_backend() is None
-        (_reshape_and_cache_cpu if cpu else reshape_and_cache_ref)(k, v, k_cache, v_cache, slot_mapping)
-        return
-    k = k if k.stride(2) == 1 else k.contiguous()
-    v = v if v.stride(2) == 1 else v.contiguous()
-    # The custom op only under torch.compile: eager (the engine's per-layer decode path) calls the
-    # launcher itself and skips the dispatcher's host time.
-    run = _reshape_and_cache_op if torch.compiler.is_compiling() else reshape_and_cache_fwd
-    run(k, v, k_cache, v_cache, slot_mapping.contiguous())
 
 
 def paged_attention(
@@ -690,6 +614,7 @@ def paged_attention(
     causal: bool = True,
     window: int = -1,
     max_seqlen_q: int | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of each sequence's new queries over its whole context in the paged KV cache.
 
@@ -706,6 +631,8 @@ def paged_attention(
         window: > 0 keeps only the keys j with i - window < j <= i (HF ``sliding_window``); -1 for all.
         max_seqlen_q: the largest q_len, an int known on the host (the engine has it); computed from
             cu_seqlens_q with a device sync when None.
+        softcap: > 0 caps the scaled scores, s = softcap * tanh(s / softcap), before the mask and
+            softmax (Gemma 2's ``attn_logit_softcapping``); 0 leaves them as they are.
 
     Returns:
         (T, Hq, D) in q's dtype. Not differentiable (inference only).
@@ -731,6 +658,8 @@ def paged_attention(
         raise ValueError(f"{_OP}: block_tables has {block_tables.shape[0]} rows; expected {batch} (one per sequence)")
     if not isinstance(window, int) or (window <= 0 and window != -1):
         raise ValueError(f"{_OP}: window must be -1 or a positive int, got {window!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
+        raise ValueError(f"{_OP}: softcap must be a float >= 0 (0: no capping), got {softcap!r}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     supported = q.dtype in KERNEL_DTYPES and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     backend = choose_backend(_OP, q.device, supported, "float64 or a cache with non-unit stride in D")
@@ -738,11 +667,12 @@ def paged_attention(
         # fp32 only: SDPA's CPU kernel rounds its probabilities to bf16/fp16 there, the reference keeps fp32.
         cpu = q.is_cpu and q.dtype == torch.float32 and forced_backend() is None
         run_ref = _paged_attention_cpu if cpu else paged_attention_ref
-        return run_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, causal, window)
+        return run_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, causal, window, softcap)
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch > 0 else 0
     q = q if q.stride(2) == 1 else q.contiguous()
-    run = _paged_attention_op if torch.compiler.is_compiling() else paged_attention_fwd  # see reshape_and_cache
+    # The custom op only under torch.compile: eager (the engine's per-layer decode path) calls the launcher.
+    run = _paged_attention_op if torch.compiler.is_compiling() else paged_attention_fwd
     return run(
         q,
         k_cache,
@@ -754,4 +684,5 @@ def paged_attention(
         bool(causal),
         int(window),
         int(max_seqlen_q),
+        float(softcap),
     )

@@ -1,26 +1,28 @@
 """RMSNorm, optionally fused with the residual add before it.
 
     h = x + residual            (when residual is given)
-    y = h * rsqrt(mean(h^2) + eps) * weight
+    y = h * rsqrt(mean(h^2) + eps) * (offset + weight)
 
-Everything below autograd lives here (STYLE.md §1): the reference ``rms_norm_ref``, the Triton
-kernels, the launchers ``rms_norm_fwd``/``rms_norm_bwd`` (no autograd; the engine calls them),
-the ``torch.library`` registration with fake and autograd, and the public ``rms_norm``.
+``offset`` is 0 for Llama-style norms and 1 for Gemma's ``x * (1 + w)``. The scale ``offset + w`` is
+formed in fp32 and multiplies the fp32 normalized row before the one cast to x's dtype: Gemma's order
+(HF GemmaRMSNorm: ``(norm(x.float()) * (1.0 + w.float())).type_as(x)``). HF LlamaRMSNorm rounds the
+normalized row to x's dtype before multiplying by w; the kernels keep it in fp32 (one rounding fewer:
+identical in fp32, within DESIGN.md §3 in fp16/bf16).
+
+Everything below autograd lives here (STYLE.md §1): the reference ``rms_norm_ref``, the forward's
+Triton kernel, the launcher ``rms_norm_fwd`` (no autograd; the engine calls it), the ``torch.library``
+registration with fake and autograd, and the public ``rms_norm``. The backward (its kernels, the
+launcher ``rms_norm_bwd``, re-exported here, and its custom op) is rms_norm_bwd.py, as attention's is
+attention_bwd.py: one file held both at 956 lines, past the 700 a file may have.
 
 Shapes: x (..., N), weight (N,) or None, residual like x. The kernels see x as (M, N) rows with a
 row stride and unit column stride. Rows of up to ``_SINGLE_PASS_MAX`` elements are held in
 registers in one pass; longer rows are streamed in chunks (sum of squares, then normalize).
 
-Backward: dx = rstd * (dy*w - xhat * mean(dy*w*xhat)) (+ dh, the gradient reaching the h output),
-dw = sum over rows of dy * xhat. A persistent grid (a few programs per SM) walks the rows and keeps
-its partial dw in registers; the partials ((programs, N) fp32) are summed, in a fixed order, either by
-the same launch (small problems, host-bound: the last program of each group of ~sqrt(P) sums its
-group, the last group's sums dw; see ``_fused_dw_rows``) or by a second small kernel (the rest), into
-dw in weight's dtype.
-
-Launch configurations come from the autotune cache (runtime/autotune.py: ``rms_norm_fwd``,
-``rms_norm_bwd``, ``rms_norm_dw``, keyed by the row length's bucket, the fused residual/dh and the
-dtype); with nothing tuned, the H200-swept rules below. Host overhead matters at small row counts
+Launch configurations come from the autotune cache (runtime/autotune.py: ``rms_norm_fwd`` keyed by the
+row length's bucket, the fused residual and the dtype); with nothing tuned, the H200-swept rule
+``default_config``; ``candidate_configs`` is what ``fuseformer bench --tune`` (bench/tune.py) times.
+Host overhead matters at small row counts
 (4096x1024 bf16 moves 16 MB, ~4 us of HBM time): the lookup happens once per launch plan (row length,
 flags, dtype, device), kernels go through ``_utils.Launcher`` (direct calls of the compiled kernel
 after the first launch), and the eager paths allocate nothing they do not return.
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 
 import torch
 import triton
@@ -45,25 +46,22 @@ from fuseformer.ops._utils import (
     check_tensor,
     covers_row,
     dispatch,
-    empty,
     float_dtype_of,
     launch_config,
     new_empty,
     next_pow2,
-    num_sms,
     row_norm_config_key,
     rows_2d,
 )
+from fuseformer.ops.rms_norm_bwd import _rms_norm_bwd_op, rms_norm_bwd
 from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend, forced_backend
 
 _OP = "rms_norm"
 # Longest row held in registers in one pass; longer rows take the chunked loop. H200 sweep
 # (2026-11-30): fwd 4096x32768 one pass (16 warps) 3.70 TB/s against 2.98 chunked; at 65536 the
-# chunked loop (8192-wide chunks, 16 warps) 2.65 against 2.63. bwd 8192x16384 one pass 3.35 against
-# 1.86 chunked.
+# chunked loop (8192-wide chunks, 16 warps) 2.65 against 2.63. (The backward's: rms_norm_bwd.py.)
 _SINGLE_PASS_MAX = 32768
-_BWD_SINGLE_PASS_MAX = 16384
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,8 +73,11 @@ def rms_norm_ref(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
     upcast: bool = True,
+    *,
+    offset: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Pure PyTorch RMSNorm. Computes in fp32 (fp64 stays fp64) when ``upcast``, else in x's dtype.
+    """Pure PyTorch RMSNorm. Computes in fp32 (fp64 stays fp64) when ``upcast``, else in x's dtype;
+    the scale is ``offset + weight`` in that dtype.
 
     Returns y (x's dtype), or (y, x + residual) when ``residual`` is given.
     """
@@ -87,7 +88,7 @@ def rms_norm_ref(
         h = h + residual.to(compute)
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.to(compute)
+        y = y * (weight.to(compute) + offset if offset else weight.to(compute))
     y = y.to(dtype)
     return (y, h.to(dtype)) if residual is not None else y
 
@@ -99,7 +100,7 @@ def rms_norm_ref(
 def _rms_norm_fwd_kernel(
     X, R, W, Y, H, RSTD,
     stride_x, stride_r, stride_y, stride_h,
-    M, N, eps,
+    M, N, eps, offset,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr, SINGLE_PASS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RELOAD: tl.constexpr = False,
 ):  # fmt: skip
@@ -120,7 +121,7 @@ def _rms_norm_fwd_kernel(
             tl.store(RSTD + rows, rstd, mask=row_mask)
         y = h * rstd[:, None]
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset  # the scale
             y = y * w[None, :]
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
@@ -161,176 +162,22 @@ def _rms_norm_fwd_kernel(
                 h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             y = h * rstd[:, None]
             if HAS_WEIGHT:
-                w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+                w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset  # the scale
                 y = y * w[None, :]
             tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _sum_rows(
-    SRC, first, step, count, DST, N,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """DST[:N] = the sum of the fp32 rows SRC[first + i * step, :N] for i < count, in a fixed order
-    (deterministic), stored in DST's dtype. Loads bypass L1 (.cg): the rows were written by other
-    programs during this launch."""
-    for cstart in range(0, N, BLOCK_N):
-        cols = cstart + tl.arange(0, BLOCK_N)
-        col_mask = cols < N
-        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-        for start in range(0, count, BLOCK_P):
-            i = start + tl.arange(0, BLOCK_P)
-            rows = (first + i * step).to(tl.int64)
-            mask = (i < count)[:, None] & col_mask[None, :]
-            acc += tl.load(SRC + rows[:, None] * N + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(DST + cols, tl.sum(acc, axis=0).to(DST.dtype.element_ty), mask=col_mask)
-
-
-@triton.jit
-def _rms_norm_bwd_kernel(
-    X, W, DY, DH, RSTD, DX, DW_PARTIAL, DW, COUNTERS,
-    stride_x, stride_dy, stride_dh, stride_dx,
-    M, N, DW_GROUP,
-    HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DW: tl.constexpr = False, DW_ROWS: tl.constexpr = 1,
-):  # fmt: skip
-    # Persistent: program p handles row blocks p, p + P, p + 2P, ...; its dw partial goes to
-    # DW_PARTIAL[p, :] (fp32). Without FUSED_DW the launcher sums the partials with
-    # _rms_norm_dw_kernel; with it this launch does (the tail after the row loops below).
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    if SINGLE_PASS:
-        cols = tl.arange(0, BLOCK_N)
-        col_mask = cols < N
-        if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start in range(pid * BLOCK_M, M, num_programs * BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            row_mask = rows < M
-            rows = rows.to(tl.int64)
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            xhat = x * rstd[:, None]
-            if HAS_WEIGHT:
-                wdy = dy * w[None, :]
-                dw_acc += tl.sum(dy * xhat, axis=0)
-            else:
-                wdy = dy
-            c = tl.sum(xhat * wdy, axis=1) / N
-            dx = (wdy - xhat * c[:, None]) * rstd[:, None]
-            if HAS_DH:
-                dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_WEIGHT:
-            tl.store(DW_PARTIAL + pid.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
-    else:
-        # Long rows: chunked. Pass A gets c = mean(dy*w*xhat); pass B writes dx and adds into this
-        # program's own dw partial row (read-modify-write; no other program touches it).
-        dw_row = DW_PARTIAL + pid.to(tl.int64) * N
-        if HAS_WEIGHT:
-            for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                tl.store(dw_row + cols, tl.zeros([BLOCK_N], dtype=tl.float32), mask=cols < N)
-        for start in range(pid * BLOCK_M, M, num_programs * BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            row_mask = rows < M
-            rows = rows.to(tl.int64)
-            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for cstart in range(0, N, BLOCK_N):
-                cols = cstart + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                if HAS_WEIGHT:
-                    dy = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-                acc += tl.sum(x * rstd[:, None] * dy, axis=1)
-            c = acc / N
-            for cstart in range(0, N, BLOCK_N):
-                cols = cstart + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                xhat = x * rstd[:, None]
-                if HAS_WEIGHT:
-                    wdy = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-                    dw = tl.load(dw_row + cols, mask=col_mask, other=0.0)
-                    tl.store(dw_row + cols, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
-                else:
-                    wdy = dy
-                dx = (wdy - xhat * c[:, None]) * rstd[:, None]
-                if HAS_DH:
-                    dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-    if FUSED_DW:
-        # dw in this launch, deterministically, without waiting on other programs (the interpreter
-        # runs programs one after another; a spin-wait would hang there): a two-level "last one
-        # reduces". Programs form groups of DW_GROUP (~sqrt(P)); each takes a ticket from its group's
-        # counter once its partial row is stored, and the program drawing the group's last ticket
-        # sums the group's rows (in row order) into the group's first row. Those group reducers take
-        # tickets from COUNTERS[0], and the last one sums the group rows (in group order) into dw. The
-        # serial tail is then ~2 sqrt(P) rows instead of P (33 of 264 at 4096x1024). Whoever draws the
-        # last ticket resets that counter: the kernel leaves COUNTERS at zero for the next launch.
-        # Ordering: the barrier puts every thread's partial stores before the one thread's acq_rel
-        # ticket (release: the stores are visible at GPU scope before the ticket is; acquire: the
-        # last program's loads see every release before its ticket), as in CUDA's
-        # threadFenceReduction sample and cooperative groups' grid sync.
-        tl.debug_barrier()
-        num_groups = (num_programs + DW_GROUP - 1) // DW_GROUP
-        group = pid // DW_GROUP
-        first = group * DW_GROUP
-        size = tl.minimum(DW_GROUP, num_programs - first)
-        ticket = tl.atomic_add(COUNTERS + 1 + group, 1, sem="acq_rel")
-        if ticket == size - 1:
-            tl.store(COUNTERS + 1 + group, 0)
-            if num_groups == 1:
-                _sum_rows(DW_PARTIAL, first, 1, size, DW, N, DW_ROWS, BLOCK_N)
-            else:
-                _sum_rows(DW_PARTIAL, first, 1, size, DW_PARTIAL + first.to(tl.int64) * N, N, DW_ROWS, BLOCK_N)
-                tl.debug_barrier()
-                ticket = tl.atomic_add(COUNTERS, 1, sem="acq_rel")
-                if ticket == num_groups - 1:
-                    tl.store(COUNTERS, 0)
-                    _sum_rows(DW_PARTIAL, 0, DW_GROUP, num_groups, DW, N, DW_ROWS, BLOCK_N)
-
-
-@triton.jit
-def _rms_norm_dw_kernel(
-    DW_PARTIAL, DW,
-    P, N,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    # dw[cols] = sum over the P partial rows (fp32), stored in DW's dtype: one launch where
-    # torch's sum(0) then .to(dtype) took two (and ~2x the host time).
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for start in range(0, P, BLOCK_P):
-        rows = start + tl.arange(0, BLOCK_P)
-        mask = (rows < P)[:, None] & col_mask[None, :]
-        acc += tl.load(DW_PARTIAL + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
-    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
-
-
 # --------------------------------------------------------------------------------------------
-# Launch configuration (from the autotune cache; the rules below are the defaults)
+# Launch configuration (from the autotune cache; the rule below is the default)
 # --------------------------------------------------------------------------------------------
-FWD_KERNEL, BWD_KERNEL, DW_KERNEL = "rms_norm_fwd", "rms_norm_bwd", "rms_norm_dw"
+FWD_KERNEL = "rms_norm_fwd"
 _FWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps", "RELOAD")
-_BWD_FIELDS = ("BLOCK_M", "BLOCK_N", "SINGLE_PASS", "num_warps", "programs_per_sm")
-_DW_FIELDS = ("BLOCK_P", "BLOCK_N", "num_warps")
-
 
 config_key = row_norm_config_key  # N<bucket>-add|norm-<dtype>
 
 
 @functools.cache
-def _fwd_config(n: int, has_residual: bool = False) -> dict:
+def default_config(n: int, has_residual: bool = False) -> dict:
     """The default forward config for a row length ``n`` (H200 sweep, 2026-11-30, docs/perf-notes.md).
 
     Short rows are packed BLOCK_M to a program: 32768x4096 bf16 ran 4.03 TB/s with 4 rows and 8
@@ -353,58 +200,32 @@ def _fwd_config(n: int, has_residual: bool = False) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps, RELOAD=False)
 
 
-# Backward launch table by row length (BLOCK_M rows per step, warps, persistent programs per SM),
-# from the H200 sweep of 2026-11-30: 32768x4096 ran 3.85 TB/s at (2, 8, 2) against 2.74 at the first
-# guess (1, 8, 4); 16384x8192 3.76 at (1, 4, 2). Short rows: 131072x1024 ran only 1.16 TB/s at
-# (2, 4, 4) (too little in flight per loop step), so they take ~8K elements a step (unmeasured yet).
-_BWD_TABLE = {1024: (8, 8, 4), 2048: (4, 8, 2), 4096: (2, 8, 2), 8192: (1, 4, 2), 16384: (1, 16, 2)}
-
-
-@functools.cache
-def _bwd_config(n: int) -> dict:
-    """The default backward config (with its persistent ``programs_per_sm``) for a row length ``n``."""
-    if n <= _BWD_SINGLE_PASS_MAX:
-        block_n = next_pow2(n)
-        block_m, num_warps, per_sm = _BWD_TABLE.get(max(1024, block_n), (1, 8, 2))
-        if block_n < 1024:
-            block_m = min(16, block_m * (1024 // block_n))
-        single = True
-    else:
-        block_n, block_m, num_warps, per_sm, single = 8192, 1, 16, 2, False  # 4096x32768: 1.56 TB/s
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, num_warps=num_warps, programs_per_sm=per_sm)
-
-
-def _dw_config(n: int) -> dict:
-    """The default dw reduction config: about 128+ programs (one per SM), each a column strip of at
-    least 8 fp32 (one 32-byte sector a row) summed 4096 elements a step, so that all of a strip's
-    partials (P <= 4 programs per SM) are in flight at once for N <= 4096. Unmeasured on the GPU; it
-    replaces torch's sum(0) + .to(dtype), two launches."""
-    block_n = max(8, min(64, next_pow2((n + 127) // 128)))
-    return dict(BLOCK_P=4096 // block_n, BLOCK_N=block_n, num_warps=4)
-
-
 def fwd_config(n: int, has_residual: bool, dtype: torch.dtype, device: torch.device | str | int | None = None) -> dict:
     """The forward's launch config for rows of ``n`` (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps): the
     autotune cache's for this bucket, else the default rule."""
     return autotune.get_config(
         FWD_KERNEL, config_key(n, has_residual, dtype), device=device,
-        default=lambda: _fwd_config(n, has_residual), fields=_FWD_FIELDS, check=covers_row(n),
+        default=lambda: default_config(n, has_residual), fields=_FWD_FIELDS, check=covers_row(n),
     )  # fmt: skip
 
 
-def bwd_config(n: int, has_dh: bool, dtype: torch.dtype, device: torch.device | str | int | None = None) -> dict:
-    """The backward's launch config (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps, programs_per_sm)."""
-    return autotune.get_config(
-        BWD_KERNEL, config_key(n, has_dh, dtype), device=device,
-        default=lambda: _bwd_config(n), fields=_BWD_FIELDS, check=covers_row(n),
-    )  # fmt: skip
-
-
-def dw_config(n: int, device: torch.device | str | int | None = None) -> dict:
-    """The dw reduction's launch config (BLOCK_P, BLOCK_N, num_warps); its key is the N bucket."""
-    return autotune.get_config(
-        DW_KERNEL, f"N{autotune.bucket(n)}", device=device, default=lambda: _dw_config(n), fields=_DW_FIELDS
-    )
+def candidate_configs(n: int, has_residual: bool, quick: bool = False) -> list[dict]:
+    """The tuning sweep for rows of ``n`` (``fuseformer bench --tune``), the default first (it wins ties)."""
+    out = [default_config(n, has_residual)]
+    # RELOAD (pass 2 re-reads x and r; fused add + norm only) for the two-pass candidates.
+    reloads = (False, True) if has_residual else (False,)
+    if n > _SINGLE_PASS_MAX:
+        out += [dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, num_warps=w, RELOAD=r)
+                for bn in ((8192,) if quick else (2048, 4096, 8192)) for w in (8, 16) for r in reloads]  # fmt: skip
+    else:
+        bn = next_pow2(n)
+        sizes = (8192, 16384) if quick else (2048, 4096, 8192, 16384, 32768)
+        out += [dict(BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=True, num_warps=w, RELOAD=False)
+                for bm in (1, 2, 4, 8, 16) if bm * bn in sizes
+                for w in ((8, 16) if quick else (4, 8, 16, 32))]  # fmt: skip
+        if has_residual:
+            out += [dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, num_warps=w, RELOAD=True) for w in (8, 16)]
+    return [c for i, c in enumerate(out) if c not in out[:i]]
 
 
 # The per-call launch plans: everything a launch needs that depends only on the row length, the
@@ -420,105 +241,6 @@ def _fwd_plan(
     return launch_config(**flags, **cfg), cfg["BLOCK_M"]
 
 
-@autotune.plan_cache
-def _bwd_plan(
-    n: int, has_dh: bool, has_weight: bool, dtype: torch.dtype, device_index: int
-) -> tuple[LaunchConfig, LaunchConfig | None, int, int, int]:
-    """(launch config, its single-launch form (None without weight), BLOCK_M, most persistent
-    programs, most programs of the single-launch form: 0 where its rule never applies (no weight,
-    or chunked rows)) of the backward kernel."""
-    cfg = dict(bwd_config(n, has_dh, dtype, device_index))
-    per_sm = cfg.pop("programs_per_sm")
-    sms = num_sms(device_index)
-    fused_programs = sms * min(per_sm, _FUSED_DW_PER_SM) if has_weight and cfg["SINGLE_PASS"] else 0
-    return _bwd_launch_configs(has_dh, has_weight, cfg) + (cfg["BLOCK_M"], sms * per_sm, fused_programs)
-
-
-def _bwd_launch_configs(has_dh: bool, has_weight: bool, cfg: dict) -> tuple[LaunchConfig, LaunchConfig | None]:
-    """The two-launch and the single-launch (FUSED_DW) forms of a backward config. The single-launch
-    tail sums DW_ROWS partial rows a step: 16384 elements (H200, 2026-11-30, 4096 rows: 16 rows at
-    N 1024 14.8 us against 17.9 at 8 rows; 8 at N 2048 20.9 against 21.7 at 4 and 25.8 at 16; 4 at
-    N 4096 37.3 against 38.6 at 2 and 49.9 at 8)."""
-    flags = dict(HAS_DH=has_dh, HAS_WEIGHT=has_weight)
-    cfg = dict(cfg)
-    dw_rows = cfg.pop("DW_ROWS", max(1, 16384 // cfg["BLOCK_N"]))
-    fused = launch_config(**flags, **cfg, FUSED_DW=True, DW_ROWS=dw_rows) if has_weight else None
-    return launch_config(**flags, **cfg), fused
-
-
-# The single-launch backward (dw summed in the backward kernel's tail, _rms_norm_bwd_kernel FUSED_DW)
-# saves the dw kernel's launch, its plan and the partials' allocation (they live in a per-stream
-# workspace): host time, which is what a small eager call is made of. H200, 2026-11-30, 4096x1024 bf16
-# (min of 7 rounds): rms_norm_bwd alone 31.7 -> 21.7 us of host time, the eager backward through
-# autograd.grad 101.6 -> 88.4 (F.rms_norm 77.0), with the residual 117.0 -> 105.4; do_bench 113.5 ->
-# 103.0 (F.rms_norm 83.3). Its cost is a serial tail on the GPU: after the last program's rows, two
-# ticketed steps each sum ~sqrt(P) fp32 rows of N in one program. GPU time per call: 4096x1024 12.5 ->
-# 14.9 us (two kernels -> one), 16384x1024 41.3 -> 44.2, 4096x2048 17.0 -> 20.6; 4096x4096 31.5 ->
-# 37.3 (not taken: the host saving, ~10 us, would be half gone). Taken when (see _fused_dw_rows):
-# - the one-pass kernel runs (N <= _BWD_SINGLE_PASS_MAX; longer rows make the tail long),
-# - M*N <= _FUSED_DW_MAX_ELEMENTS (the kernel moves <= 100 MB in bf16, <= ~45 us of GPU time, under
-#   the ~90-170 us of host time of an eager backward),
-# - the tail reads at most _FUSED_DW_MAX_TAIL fp32 (512 KB; 4096x2048: 33 rows of 2048),
-# - no CUDA graph is being captured on the current stream (its scratch is per stream, see _workspace).
-# It runs at most _FUSED_DW_PER_SM programs per SM (fewer rows in the tail).
-_FUSED_DW_MAX_ELEMENTS = 1 << 24
-_FUSED_DW_MAX_TAIL = 1 << 17
-_FUSED_DW_PER_SM = 2  # at most 2 programs per SM: 4096x1024 14.8 us in one launch against 16.8 at 4
-_MAX_COUNTERS = 1024  # ticket counters per workspace: 1 + groups (<= sqrt(P) + 1)
-
-
-def _fused_dw_group(programs: int) -> int:
-    """Programs per group of the single-launch dw reduction: ceil(sqrt(P)), which balances the two
-    serial steps (a group's DW_GROUP rows, then the ceil(P / DW_GROUP) group rows)."""
-    return math.isqrt(programs - 1) + 1
-
-
-def _fused_dw_rows(m: int, n: int, programs: int) -> int:
-    """The group size of the single-launch backward at this size, or 0 for the two-launch form."""
-    if m * n > _FUSED_DW_MAX_ELEMENTS:
-        return 0
-    group = _fused_dw_group(programs)
-    groups = (programs + group - 1) // group
-    return group if (group + groups) * n <= _FUSED_DW_MAX_TAIL and groups < _MAX_COUNTERS else 0
-
-
-# Scratch of the single-launch backward, per (device index, stream): the ticket counters (int32, zero
-# between launches: every launch leaves them so) and the dw partial rows (fp32, grown to the largest
-# P x N seen: 1 MB at 4096x1024, ~3.2 MB at most under the rule). Launches on one stream run one after
-# another, so they share one; launches on two streams get two, and may overlap. A buffer replaced by
-# a larger one goes back to the caching allocator, whose reuse on this stream is ordered after the
-# launches still reading it. None while the current stream captures a CUDA graph (the two-launch
-# form runs then): a captured launch would bake this buffer into a graph that may be replayed
-# alongside eager launches or other graphs using it.
-_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-_cuda_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-
-
-def _workspace(x: torch.Tensor, device_index: int, floats: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(counters, partials) of at least ``floats`` fp32 for the current stream on ``x``'s device
-    (index ``device_index``), or None (capturing)."""
-    if device_index >= 0:
-        if _cuda_capturing():
-            return None
-        key = (device_index, _cuda_stream(device_index))
-    else:  # the interpreter (CPU tensors): programs run one after another
-        key = (-1, 0)
-    ws = _workspaces.get(key)
-    if ws is None or ws[1].numel() < floats:
-        device = x.device
-        counters = ws[0] if ws is not None else torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
-        ws = _workspaces[key] = (counters, empty((floats,), dtype=torch.float32, device=device))
-    return ws
-
-
-@autotune.plan_cache
-def _dw_plan(n: int, device_index: int = -1) -> tuple[LaunchConfig, int]:
-    """(launch config, BLOCK_N) of the dw reduction."""
-    cfg = dw_config(n, device_index)
-    return launch_config(**cfg), cfg["BLOCK_N"]
-
-
 # --------------------------------------------------------------------------------------------
 # Launchers (no autograd; inputs already checked; x and residual as (M, N) with unit col stride)
 # --------------------------------------------------------------------------------------------
@@ -527,11 +249,13 @@ def rms_norm_fwd(
     weight: torch.Tensor | None,
     residual: torch.Tensor | None,
     eps: float,
+    offset: float = 0.0,
     config: dict | None = None,
     store_rstd: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x, residual (M, N) -> y (M, N) in x's dtype, h = x + residual (M, N) or None, rstd (M,) fp32.
 
+    y scales by ``offset + weight`` (formed in fp32); ``offset`` is ignored without a weight.
     ``store_rstd=False`` (no backward to come) returns rstd None and skips its buffer and stores.
     ``config`` overrides the launch configuration (BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps); for
     tuning sweeps.
@@ -561,94 +285,11 @@ def rms_norm_fwd(
     else:
         tensors = (x, residual, weight if weight is not None else x, y, h, rstd_arg)
         ints = (sx[0], sr[0], n, n, m, n)
-    _fwd_launcher(((m + block_m - 1) // block_m,), cfg, tensors, ints, (float(eps),))
+    _fwd_launcher(((m + block_m - 1) // block_m,), cfg, tensors, ints, (float(eps), float(offset)))
     return y, h, rstd
 
 
-def rms_norm_bwd(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    rstd: torch.Tensor,
-    dh: torch.Tensor | None = None,
-    config: dict | None = None,
-    programs_per_sm: int | None = None,
-    fused_dw: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dy, x (the normalized input: h when the residual was fused), dh (M, N) -> dx (M, N), dw (N,).
-
-    ``dh`` is the gradient reaching the h output of the fused residual form; it is added into dx.
-    dw comes in weight's dtype, None without weight. ``config``/``programs_per_sm`` override the
-    launch configuration (for tuning sweeps). ``fused_dw`` forces dw into the backward's own launch
-    (True; not while a CUDA graph is captured) or into a second reduction launch (False); None
-    takes the rule at ``_fused_dw_rows``. Either way dw is deterministic (a fixed summation order).
-    """
-    # Host time, 4096x1024 bf16 (CPU, 2026-11-30, launches stubbed at the C launch call; median of 8
-    # processes' best of 60 rounds): this function 13.6 -> 11.5 us, the eager backward through
-    # autograd.grad 74.7 -> 67.7 us (with the residual 82.2 -> 74.1), from outputs by new_empty,
-    # spec_key's int-key and aligned-pointer shortcuts, the graph node calling the backward directly
-    # (_utils.autograd_function), and (~0.3 us, since undone for simplicity) the dw group from the plan.
-    m, n = x.shape
-    dx = new_empty(x, m, n)
-    if m == 0 or n == 0:
-        if dh is not None:
-            dx.copy_(dh)
-        dw = torch.zeros_like(weight) if weight is not None else None
-        return dx, dw
-    sx, sdy = x.stride(), dy.stride()
-    sdh = dh.stride() if dh is not None else (0, 1)
-    assert sx[1] == 1 and sdy[1] == 1 and sdh[1] == 1
-    device_index = x.get_device()
-    cfg, fused_cfg, block_m, max_programs, fused_max = _bwd_plan(
-        n, dh is not None, weight is not None, x.dtype, device_index
-    )
-    if config is not None or programs_per_sm is not None:
-        # Sweeps: what is given replaces the config the op would use (the cached or default one),
-        # programs per SM included for both forms.
-        resolved = dict(bwd_config(n, dh is not None, x.dtype, device_index))
-        per_sm = resolved.pop("programs_per_sm")
-        config = config or resolved
-        cfg, fused_cfg = _bwd_launch_configs(dh is not None, weight is not None, config)
-        block_m = config["BLOCK_M"]
-        max_programs = num_sms(device_index) * (programs_per_sm or per_sm)
-        fused_max = max_programs if weight is not None and config["SINGLE_PASS"] else 0
-    row_blocks = (m + block_m - 1) // block_m
-    if weight is None:  # no dw: one launch; the partials' pointer is never used
-        _bwd_launcher(
-            (min(row_blocks, max_programs),), cfg, (x, x, dy, dh if dh is not None else dy, rstd, dx, rstd, rstd, rstd),
-            (sx[0], sdy[0], sdh[0], n, m, n, 0),
-        )  # fmt: skip
-        return dx, None
-    dw = new_empty(weight, n)
-    group = 0
-    if fused_dw is None and fused_max:
-        programs = min(row_blocks, fused_max)
-        group = _fused_dw_rows(m, n, programs)
-    elif fused_dw:
-        programs = min(row_blocks, fused_max or max_programs)
-        group = _fused_dw_group(programs)
-    workspace = _workspace(x, device_index, programs * n) if group else None
-    if workspace is not None:
-        counters, partials = workspace
-        _bwd_launcher(
-            (programs,), fused_cfg, (x, weight, dy, dh if dh is not None else dy, rstd, dx, partials, dw, counters),
-            (sx[0], sdy[0], sdh[0], n, m, n, group),
-        )  # fmt: skip
-        return dx, dw
-    programs = min(row_blocks, max_programs)
-    partials = empty((programs, n), dtype=torch.float32, device=x.device)
-    _bwd_launcher(
-        (programs,), cfg, (x, weight, dy, dh if dh is not None else dy, rstd, dx, partials, partials, partials),
-        (sx[0], sdy[0], sdh[0], n, m, n, 0),
-    )  # fmt: skip
-    dw_cfg, dw_block_n = _dw_plan(n, device_index)
-    _dw_launcher(((n + dw_block_n - 1) // dw_block_n,), dw_cfg, (partials, dw), (programs, n))
-    return dx, dw
-
-
 _fwd_launcher = Launcher(_rms_norm_fwd_kernel)
-_bwd_launcher = Launcher(_rms_norm_bwd_kernel)
-_dw_launcher = Launcher(_rms_norm_dw_kernel)
 
 
 # --------------------------------------------------------------------------------------------
@@ -656,40 +297,28 @@ _dw_launcher = Launcher(_rms_norm_dw_kernel)
 # pieces as an autograd.Function for eager calls (far less host overhead); see _utils.dispatch.
 # --------------------------------------------------------------------------------------------
 def _fwd_impl(
-    x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float
+    x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, h, rstd = rms_norm_fwd(x, weight, residual, eps)
+    y, h, rstd = rms_norm_fwd(x, weight, residual, eps, offset)
     # A custom op cannot return None: an empty tensor stands for "no h" when there is no residual.
     return y, (h if h is not None else x.new_empty(0)), rstd
 
 
-def _bwd_impl(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, dh: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = rms_norm_bwd(dy, x, weight, rstd, dh)
-    return dx, (dw if dw is not None else x.new_empty(0))
-
-
 _rms_norm_fwd_op = torch.library.custom_op("fuseformer::rms_norm_fwd", mutates_args=())(_fwd_impl)
-_rms_norm_bwd_op = torch.library.custom_op("fuseformer::rms_norm_bwd", mutates_args=())(_bwd_impl)
 
 
 @_rms_norm_fwd_op.register_fake
-def _(x, weight, residual, eps):
+def _(x, weight, residual, eps, offset=0.0):
     m, n = x.shape
     h = x.new_empty((m, n)) if residual is not None else x.new_empty(0)
     return x.new_empty((m, n)), h, x.new_empty((m,), dtype=torch.float32)
 
 
-@_rms_norm_bwd_op.register_fake
-def _(dy, x, weight, rstd, dh):
-    return torch.empty_like(x), (torch.empty_like(weight) if weight is not None else x.new_empty(0))
-
-
 def _setup_context(ctx, inputs, output):
-    x, weight, residual, eps = inputs
+    x, weight, residual, eps, *offset = inputs
     _, h, rstd = output
     ctx.has_residual = residual is not None
+    ctx.offset = offset[0] if offset else 0.0
     ctx.save_for_backward(h if residual is not None else x, weight, rstd)
 
 
@@ -705,14 +334,19 @@ def _backward_with(bwd):
             dy = torch.zeros_like(xn)
         dy = dy.contiguous()
         dh = dh.contiguous() if (has_residual and dh is not None) else None
-        dx, dw = bwd(dy, xn, weight, rstd, dh)
-        return dx, (dw if weight is not None else None), (dx if has_residual else None), None
+        dx, dw = bwd(dy, xn, weight, rstd, dh, ctx.offset)
+        return dx, (dw if weight is not None else None), (dx if has_residual else None), None, None
 
     return _backward
 
 
 def _forward_eager(
-    ctx, x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float
+    ctx,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    eps: float,
+    offset: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The eager Function's forward: y, or (y, h). It saves what the custom op's ``_setup_context``
     saves; rstd stays inside (saved for the backward, not an output: no gradient is ever built for
@@ -720,7 +354,8 @@ def _forward_eager(
     gradient for an unused h (an allocation and a fill kernel in the backward). Without it y is the
     one output: its gradient is None only where every consumer's was, and the backward then makes
     the zeros autograd would have made."""
-    y, h, rstd = rms_norm_fwd(x, weight, residual, eps)
+    y, h, rstd = rms_norm_fwd(x, weight, residual, eps, offset)
+    ctx.offset = offset
     if residual is None:
         ctx.has_residual = False
         ctx.save_for_backward(x, weight, rstd)
@@ -732,10 +367,10 @@ def _forward_eager(
 
 
 def _fwd_no_grad(
-    x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float
+    x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float, offset: float = 0.0
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Eager call with nothing to differentiate: y or (y, h), and no rstd allocated or stored."""
-    y, h, _ = rms_norm_fwd(x, weight, residual, eps, store_rstd=False)
+    y, h, _ = rms_norm_fwd(x, weight, residual, eps, offset, store_rstd=False)
     return y if h is None else (y, h)
 
 
@@ -762,6 +397,8 @@ def rms_norm(
     weight: torch.Tensor | None,
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
+    *,
+    offset: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim, with the residual add before it fused when ``residual`` is given.
 
@@ -770,6 +407,9 @@ def rms_norm(
         weight: (N,) any float dtype, or None for no scale.
         eps: added to mean(x^2) before the rsqrt.
         residual: like x (same shape and dtype), added to x first.
+        offset: added to the weight: the scale is ``offset + weight``, formed in fp32 and applied to
+            the fp32 normalized row before the cast to x's dtype (Gemma: offset 1, ``x * (1 + w)``,
+            which is exactly HF GemmaRMSNorm's order). Needs a weight unless 0.
 
     Returns:
         y (..., N) in x's dtype; or (y, x + residual) when ``residual`` is given, the second being
@@ -787,6 +427,10 @@ def rms_norm(
         check_tensor(_OP, "residual", residual, dtypes=(x.dtype,), device=device, shape=shape, what="the shape of x")
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"{_OP}: eps must be a non-negative float, got {eps!r}")
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+        raise ValueError(f"{_OP}: offset must be a finite float, got {offset!r}")
+    if offset and weight is None:
+        raise ValueError(f"{_OP}: offset {offset!r} needs a weight (the scale is offset + weight)")
     supported = x.dtype in KERNEL_DTYPES and (weight is None or weight.dtype in KERNEL_DTYPES)
     backend = choose_backend(_OP, device, supported, "float64 runs on the reference")
     if backend == "reference":
@@ -799,123 +443,20 @@ def rms_norm(
                 h = x + residual if residual is not None else x
                 y = h * torch.mean(h * h, -1, keepdim=True).add_(eps).rsqrt_()
                 if weight is not None:
-                    y = y.mul_(weight) if not _needs_grad(y, weight) else y * weight
+                    scale = weight + offset if offset else weight
+                    y = y.mul_(scale) if not _needs_grad(y, weight) else y * scale
                 return (y, h) if residual is not None else y
-        return rms_norm_ref(x, weight, eps, residual)
+        return rms_norm_ref(x, weight, eps, residual, offset=offset)
 
     # What rows_2d returns, without its call for 2-D rows (~0.5 us of the eager forward, CPU 2026-12-01).
     x2 = x if ndim == 2 and x.stride(1) == 1 else rows_2d(x)
     r2 = rows_2d(residual) if residual is not None else None
     w = weight.contiguous() if weight is not None else None
     # Eager: y, or (y, h). Under torch.compile, the custom op's (y, h or a 0-size stand-in, rstd).
-    out = dispatch(_rms_norm_fwd_op, _RMSNormFunction, _fwd_no_grad, x2, w, r2, float(eps))
+    out = dispatch(_rms_norm_fwd_op, _RMSNormFunction, _fwd_no_grad, x2, w, r2, float(eps), float(offset))
     y, h = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
     if ndim != 2:  # 2-D inputs come back in their own shape: no view needed
         y = y.view(*shape)  # sizes as ints: ~2 us faster than passing the torch.Size
         if residual is not None:
             h = h.view(*shape)
     return (y, h) if residual is not None else y
-
-
-# --------------------------------------------------------------------------------------------
-# Tuning (``fuseformer bench --tune`` through autotune.tune_all), in the spirit of benchmarks/sweeps.py
-# --------------------------------------------------------------------------------------------
-TUNE_ROWS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
-_TUNE_ELEMENTS = 1 << 27  # M x N of each tuning shape: 256 MiB of bf16, far past the 60 MB L2
-
-
-def fwd_candidates(n: int, has_residual: bool, quick: bool = False) -> list[dict]:
-    """The forward sweep for rows of ``n``, the default first (it wins ties)."""
-    out = [_fwd_config(n, has_residual)]
-    # RELOAD (pass 2 re-reads x and r; fused add + norm only) for the two-pass candidates.
-    reloads = (False, True) if has_residual else (False,)
-    if n > _SINGLE_PASS_MAX:
-        out += [dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, num_warps=w, RELOAD=r)
-                for bn in ((8192,) if quick else (2048, 4096, 8192)) for w in (8, 16) for r in reloads]  # fmt: skip
-    else:
-        bn = next_pow2(n)
-        sizes = (8192, 16384) if quick else (2048, 4096, 8192, 16384, 32768)
-        out += [dict(BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=True, num_warps=w, RELOAD=False)
-                for bm in (1, 2, 4, 8, 16) if bm * bn in sizes
-                for w in ((8, 16) if quick else (4, 8, 16, 32))]  # fmt: skip
-        if has_residual:
-            out += [dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, num_warps=w, RELOAD=True) for w in (8, 16)]
-    return [c for i, c in enumerate(out) if c not in out[:i]]
-
-
-def bwd_candidates(n: int, quick: bool = False) -> list[dict]:
-    """The backward sweep for rows of ``n`` (with programs per SM), the default first."""
-    out = [_bwd_config(n)]
-    if n > _BWD_SINGLE_PASS_MAX:
-        out += [dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_PASS=False, num_warps=w, programs_per_sm=p)
-                for bn in ((8192,) if quick else (4096, 8192)) for w in (8, 16) for p in (1, 2)]  # fmt: skip
-    else:
-        bn = next_pow2(n)
-        sizes = (4096, 8192) if quick else (2048, 4096, 8192, 16384)
-        out += [dict(BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=True, num_warps=w, programs_per_sm=p)
-                for bm in (1, 2, 4, 8, 16) if bm * bn in sizes
-                for w in ((4, 8) if quick else (4, 8, 16)) for p in ((2, 4) if quick else (1, 2, 4, 8))]  # fmt: skip
-    return [c for i, c in enumerate(out) if c not in out[:i]]
-
-
-def _tune_inputs(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    m = max(1, _TUNE_ELEMENTS // n)
-    return torch.randn(m, n, device="cuda", dtype=dtype), torch.randn(n, device="cuda", dtype=dtype)
-
-
-def _tune_record(kernel: str, key: str, tune: Callable[[], dict], run: Callable[[], object], nbytes: int) -> dict:
-    """Tune one key and time the op with what it now resolves: a record of ``tune_all``."""
-    from fuseformer.bench._timing import bench_ms, tb_per_s
-
-    try:
-        best = tune()
-        ms = bench_ms(run)
-        return dict(kernel=kernel, key=key, config=best, ms=ms, tb_s=tb_per_s(nbytes, ms))
-    except Exception as exc:
-        return dict(kernel=kernel, key=key, error=f"{type(exc).__name__}: {exc}"[:300])
-
-
-def tune_rms_norm_fwd(quick: bool = False) -> list[dict]:
-    """Tune the forward (plain and with the residual add) over row lengths on this GPU (bf16)."""
-    records = []
-    dtype = torch.bfloat16
-    for n in (1024, 4096, 8192) if quick else TUNE_ROWS:
-        x, w = _tune_inputs(n, dtype)
-        for fused in (False, True):
-            r = torch.randn_like(x) if fused else None
-            key = config_key(n, fused, dtype)
-
-            def bench(cfg, x=x, w=w, r=r):
-                return lambda: rms_norm_fwd(x, w, r, 1e-6, config=cfg, store_rstd=False)
-
-            tune = functools.partial(autotune.tune, FWD_KERNEL, fwd_candidates(n, fused, quick), bench, key, force=True)
-            run = functools.partial(rms_norm_fwd, x, w, r, 1e-6, store_rstd=False)
-            records.append(_tune_record(FWD_KERNEL, key, tune, run, (4 if fused else 2) * x.numel() * x.element_size()))
-    return records
-
-
-def tune_rms_norm_bwd(quick: bool = False) -> list[dict]:
-    """Tune the backward (without and, in the full run, with dh) over row lengths on this GPU (bf16)."""
-    records = []
-    dtype = torch.bfloat16
-    for n in (1024, 4096, 8192) if quick else TUNE_ROWS:
-        x, w = _tune_inputs(n, dtype)
-        dy = torch.randn_like(x)
-        _, _, rstd = rms_norm_fwd(x, w, None, 1e-6)
-        for fused in (False,) if quick else (False, True):
-            dh = torch.randn_like(x) if fused else None
-            key = config_key(n, fused, dtype)
-
-            def bench(cfg, x=x, w=w, dy=dy, rstd=rstd, dh=dh):
-                cfg = dict(cfg)
-                per_sm = cfg.pop("programs_per_sm")
-                return lambda: rms_norm_bwd(dy, x, w, rstd, dh, config=cfg, programs_per_sm=per_sm)
-
-            tune = functools.partial(autotune.tune, BWD_KERNEL, bwd_candidates(n, quick), bench, key, force=True)
-            run = functools.partial(rms_norm_bwd, dy, x, w, rstd, dh)
-            records.append(_tune_record(BWD_KERNEL, key, tune, run, (4 if fused else 3) * x.numel() * x.element_size()))
-    return records
-
-
-autotune.register_tuner(FWD_KERNEL, tune_rms_norm_fwd)
-autotune.register_tuner(BWD_KERNEL, tune_rms_norm_bwd)

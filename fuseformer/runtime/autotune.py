@@ -4,7 +4,8 @@ Where a config comes from, first hit wins:
 
 1. this process's memory (a dict lookup on the hot path);
 2. the disk cache, one JSON file per (kernel, GPU, Triton version) under ``~/.cache/fuseformer``
-   (``FUSEFORMER_CACHE_DIR`` overrides), written by :func:`tune` / ``fuseformer bench --tune``;
+   (``FUSEFORMER_CACHE_DIR`` overrides), written by :func:`tune`, which ``fuseformer bench --tune``
+   (bench/tune.py: one driver per tuned kernel) calls with each op's ``candidate_configs``;
 3. the defaults shipped in the package (``runtime/tuned/<kernel>.json``), per GPU family (H200,
    H100), so that a first call never tunes; a kernel may also give a generic key (e.g. the T bucket
    alone) that the shipped table covers for any model shape;
@@ -37,15 +38,14 @@ comments say so), the ``default`` of step 4, the same on every GPU (attention ke
 configs under the interpreter): nothing is shipped for them in ``tuned/`` until a tuning run is
 committed. An op looks its config up once per (shape bucket, flags, dtype, device) in a cache made
 with :func:`plan_cache`, never on every call; :func:`store` and :func:`clear_memory` empty those caches,
-so a config tuned in this process is used at once. Explicit overrides (``config=`` arguments, the
-``CONFIG_OVERRIDES`` of attention and paged attention) apply after the lookup.
+so a config tuned in this process is used at once. An explicit config (a launcher's ``config=`` argument:
+what tuning and benchmarks/sweeps.py vary) replaces the lookup for that call; nothing else overrides it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import json
 import os
 import tempfile
@@ -58,15 +58,6 @@ import torch
 
 SCHEMA_VERSION = 1
 _SHIPPED_DIR = Path(__file__).parent / "tuned"
-# Kernels with a tuner for ``tune_all``: name -> module that registers it on import.
-_TUNER_MODULES = {
-    "mlp_gate_up": "fuseformer.ops.mlp",
-    "rms_norm_fwd": "fuseformer.ops.rms_norm",
-    "rms_norm_bwd": "fuseformer.ops.rms_norm",
-    "attention_fwd": "fuseformer.ops.attention",
-    "attention_bwd": "fuseformer.ops.attention_bwd",
-}
-_TUNERS: dict[str, Callable[[bool], list[dict]]] = {}
 # cache_clear of every plan_cache function: the ops' per-shape lookups.
 _PLAN_CACHES: list[Callable[[], None]] = []
 
@@ -295,9 +286,9 @@ def tune(
     bench_fn: Callable[[dict], Callable[[], object]],
     key: str,
     *,
+    timer: Callable[[Callable[[], object]], float],
     device: torch.device | str | None = None,
     force: bool = False,
-    timer: Callable[[Callable[[], object]], float] | None = None,
 ) -> dict:
     """The fastest of ``configs`` for ``key``, measured and stored; the stored one if there is one.
 
@@ -306,8 +297,9 @@ def tune(
         configs: candidate launch configs.
         bench_fn: config -> a zero-argument callable that runs the kernel once with it.
         key: the shape bucket (the kernel's own key function).
+        timer: callable -> milliseconds (``fuseformer.bench._timing.bench_ms``, the one timing helper:
+            the runtime takes it as an argument and imports nothing of ``fuseformer.bench``).
         force: measure even when the disk or memory cache already has ``key`` (``bench --tune``).
-        timer: callable -> milliseconds; ``fuseformer.bench._timing.bench_ms`` by default.
 
     A config that fails (compile error, out of resources) is skipped; if all fail, RuntimeError.
     """
@@ -316,8 +308,6 @@ def tune(
         cached = _configs(kernel_name, gpu).get(key)
         if cached is not None:
             return cached
-    if timer is None:
-        from fuseformer.bench._timing import bench_ms as timer
     best, best_ms, errors = None, float("inf"), []
     for cfg in configs:
         try:
@@ -331,39 +321,6 @@ def tune(
         raise RuntimeError(f"autotune: every config of {kernel_name} failed at {key}: " + "; ".join(errors[:3]))
     store(kernel_name, key, best, device)
     return best
-
-
-# --------------------------------------------------------------------------------------------
-# ``fuseformer bench --tune``
-# --------------------------------------------------------------------------------------------
-def register_tuner(kernel: str, fn: Callable[[bool], list[dict]]) -> None:
-    """Register ``fn(quick) -> records``, which tunes ``kernel`` over its shape buckets."""
-    _TUNERS[kernel] = fn
-
-
-def tune_all(quick: bool = False, kernels: Iterable[str] | None = None) -> list[dict]:
-    """Tune every registered kernel (or those named in ``kernels``) on this GPU and fill the disk
-    cache (``fuseformer bench --tune``).
-
-    Returns one record per (kernel, key): the config chosen and its time, or the error.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError("autotune: tune_all needs a CUDA GPU")
-    for module in _TUNER_MODULES.values():
-        importlib.import_module(module)
-    wanted = set(_TUNERS) if kernels is None else set(kernels)
-    unknown = wanted - set(_TUNERS)
-    if unknown:
-        raise ValueError(f"autotune: tune_all: kernels has unknown names {sorted(unknown)}; known: {sorted(_TUNERS)}")
-    records: list[dict[str, Any]] = []
-    for kernel, fn in sorted(_TUNERS.items()):
-        if kernel not in wanted:
-            continue
-        try:
-            records += fn(quick)
-        except Exception as exc:
-            records.append(dict(kernel=kernel, error=f"{type(exc).__name__}: {exc}"[:300]))
-    return records
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """flash_attention: the Triton kernels against the fp64 reference (DESIGN.md §3), bad input, compile.
 
 On the CPU the kernels run under the interpreter, which is slow: shapes stay small and the kernel
-configs (fuseformer.ops.attention._INTERPRET_CONFIGS) are small and unequal (BLOCK_M 32 / BLOCK_N 16
+configs (fuseformer.ops._attention_common._INTERPRET_CONFIGS) are small and unequal (BLOCK_M 32 / BLOCK_N 16
 forward, 16 / 32 for dk/dv) so that these shapes still cross several blocks and every mask edge.
 """
 
@@ -10,6 +10,7 @@ import torch
 
 import fuseformer
 import fuseformer.ops as F
+from fuseformer.ops import _attention_common as common
 from fuseformer.ops import _gluon
 from fuseformer.ops import attention as attn_mod
 from fuseformer.ops import attention_bwd as bwd_mod
@@ -49,10 +50,12 @@ def _cu(lens, device):
 
 def _check(
     b, sq, sk, hq, hkv, d, device, *, causal=False, window=(-1, -1), dtype=torch.float16,
-    lens_q=None, lens_k=None, noncontig=False, scale=None, lse_grad=False,
+    lens_q=None, lens_k=None, noncontig=False, scale=None, lse_grad=False, softcap=0.0,
 ):  # fmt: skip
     q, k, v = _inputs(b, sq, sk, hq, hkv, d, dtype, device, lens_q, lens_k, noncontig)
-    kw = dict(causal=causal, window_size=window, softmax_scale=scale, return_lse=True)
+    if softcap:  # scores well past the cap, so that the tanh bends them
+        q = q * 4
+    kw = dict(causal=causal, window_size=window, softmax_scale=scale, return_lse=True, softcap=softcap)
     if lens_q is not None:
         kw.update(
             cu_seqlens_q=_cu(lens_q, device),
@@ -115,6 +118,37 @@ def test_flash_attention_scale_folding(scale, device):
     _check(1, 33, 65, 2, 1, 40, device, window=(5, 3), scale=scale)
 
 
+# (b, sq, sk, hq, hkv, d, causal, window, softcap)
+SOFTCAP_CASES = [
+    (2, 17, 17, 2, 2, 32, False, (-1, -1), 1.5),
+    (1, 65, 65, 4, 2, 32, True, (-1, -1), 2.0),  # causal, GQA 4/2
+    (1, 33, 65, 4, 1, 40, True, (8, -1), 1.0),  # sliding window, MQA, padded head dim, Sq < Sk
+    (1, 33, 65, 2, 1, 59, False, (5, 3), 50.0),  # two-sided window, Gemma 2's cap (barely bends here)
+]
+
+
+@pytest.mark.parametrize("b, sq, sk, hq, hkv, d, causal, window, softcap", SOFTCAP_CASES)
+def test_flash_attention_softcap_matches_reference(b, sq, sk, hq, hkv, d, causal, window, softcap, device):
+    """Logit soft-capping (Gemma 2): out, lse and every gradient through the tanh against the reference."""
+    _check(b, sq, sk, hq, hkv, d, device, causal=causal, window=window, softcap=softcap)
+
+
+def test_flash_attention_softcap_varlen_and_lse_gradient(device):
+    lens = [5, 30]
+    _check(None, None, None, 4, 2, 32, device, lens_q=lens, lens_k=lens, causal=True, softcap=1.5, lse_grad=True)
+
+
+def test_flash_attention_softcap_changes_the_result(device):
+    """The cap is applied: a small cap gives another output than none, and the reference agrees that
+    capped scores are softcap * tanh(scores / softcap)."""
+    q, k, v = _inputs(1, 9, 9, 2, 1, 16, torch.float32, device)
+    q = q * 4
+    capped = F.flash_attention_ref(q, k, v, softcap=1.0, return_lse=True)[1]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.expand(-1, -1, 2, -1)) * 16**-0.5
+    torch.testing.assert_close(capped, torch.logsumexp(torch.tanh(scores), -1))
+    assert not torch.allclose(F.flash_attention_ref(q, k, v), F.flash_attention_ref(q, k, v, softcap=1.0))
+
+
 # (lens_q, lens_k, hq, hkv, d, causal, window)
 VARLEN_CASES = [
     ([1, 17, 33], [1, 17, 33], 4, 2, 32, True, (-1, -1)),
@@ -141,12 +175,24 @@ def test_flash_attention_scale_and_lse_gradient(device):
     _check(1, 33, 33, 2, 2, 32, device, causal=False, scale=0.3, lse_grad=True)
 
 
-def test_flash_attention_other_block_sizes(device, monkeypatch):
-    """BLOCK_N > BLOCK_M in the forward and dq kernels, BLOCK_M > BLOCK_N in dk/dv."""
-    monkeypatch.setitem(attn_mod.CONFIG_OVERRIDES, "fwd", {"BLOCK_M": 16, "BLOCK_N": 32})
-    monkeypatch.setitem(attn_mod.CONFIG_OVERRIDES, "bwd_dq", {"BLOCK_M": 16, "BLOCK_N": 32})
-    monkeypatch.setitem(attn_mod.CONFIG_OVERRIDES, "bwd_dkdv", {"BLOCK_M": 32, "BLOCK_N": 16})
-    _check(1, 50, 70, 2, 1, 32, device, causal=True, window=(20, -1))
+def test_flash_attention_other_block_sizes(device, monkeypatch, tmp_path):
+    """BLOCK_N > BLOCK_M in the forward and dq kernels, BLOCK_M > BLOCK_N in dk/dv: configs stored in
+    the autotune cache (the one config mechanism) reach the kernels through the public op."""
+    from dataclasses import asdict, replace
+
+    from fuseformer.runtime import autotune
+
+    monkeypatch.setenv("FUSEFORMER_CACHE_DIR", str(tmp_path))
+    autotune.clear_memory()
+    dtype = torch.float16
+    try:
+        for kind, (bm, bn) in {"fwd": (16, 32), "bwd_dq": (16, 32), "bwd_dkdv": (32, 16)}.items():
+            cfg = replace(common.kernel_config(kind, 32, True, dtype, device), BLOCK_M=bm, BLOCK_N=bn)
+            autotune.store(common.KERNELS[kind], common.config_key(32, True, dtype), asdict(cfg), device)
+            assert common.kernel_config(kind, 32, True, dtype, device) == cfg
+        _check(1, 50, 70, 2, 1, 32, device, causal=True, window=(20, -1), dtype=dtype)
+    finally:
+        autotune.clear_memory()
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -254,6 +300,7 @@ CU = torch.tensor([0, 3, 8], dtype=torch.int32)
         ((_t(1, 4, 2, 32), _t(2, 4, 2, 32), _t(2, 4, 2, 32)), {}, "k has batch 2"),
         ((_t(4, 2, 32), _t(4, 2, 32), _t(4, 2, 32)), {}, "q must be"),
         ((_t(1, 4, 2, 32),) * 3, {"window_size": (-2, 0)}, "window_size"),
+        ((_t(1, 4, 2, 32),) * 3, {"softcap": -1.0}, "softcap must be a float >= 0"),
         (
             (_t(8, 2, 32),) * 3,
             {"cu_seqlens_q": CU.long(), "cu_seqlens_k": CU},

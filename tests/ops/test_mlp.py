@@ -9,11 +9,14 @@ import torch
 
 import fuseformer
 import fuseformer.ops as F
-from fuseformer.ops import _gluon, _utils
+from fuseformer.ops import _gluon
+from fuseformer.runtime import launch as launch_mod
 from fuseformer.testing import assert_close, compile_offline
 
 # The module, not the function of the same name that fuseformer.ops exports.
 M = importlib.import_module("fuseformer.ops.mlp")
+MD = importlib.import_module("fuseformer.ops.mlp_decode")  # the decode kernels
+MC = importlib.import_module("fuseformer.ops._mlp_common")  # what both kernels share
 
 
 def _weights(h, i, dtype, device):
@@ -176,8 +179,8 @@ def test_no_grad_public_call_runs_the_h200_table_config_on_every_tile(device, mo
     monkeypatch.setattr(autotune, "_shipped", lambda kernel: {"H200": {key: cfg}} if kernel == M.KERNEL else {})
     monkeypatch.setattr(M, "generic_key", lambda t, dtype: key)  # the small shape takes the bench's entry
     launches, saved = [], []
-    for name in ("_mlp_gate_up_kernel", "_mlp_split_k_epilogue_kernel"):
-        monkeypatch.setattr(M, name, _LaunchSpy(getattr(M, name), name, launches))
+    for mod, name in ((M, "_mlp_gate_up_kernel"), (MC, "_mlp_split_k_epilogue_kernel")):
+        monkeypatch.setattr(mod, name, _LaunchSpy(getattr(mod, name), name, launches))
     real_fwd = M.mlp_gate_up_fwd
     monkeypatch.setattr(M, "mlp_gate_up_fwd", lambda *a, **k: saved.append((a[3], a[4])) or real_fwd(*a, **k))
 
@@ -272,7 +275,7 @@ def _check_decode(t, h, i, dtype, device, gate_up_config=None, down_config=None,
 
     x = _x((t,), h, dtype, device, gapped, gap=8)  # a gap of 8: row strides stay 16-byte aligned (descriptors)
     wgu, wd = _weights(h, i, dtype, device)
-    out, y = M.mlp_decode_fwd(x, wgu, wd, activation, gate_up_config, down_config)
+    out, y = MD.mlp_decode_fwd(x, wgu, wd, activation, gate_up_config, down_config)
     gu = x.double() @ wgu.double().T
     gu_base = (x @ wgu.T).to(dtype)
     assert_close("y", y, glu_ref(gu[:, :i], gu[:, i:], activation),
@@ -321,7 +324,7 @@ def test_decode_padded_y(device):
         _check_decode(t, 96, 352, torch.float16, device)
         x = torch.randn(t, 96, device=device).half()
         wgu, wd = _weights(96, 352, torch.float16, device)
-        out, y = M.mlp_decode_fwd(x, wgu, wd, "silu")
+        out, y = MD.mlp_decode_fwd(x, wgu, wd, "silu")
         assert y.shape == (t, 352) and out.shape == (t, 96)
         padded = t < 16
         assert (y._base is not None) == padded
@@ -343,26 +346,26 @@ def test_decode_launch_key_and_host_descriptors():
     buf = torch.zeros(9 * 16, dtype=torch.float16)
     w = torch.zeros(32, 16, dtype=torch.float16)
     aligned, shifted = buf[:128].view(8, 16), buf[1:129].view(8, 16)
-    key_a = M._launch_key(aligned, w, w, w)
-    key_s = M._launch_key(shifted, w, w, w)
+    key_a = MD._launch_key(aligned, w, w, w)
+    key_s = MD._launch_key(shifted, w, w, w)
     assert key_a != key_s and key_a[8] is True and key_s[8] == (False, True, True, True)
-    d = _utils.HostDesc(aligned, (8, 16), (16, 1), (8, 16)).real()
+    d = launch_mod.HostDesc(aligned, (8, 16), (16, 1), (8, 16)).real()
     assert (d.base is aligned and list(d.shape) == [8, 16] and list(d.strides) == [16, 1]
             and list(d.block_shape) == [8, 16] and d.padding == "zero")  # fmt: skip
     with pytest.raises(AssertionError):
-        _utils.HostDesc(shifted, (8, 16), (16, 1), (8, 16)).real()
+        launch_mod.HostDesc(shifted, (8, 16), (16, 1), (8, 16)).real()
 
 
 def test_fused_mlp_takes_decode_path_for_inference(device, monkeypatch):
     """The public op: without grad, T <= 64, aligned 16-bit inputs -> the decode kernel (no cuBLAS, no
     prefill kernel); with grad, or rows the descriptors cannot read, or T 65 -> the prefill-style path.
     On the CPU the decode path is enabled for this test (it is CUDA-only by default)."""
-    monkeypatch.setattr(M, "DECODE_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(MD, "DECODE_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
     launches = []
-    for name in ("_mlp_decode_kernel", "_mlp_gate_up_kernel", "_mlp_split_k_epilogue_kernel"):
-        monkeypatch.setattr(M, name, _LaunchSpy(getattr(M, name), name, launches))
-    monkeypatch.setattr(M._decode_launcher, "kernel", M._mlp_decode_kernel)  # host descriptors launch through it
-    monkeypatch.setattr(_utils, "_fast_launch_on", False)  # every launch through the spy (on a GPU too)
+    for mod, name in ((MD, "_mlp_decode_kernel"), (M, "_mlp_gate_up_kernel"), (MC, "_mlp_split_k_epilogue_kernel")):
+        monkeypatch.setattr(mod, name, _LaunchSpy(getattr(mod, name), name, launches))
+    monkeypatch.setattr(MD._decode_launcher, "kernel", MD._mlp_decode_kernel)  # host descriptors launch through it
+    monkeypatch.setattr(launch_mod, "_fast_launch_on", False)  # every launch through the spy (on a GPU too)
 
     def run(t, h, i, grad=False):
         launches.clear()
@@ -388,18 +391,18 @@ def test_decode_rule_fills_an_h200():
     sms, smem_sm = 132, 228 * 1024
     for t in range(1, 65):
         for glu, n, k in ((True, 14336, 4096), (False, 4096, 14336)):
-            cfg = M.decode_config(t, n, k, glu, sms)
-            assert set(cfg) == set(M.DECODE_CONFIG_KEYS) and cfg["BLOCK_M"] >= t
-            smem = M.decode_smem_bytes(cfg, glu)
+            cfg = MD.decode_config(t, n, k, glu, sms)
+            assert set(cfg) == set(MD.DECODE_CONFIG_KEYS) and cfg["BLOCK_M"] >= t
+            smem = MD.decode_smem_bytes(cfg, glu)
             assert smem + 4096 <= M._SMEM_LIMIT
             programs = -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
             assert sms // 2 < programs <= sms * (smem_sm // (smem + 1024)), (t, glu, cfg, programs)
             assert cfg["SPLIT_K"] == 1 if glu else cfg["SPLIT_K"] <= 8
-            cands = M.decode_candidates(t, n, k, glu, sms)
+            cands = MD.decode_candidates(t, n, k, glu, sms)
             assert cands[0] == cfg and 5 <= len(cands) <= 12
-            assert all(set(c) == set(M.DECODE_CONFIG_KEYS) and c["BLOCK_M"] == cfg["BLOCK_M"] for c in cands)
+            assert all(set(c) == set(MD.DECODE_CONFIG_KEYS) and c["BLOCK_M"] == cfg["BLOCK_M"] for c in cands)
             assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)
-            assert all(M.decode_smem_bytes(c, glu) + 4096 <= M._SMEM_LIMIT for c in cands)
+            assert all(MD.decode_smem_bytes(c, glu) + 4096 <= M._SMEM_LIMIT for c in cands)
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,37 +450,37 @@ def test_decode_pdl_gpu(t):
     x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
     w_gate_up = torch.randn(2 * 14336, 4096, device="cuda", dtype=torch.bfloat16) / 64
     w_down = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16) / 120
-    assert M._pdl_capable(x.device) == (torch.cuda.get_device_capability()[0] >= 9)
-    plain = M.mlp_decode_fwd(x, w_gate_up, w_down, "silu", pdl=False)
+    assert MD._pdl_capable(x.device) == (torch.cuda.get_device_capability()[0] >= 9)
+    plain = MD.mlp_decode_fwd(x, w_gate_up, w_down, "silu", pdl=False)
     for _ in range(3):  # back to back: each call's down GEMM waits on its own gate-up GEMM
-        out, y = M.mlp_decode_fwd(x, w_gate_up, w_down, "silu")
+        out, y = MD.mlp_decode_fwd(x, w_gate_up, w_down, "silu")
     torch.cuda.synchronize()
     assert torch.equal(y, plain[1]) and torch.equal(out, plain[0])
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        M.mlp_decode_fwd(x, w_gate_up, w_down, "silu")  # warm on the side stream, as graph capture needs
+        MD.mlp_decode_fwd(x, w_gate_up, w_down, "silu")  # warm on the side stream, as graph capture needs
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_out, g_y = M.mlp_decode_fwd(x, w_gate_up, w_down, "silu")
+        g_out, g_y = MD.mlp_decode_fwd(x, w_gate_up, w_down, "silu")
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    ref_out, ref_y = M.mlp_decode_fwd(x, w_gate_up, w_down, "silu", pdl=False)
+    ref_out, ref_y = MD.mlp_decode_fwd(x, w_gate_up, w_down, "silu", pdl=False)
     assert torch.equal(g_y, ref_y) and torch.equal(g_out, ref_out)
 
 
 _PDL_BETWEEN = r"""
 import torch
-import fuseformer.ops.mlp as M
+import fuseformer.ops.mlp_decode as MD
 
 torch.manual_seed(0)
 x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
 w_gate_up = torch.randn(2 * 14336, 4096, device="cuda", dtype=torch.bfloat16) / 64
 w_down = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16) / 120
 flush = torch.ones(64_000_000, device="cuda")
-ref = M.mlp_decode_fwd(x, w_gate_up, w_down, "silu")[0]
+ref = MD.mlp_decode_fwd(x, w_gate_up, w_down, "silu")[0]
 # Another library's allocator, set after ours (the usual one-liner): PDL must not take it.
 import triton
 triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
@@ -486,7 +489,7 @@ for _ in range(20):
     start.record()
     for _ in range(5):  # as bench_stream_ms times a call: a torch kernel between the MLPs
         flush.amax()
-        out = M.mlp_decode_fwd(x, w_gate_up, w_down, "silu")[0]
+        out = MD.mlp_decode_fwd(x, w_gate_up, w_down, "silu")[0]
     stop.record()
     stop.synchronize()
 assert torch.equal(out, ref)
@@ -513,7 +516,7 @@ _DECODE_CANDIDATES = [
     (t, glu, cfg)
     for t in (1, 29, 61)
     for glu in (True, False)
-    for cfg in M.decode_candidates(t, 14336 if glu else 4096, 4096 if glu else 14336, glu)
+    for cfg in MD.decode_candidates(t, 14336 if glu else 4096, 4096 if glu else 14336, glu)
 ]
 
 
@@ -538,35 +541,35 @@ def test_decode_direct_launch_gpu(t):
     from fuseformer.testing import skip_unless_direct_launch_triton
 
     skip_unless_direct_launch_triton()
-    launcher = M._decode_launcher
+    launcher = MD._decode_launcher
 
     def state():  # what decides the path, for the failure message (run 2026-12-03: every launch missed)
         return dict(
             direct=launcher._direct,
-            fast_launch=_utils.fast_launch_enabled(),
+            fast_launch=launch_mod.fast_launch_enabled(),
             entries=len(launcher._cache),
-            hooks_clear=_utils._HookChain is None or launcher._hooks_clear(_utils._triton_knobs.runtime),
+            hooks_clear=launch_mod._HookChain is None or launcher._hooks_clear(launch_mod._triton_knobs.runtime),
         )
 
     wgu, wd = _weights(4096, 14336, torch.bfloat16, "cuda")
     # The direct path on, as the other direct-launch tests set it, whatever an earlier test left.
-    with _utils.fast_launch(True):
+    with launch_mod.fast_launch(True):
         x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
-        M.mlp_decode_fwd(x, wgu, wd, "silu")
+        MD.mlp_decode_fwd(x, wgu, wd, "silu")
         misses = launcher.misses
         for _ in range(3):
             x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
-            out, y = M.mlp_decode_fwd(x, wgu, wd, "silu")
+            out, y = MD.mlp_decode_fwd(x, wgu, wd, "silu")
         assert launcher.misses == misses, state()
-    with _utils.fast_launch(False):
-        ref, y_ref = M.mlp_decode_fwd(x, wgu, wd, "silu")
+    with launch_mod.fast_launch(False):
+        ref, y_ref = MD.mlp_decode_fwd(x, wgu, wd, "silu")
     assert torch.equal(out, ref) and torch.equal(y, y_ref)
     wgu2, wd2 = _weights(2048, 8192, torch.bfloat16, "cuda")
     x2 = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
-    with _utils.fast_launch(True):
-        M.mlp_decode_fwd(x2, wgu2, wd2, "silu")
+    with launch_mod.fast_launch(True):
+        MD.mlp_decode_fwd(x2, wgu2, wd2, "silu")
         misses = launcher.misses
-        out2 = M.mlp_decode_fwd(x2, wgu2, wd2, "silu")[0]
+        out2 = MD.mlp_decode_fwd(x2, wgu2, wd2, "silu")[0]
         assert launcher.misses == misses, state()
     assert_close("out", out2, M.fused_mlp_ref(x2.double(), wgu2.double(), wd2.double()),
                  M.fused_mlp_ref(x2, wgu2, wd2, upcast=False))  # fmt: skip
@@ -614,6 +617,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 M = importlib.import_module("fuseformer.ops.mlp")
+MD = importlib.import_module("fuseformer.ops.mlp_decode")
+MC = importlib.import_module("fuseformer.ops._mlp_common")
 target = GPUTarget("cuda", 90, 32)
 LIMIT = 227 * 1024
 ptr = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "PRE": "*bf16"}
@@ -641,21 +646,21 @@ for t in (1, 64, 8192):
 # The decode rule's configs (both GEMMs, host-built descriptors) and the split-K epilogue of the down GEMM.
 for t in (1, 32, 64):
     for glu, n, k in ((True, 14336, 4096), (False, 4096, 14336)):
-        cfg = M.decode_config(t, n, k, glu, 132)
+        cfg = MD.decode_config(t, n, k, glu, 132)
         dsig = dict(x_desc=f"tensordesc<bf16[{cfg['BLOCK_M']}, {cfg['BLOCK_K']}]>",
                     w_desc=f"tensordesc<bf16[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>", OUT="*bf16", WS="*fp32",
                     **{k: "i32" for k in ("M", "N", "K", "stride_om")})
         consts = dict(GLU=glu, ACTIVATION="silu", PRECISION="tf32",
                       **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
-        build(M._mlp_decode_kernel, dsig, consts, cfg)
+        build(MD._mlp_decode_kernel, dsig, consts, cfg)
         # The programmatic-dependent-launch forms: gate-up triggers, down waits.
         pdl = dict(PDL_TRIGGER=True) if glu else dict(PDL_WAIT=True)
-        ptx = build(M._mlp_decode_kernel, dsig, dict(consts, **pdl), cfg).asm["ptx"]
+        ptx = build(MD._mlp_decode_kernel, dsig, dict(consts, **pdl), cfg).asm["ptx"]
         assert ("griddepcontrol.launch_dependents" if glu else "griddepcontrol.wait") in ptx
         if cfg["SPLIT_K"] > 1:
             esig = dict(WS="*fp32", Y="*bf16", PRE="*bf16", M="i32", N="i32", stride_ym="i32", stride_pm="i32")
             consts = dict(ACTIVATION="silu", SAVE_PRE=False, SPLIT_K=cfg["SPLIT_K"], BLOCK_M=16, BLOCK_N=256, GLU=glu)
-            build(M._mlp_split_k_epilogue_kernel, esig, consts, dict(num_warps=4, num_stages=1))
+            build(MC._mlp_split_k_epilogue_kernel, esig, consts, dict(num_warps=4, num_stages=1))
 print("ok")
 """
 
@@ -721,7 +726,7 @@ def test_gluon_gate_up_gpu(t, h, i, dtype, activation, persistent, monkeypatch):
     gu_base = x @ wgu.T
     assert_close("y", y, glu_ref(gu[:, :i], gu[:, i:], activation),
                  glu_ref(gu_base[:, :i], gu_base[:, i:], activation, upcast=False))  # fmt: skip
-    if t <= M.DECODE_MAX_T:  # fused_mlp without grad takes the decode kernels there
+    if t <= MD.DECODE_MAX_T:  # fused_mlp without grad takes the decode kernels there
         return
     calls = []
     real = mlp_hopper.gate_up

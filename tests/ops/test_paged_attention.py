@@ -1,6 +1,7 @@
-"""paged_attention and reshape_and_cache: the Triton kernels against plain attention over the contiguous
-sequence in fp64 (DESIGN.md §3), steps mixing prefix + chunk + decode, GQA packing (the q heads of a KV
-group share a tile), split-K decode, windows, bad input, compile."""
+"""paged_attention: the Triton kernels against plain attention over the contiguous sequence in fp64
+(DESIGN.md §3), steps mixing prefix + chunk + decode (the cache written by reshape_and_cache, whose own
+tests are test_reshape_and_cache.py), GQA packing (the q heads of a KV group share a tile), split-K
+decode, windows, bad input, compile."""
 
 import importlib
 import math
@@ -15,8 +16,9 @@ from fuseformer.testing import assert_close, compile_offline
 PA = importlib.import_module("fuseformer.ops.paged_attention")  # the module (F.paged_attention is the op)
 
 
-def _dense(q, k, v, q_len, causal, window, dtype):
-    """Plain attention of the last ``q_len`` queries of one contiguous sequence, computed in ``dtype``.
+def _dense(q, k, v, q_len, causal, window, dtype, softcap=0.0):
+    """Plain attention of the last ``q_len`` queries of one contiguous sequence, computed in ``dtype``
+    (scores capped at softcap * tanh(s / softcap) when ``softcap`` > 0).
 
     q (S, Hq, D), k, v (S, Hkv, D) -> (q_len, Hq, D) in ``dtype``.
     """
@@ -25,6 +27,8 @@ def _dense(q, k, v, q_len, causal, window, dtype):
     q, k, v = (t.to(dtype) for t in (q[s_len - q_len :], k, v))
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = torch.einsum("qhd,khd->hqk", q, k) * (1.0 / math.sqrt(d))
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
     q_pos = torch.arange(s_len - q_len, s_len, device=q.device)[:, None]
     k_pos = torch.arange(s_len, device=q.device)[None, :]
     allowed = torch.ones(q_len, s_len, dtype=torch.bool, device=q.device)
@@ -42,7 +46,7 @@ def _nan_gapped(shape, dtype, device):
     return base[..., : shape[-1]]
 
 
-def _step(seqs, hq, hkv, d, block_size, dtype, device, *, causal=True, window=-1, noncontig=False):
+def _step(seqs, hq, hkv, d, block_size, dtype, device, *, causal=True, window=-1, noncontig=False, softcap=0.0):
     """Run one step: ``seqs`` is a list of (context_len, q_len). The cached prefixes are written with
     the reference, the new tokens with ``reshape_and_cache`` (Triton), blocks assigned in a random
     order from a NaN-filled cache (a read outside the context yields NaN). Returns (out, ref, base)."""
@@ -57,7 +61,7 @@ def _step(seqs, hq, hkv, d, block_size, dtype, device, *, causal=True, window=-1
     for b, (ctx, q_len) in enumerate(seqs):
         table = [perm.pop() for _ in range(blocks_per_seq[b])]
         block_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        q = torch.randn(ctx, hq, d, dtype=dtype, device=device)
+        q = torch.randn(ctx, hq, d, dtype=dtype, device=device) * (4 if softcap else 1)  # scores past the cap
         k = torch.randn(ctx, hkv, d, dtype=dtype, device=device)
         v = torch.randn(ctx, hkv, d, dtype=dtype, device=device)
         slot = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)], device=device)
@@ -69,8 +73,8 @@ def _step(seqs, hq, hkv, d, block_size, dtype, device, *, causal=True, window=-1
         slots.append(slot[pre:])
         cu.append(cu[-1] + q_len)
         full.append((q, k, v))
-        refs.append(_dense(q, k, v, q_len, causal, window, torch.float64).cpu())
-        bases.append(_dense(q, k, v, q_len, causal, window, dtype).cpu())
+        refs.append(_dense(q, k, v, q_len, causal, window, torch.float64, softcap).cpu())
+        bases.append(_dense(q, k, v, q_len, causal, window, dtype, softcap).cpu())
     q, k, v = torch.cat(new_q), torch.cat(new_k), torch.cat(new_v)
     if noncontig:  # slices of wider tensors whose gaps hold NaN, as slices of a packed qkv would be
         q, k, v = (_nan_gapped(t.shape, dtype, device).copy_(t) for t in (q, k, v))
@@ -85,15 +89,18 @@ def _step(seqs, hq, hkv, d, block_size, dtype, device, *, causal=True, window=-1
     F.reshape_and_cache_ref(k, v, ref_k_cache, ref_v_cache, slot_mapping)
     with fuseformer.use_backend("triton"):
         F.reshape_and_cache(k_pad, v_pad, k_cache, v_cache, slot_pad)
-        out = F.paged_attention(q, k_cache, v_cache, cu_q, ctx_lens, block_tables, causal=causal, window=window)
+        out = F.paged_attention(
+            q, k_cache, v_cache, cu_q, ctx_lens, block_tables, causal=causal, window=window, softcap=softcap
+        )
     for cache, ref_cache in ((k_cache, ref_k_cache), (v_cache, ref_v_cache)):
         assert torch.equal(cache.nan_to_num(7.0), ref_cache.nan_to_num(7.0)), "reshape_and_cache wrote wrong slots"
     ref = torch.cat(refs) if refs else torch.zeros(0, hq, d, dtype=torch.float64)
     base = torch.cat(bases) if bases else torch.zeros(0, hq, d, dtype=dtype)
     # The paged reference computes the same thing as the dense one.
     paged_ref = F.paged_attention_ref(
-        q.double(), k_cache.double(), v_cache.double(), cu_q, ctx_lens, block_tables, causal=causal, window=window
-    )
+        q.double(), k_cache.double(), v_cache.double(), cu_q, ctx_lens, block_tables, causal=causal, window=window,
+        softcap=softcap,
+    )  # fmt: skip
     torch.testing.assert_close(paged_ref.cpu(), ref, rtol=1e-9, atol=1e-9)
     return out.cpu(), ref, base
 
@@ -254,6 +261,27 @@ def test_paged_attention_sliding_window(window, device):
     assert_close("out", out, ref, base)
 
 
+@pytest.mark.parametrize(
+    "seqs, hq, hkv, d, block_size, dtype, causal, window, softcap",
+    [
+        (MIX, 4, 2, 32, 16, torch.float16, True, -1, 1.5),  # prefill, chunk, decodes; group 2
+        (MIX_SMALL, 8, 1, 64, 7, torch.float32, True, 7, 2.0),  # MQA (group 8) with a window
+        ([(60, 40), (33, 1)], 6, 2, 40, 16, torch.float16, False, 9, 1.0),  # group 3, window, not causal
+        (DECODE, 8, 2, 128, 16, torch.float32, True, -1, 50.0),  # decodes at Gemma 2's cap
+    ],
+)
+def test_paged_attention_softcap(seqs, hq, hkv, d, block_size, dtype, causal, window, softcap, device):
+    """Logit soft-capping (Gemma 2) against the capped dense attention, with causal, windows and GQA."""
+    out, ref, base = _step(seqs, hq, hkv, d, block_size, dtype, device, causal=causal, window=window, softcap=softcap)
+    assert_close("out", out, ref, base)
+
+
+def test_paged_attention_softcap_split_k(device, force_split):
+    out, ref, base = _step([(200, 1), (77, 1)], 8, 2, 64, 16, torch.float16, device, window=50, softcap=1.5)
+    assert len(force_split) == 1, "the split-K path did not run"
+    assert_close("out", out, ref, base)
+
+
 def test_paged_attention_not_causal(device):
     out, ref, base = _step([(30, 30), (40, 9), (12, 1)], 4, 2, 32, 8, torch.float32, device, causal=False)
     assert_close("out", out, ref, base)
@@ -329,33 +357,12 @@ def _good():
         (dict(context_lens=torch.tensor([5, 5], dtype=torch.int32)), r"context_lens has shape \(2,\)"),
         (dict(block_tables=torch.tensor([1, 0], dtype=torch.int32)), "block_tables must have 2 dims"),
         (dict(window=0), "window must be -1 or a positive int"),
+        (dict(softcap=-0.5), "softcap must be a float >= 0"),
     ],
 )
 def test_paged_attention_bad_input(change, match):
     with pytest.raises(ValueError, match=match):
         F.paged_attention(**{**_good(), **change})
-
-
-@pytest.mark.parametrize(
-    "change, match",
-    [
-        (dict(k=torch.randn(3, 2)), "k must have 3 dims"),
-        (dict(v=torch.randn(3, 2, 8).half()), "v has dtype float16"),
-        (dict(k_cache=torch.randn(2, 4, 3, 8), v_cache=torch.randn(2, 4, 3, 8)), r"k_cache has shape \(2, 4, 3, 8\)"),
-        (dict(slot_mapping=torch.tensor([0, 1, 2.0])), "slot_mapping has dtype float32"),
-        (dict(slot_mapping=torch.tensor([0, 1])), r"slot_mapping has shape \(2,\)"),
-    ],
-)
-def test_reshape_and_cache_bad_input(change, match):
-    args = dict(
-        k=torch.randn(3, 2, 8),
-        v=torch.randn(3, 2, 8),
-        k_cache=torch.randn(2, 4, 2, 8),
-        v_cache=torch.randn(2, 4, 2, 8),
-        slot_mapping=torch.tensor([0, 5, 6]),
-    )
-    with pytest.raises(ValueError, match=match):
-        F.reshape_and_cache(**{**args, **change})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="device mismatch needs a second device")
@@ -449,10 +456,12 @@ PTRS = {"Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "OUT": "*bf16", "L
 def build(max_seqlen_q, split):
     cfg = PA._attn_config(max_seqlen_q, 4, 128, 2)
     opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-    consts = dict(CAUSAL=True, HAS_WINDOW=False, SPLIT=split, DOT_PRECISION="tf32", GROUP=4, PAGE_SIZE=16,
+    consts = dict(CAUSAL=True, HAS_WINDOW=False, SPLIT=split, SOFTCAP=False, DOT_PRECISION="tf32", GROUP=4,
+                  PAGE_SIZE=16,
                   HEAD_DIM=128, BLOCK_D=128, **cfg)
     ptrs = dict(PTRS, OUT="*fp32") if split else PTRS
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in K.arg_names}
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("qk_scale", "softcap") else "i32")
+           for n in K.arg_names}
     aligned = [i for i, n in enumerate(K.arg_names) if n in ptrs or n.startswith("stride_")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     k = triton.compile(ASTSource(fn=K, signature=sig, constexprs=consts, attrs=attrs),
@@ -496,7 +505,8 @@ def test_llama3_8b_configs_compile_for_sm90_offline():
         ([(30, 7)], -1, False, True),  # not causal
     ],
 )
-def test_paged_attention_cpu_path_matches_reference(seqs, window, causal, consecutive, dtype):
+@pytest.mark.parametrize("softcap", [0.0, 1.5])
+def test_paged_attention_cpu_path_matches_reference(seqs, window, causal, consecutive, dtype, softcap):
     hq, hkv, d, bs = 6, 2, 40, 16
     blocks = [-(-ctx // bs) for ctx, _ in seqs]
     n = sum(blocks) + 2
@@ -514,25 +524,12 @@ def test_paged_attention_cpu_path_matches_reference(seqs, window, causal, consec
         v_cache.view(-1, hkv, d)[slots] = torch.randn(ctx, hkv, d, dtype=dtype)
     cu = torch.tensor([0, *torch.tensor([q for _, q in seqs]).cumsum(0).tolist()], dtype=torch.int32)
     ctx_lens = torch.tensor([c for c, _ in seqs], dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), hq, d, dtype=dtype)
-    args = (cu, ctx_lens, tables, d**-0.5, causal, window)
+    q = torch.randn(int(cu[-1]), hq, d, dtype=dtype) * (4 if softcap else 1)
+    args = (cu, ctx_lens, tables, d**-0.5, causal, window, softcap)
     out = PA._paged_attention_cpu(q, k_cache, v_cache, *args)
     ref = F.paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), *args)
     assert out.dtype == dtype and out.shape == q.shape and not torch.isnan(out).any()
     assert_close("out", out, ref, F.paged_attention_ref(q, k_cache, v_cache, *args, upcast=False))
-
-
-@pytest.mark.parametrize("pad", [False, True])
-def test_reshape_and_cache_cpu_path_matches_reference(pad):
-    k_cache = torch.randn(5, 4, 2, 8)
-    v_cache = torch.randn_like(k_cache)
-    k = torch.randn(3, 6, 8)[:, 1:3]  # strided, as a slice of a packed qkv
-    v = torch.randn(3, 2, 8)
-    slots = torch.tensor([7, -1 if pad else 0, 19])
-    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
-    PA._reshape_and_cache_cpu(k, v, *caches[0], slots)
-    F.reshape_and_cache_ref(k, v, *caches[1], slots)
-    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
 def test_paged_attention_cpu_path_is_the_natural_reference_backend(monkeypatch):

@@ -9,6 +9,8 @@ import fuseformer
 import fuseformer.ops as F
 from fuseformer.testing import assert_close
 
+rms_norm_fwd = importlib.import_module("fuseformer.ops.rms_norm").rms_norm_fwd
+
 # (3, 3001): the fused add + norm's default at rows of 2049..4096 is the two-loop RELOAD form.
 CPU_SHAPES = [(1, 1), (3, 123), (37, 769), (3, 3001), (5, 5125), (2, 3, 64), (4, 20000)]
 GPU_SHAPES = [(1, 1), (37, 769), (4096, 1024), (8192, 4096), (1000, 5125), (64, 65536), (3, 70001)]
@@ -21,7 +23,7 @@ def _nan_gapped(shape, dtype, device):
     return base[..., : shape[-1]]
 
 
-def _check(shape, dtype, device, *, residual, weight=True, noncontig=False, eps=1e-6):
+def _check(shape, dtype, device, *, residual, weight=True, noncontig=False, eps=1e-6, offset=0.0):
     n = shape[-1]
 
     def make(s):
@@ -29,7 +31,7 @@ def _check(shape, dtype, device, *, residual, weight=True, noncontig=False, eps=
 
     x = make(shape)
     r = make(shape) if residual else None
-    w = (1 + 0.5 * torch.randn(n, dtype=dtype, device=device)) if weight else None
+    w = (1 - offset + 0.5 * torch.randn(n, dtype=dtype, device=device)) if weight else None  # scale ~1
     leaves = [t for t in (x, w, r) if t is not None]
 
     def run(fn, cast, upcast=None):
@@ -37,7 +39,7 @@ def _check(shape, dtype, device, *, residual, weight=True, noncontig=False, eps=
         xs, ws = args[0], (args[1] if weight else None)
         rs = args[-1] if residual else None
         kw = {} if upcast is None else {"upcast": upcast}
-        out = fn(xs, ws, eps, rs, **kw) if kw else fn(xs, ws, eps=eps, residual=rs)
+        out = fn(xs, ws, eps, rs, offset=offset, **kw) if kw else fn(xs, ws, eps=eps, residual=rs, offset=offset)
         outs = list(out) if residual else [out]
         return outs, args
 
@@ -68,6 +70,32 @@ def test_rms_norm_matches_reference(shape, dtype, residual, device):
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_noncontiguous_with_nan_gaps(residual, device):
     _check((7, 300), torch.float32, device, residual=residual, noncontig=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 123), (5, 5125), (4, 20000)])  # one pass; chunked fwd; chunked bwd
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_offset_matches_reference(shape, dtype, residual, device):
+    """Gemma's scale (1 + w): forward and gradients (dw is offset-free, dx sees 1 + w)."""
+    _check(shape, dtype, device, residual=residual, offset=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_offset_is_hf_gemma_rms_norm(dtype, device):
+    """offset=1 computes what HF GemmaRMSNorm computes: (1 + w) in fp32 times the fp32 normalized
+    row, then one cast (so in fp16 the two agree to the last rounding, not only within §3)."""
+    modeling_gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
+    theirs = modeling_gemma.GemmaRMSNorm(200, eps=1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        theirs.weight.copy_(0.3 * torch.randn(200))
+    x = torch.randn(7, 200, dtype=dtype, device=device)
+    with fuseformer.use_backend("triton"):
+        y = F.rms_norm(x, theirs.weight, 1e-6, offset=1.0)
+    expected = theirs(x)
+    assert y.dtype == expected.dtype == dtype
+    torch.testing.assert_close(y, expected, rtol=1e-6 if dtype == torch.float32 else 1e-3, atol=1e-6)
+    ref = F.rms_norm_ref(x.double(), theirs.weight.double(), 1e-6, offset=1.0)
+    assert_close("y", y, ref, F.rms_norm_ref(x, theirs.weight, 1e-6, upcast=False, offset=1.0))
 
 
 def test_rms_norm_without_weight(device):
@@ -120,6 +148,9 @@ def test_rms_norm_float64_runs_on_reference(device):
         (dict(x=torch.randn(3, 8), weight=torch.randn(8), residual=torch.randn(2, 3, 8)), r"\(the shape of x\)"),
         (dict(x=torch.tensor(1.0), weight=None), "x must have at least 1 dim"),
         (dict(x=torch.randn(3, 8), weight=torch.randn(8), eps=-1.0), "eps must be"),
+        (dict(x=torch.randn(3, 8), weight=torch.randn(8), offset="1"), "offset must be a finite float"),
+        (dict(x=torch.randn(3, 8), weight=torch.randn(8), offset=float("nan")), "offset must be a finite float"),
+        (dict(x=torch.randn(3, 8), weight=None, offset=1.0), "offset 1.0 needs a weight"),
     ],
 )
 def test_rms_norm_bad_input(kwargs, match):
@@ -140,7 +171,7 @@ def test_rms_norm_compiles_fullgraph(device, compile_backend):
 
     def fn(x, r, w):
         y, h = F.rms_norm(x, w, residual=r)
-        return F.rms_norm(y * 2, w) + h
+        return F.rms_norm(y * 2, w, offset=1.0) + h  # the offset is a float of the op's schema
 
     with fuseformer.use_backend("triton"):
         eager = fn(x, r, w)
@@ -179,6 +210,8 @@ def test_rms_norm_custom_ops_pass_opcheck(residual, device):
     with fuseformer.use_backend("triton"):
         torch.library.opcheck(_rms_norm_fwd_op, (x, w, r, 1e-6))
         torch.library.opcheck(_rms_norm_bwd_op, (torch.randn(5, 40, device=device), xn, w.detach(), rstd, dh))
+        torch.library.opcheck(_rms_norm_fwd_op, (x, w, r, 1e-6, 1.0))  # Gemma's offset
+        torch.library.opcheck(_rms_norm_bwd_op, (torch.randn(5, 40, device=device), xn, w.detach(), rstd, dh, 1.0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,7 +277,8 @@ def test_rms_norm_backward_with_an_undefined_output_gradient(device):
 def test_rms_norm_dw_reduction_over_many_partials(device):
     """dw from more partial rows than one step of the reduction kernel takes (N 5000: BLOCK_P 64;
     one row a program in the backward, so M 100 gives 100 partial rows)."""
-    from fuseformer.ops.rms_norm import _dw_plan, rms_norm_bwd, rms_norm_fwd
+    from fuseformer.ops.rms_norm import rms_norm_bwd, rms_norm_fwd
+    from fuseformer.ops.rms_norm_bwd import _dw_plan
 
     m, n = 100, 5000
     assert _dw_plan(n)[0].kwargs["BLOCK_P"] < m
@@ -267,7 +301,7 @@ def _spy_launches(monkeypatch):
     backward kernel, "dw" for the dw reduction kernel."""
     import importlib
 
-    rn = importlib.import_module("fuseformer.ops.rms_norm")
+    rn = importlib.import_module("fuseformer.ops.rms_norm_bwd")
     launches = []
 
     def spy(real, tag=None):
@@ -338,7 +372,7 @@ def test_rms_norm_single_launch_rule(device):
     rows and no-weight calls do not (the last have no dw: one launch anyway)."""
     import importlib
 
-    rn = importlib.import_module("fuseformer.ops.rms_norm")
+    rn = importlib.import_module("fuseformer.ops.rms_norm_bwd")
     assert rn._fused_dw_rows(4096, 1024, 264) == 17  # the small-rows goal shape: P 264, groups of 17
     assert rn._fused_dw_rows(4096, 2048, 264) == 17
     assert rn._fused_dw_rows(4096, 4096, 264) == 0  # the tail would read 33 rows of 4096
@@ -356,9 +390,11 @@ def test_rms_norm_backward_takes_the_rules_launch_for_every_m(device, monkeypatc
     and around the element limit. Launches are recorded, not run."""
     import importlib
 
-    rn = importlib.import_module("fuseformer.ops.rms_norm")
+    rn = importlib.import_module("fuseformer.ops.rms_norm_bwd")
     launches = []
-    monkeypatch.setattr(rn, "_bwd_launcher", lambda grid, cfg, tensors, ints: launches.append((grid, cfg, ints[-1])))
+    monkeypatch.setattr(
+        rn, "_bwd_launcher", lambda grid, cfg, tensors, ints, floats=(): launches.append((grid, cfg, ints[-1]))
+    )
     monkeypatch.setattr(rn, "_dw_launcher", lambda *args: None)
     n = 1024
     w = torch.ones(n, device=device)
@@ -430,7 +466,7 @@ def test_rms_norm_public_backward_takes_one_launch(residual, device, monkeypatch
         grads = torch.autograd.grad([y, h] if residual else [y], (x, w), [dy, dy] if residual else [dy])
     assert launches == [True]
     launches.clear()
-    _, _, rstd = rn.rms_norm_fwd(x.detach(), w.detach(), r.detach() if residual else None, 1e-6)
+    _, _, rstd = rms_norm_fwd(x.detach(), w.detach(), r.detach() if residual else None, 1e-6)
     xn = (x + r).detach() if residual else x.detach()
     dx, dw = rn.rms_norm_bwd(dy, xn, w.detach(), rstd, dy if residual else None, fused_dw=False)
     torch.testing.assert_close(grads[0], dx, rtol=0, atol=0)
@@ -469,45 +505,6 @@ def test_rms_norm_single_launch_under_graph_capture_and_streams(monkeypatch):
     assert_close("dw", dw_g, refs[1], bases[1])
 
 
-def test_spec_key_determines_triton_specialization():
-    """Equal spec_key entries mean equal Triton specializations (the direct launch's cache is
-    keyed on spec_key): checked against Triton's own native_specialize_impl, per argument."""
-    libtriton = pytest.importorskip("triton._C.libtriton")
-    from triton.backends.compiler import BaseBackend
-
-    from fuseformer.ops._utils import spec_key
-
-    def triton_spec(arg):
-        return libtriton.native_specialize_impl(BaseBackend, arg, False, True, True)
-
-    ints = [0, 1, 2, 15, 16, 17, 31, 32, 33, 48, 1023, 1024, 1025, 4096, 70001, 2**31 - 16, 2**31 - 1]
-    ints += [2**31, 2**31 + 1, 2**31 + 16, 2**32, 2**40 + 3, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16]
-    ints += [-1, -15, -16, -17, -(2**31), -(2**31) - 1, -(2**31) - 16, -(2**63)]
-    seen: dict = {}
-    for v in ints:
-        _, key = spec_key((), (v,))
-        assert seen.setdefault(("int", key), triton_spec(v)) == triton_spec(v), v
-    buf = torch.zeros(256, dtype=torch.uint8)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int64):
-        size = dtype.itemsize
-        for offset in range(0, 64, size):  # every alignment the dtype allows
-            t = buf[offset : offset + 8 * size].view(dtype)
-            ptrs, key = spec_key((t,), ())
-            assert ptrs == [t.data_ptr()]
-            assert seen.setdefault(("ptr", key), triton_spec(t)) == triton_spec(t), (dtype, offset)
-    # Keys of different kinds never collide (a pointer key holds a dtype; an int key does not).
-    assert len({k for kind, k in seen}) == len(seen)
-    # Several pointers, aligned or not in every combination: equal keys, equal specializations of each.
-    views = [buf[offset : offset + 32].view(torch.float16) for offset in (0, 2, 16, 30)]
-    pairs: dict = {}
-    for a in views:
-        for b in views:
-            _, key = spec_key((a, b), (16, 17))
-            assert pairs.setdefault(key, (triton_spec(a), triton_spec(b))) == (triton_spec(a), triton_spec(b))
-    assert len(pairs) > 2
-    assert spec_key((), [1, 16, 2**31])[1] == spec_key((), (1, 16, 2**31))[1]  # ints as a list (rotary's)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("residual", [False, True])
@@ -518,7 +515,8 @@ def test_rms_norm_fast_launch_matches_normal_launch(dtype, residual):
     from fuseformer.testing import skip_unless_direct_launch_triton
 
     skip_unless_direct_launch_triton()
-    from fuseformer.ops.rms_norm import _bwd_launcher, _dw_launcher, _fwd_launcher
+    from fuseformer.ops.rms_norm import _fwd_launcher
+    from fuseformer.ops.rms_norm_bwd import _bwd_launcher, _dw_launcher
 
     launchers = (_fwd_launcher, _bwd_launcher, _dw_launcher)
 
@@ -580,8 +578,8 @@ def test_rms_norm_reload_forward_matches_two_pass(device):
 # torch's fused rms_norm, outputs and gradients against the fp64 reference.
 @pytest.mark.parametrize("shape", [(1, 576), (3, 123), (2, 3, 64)])
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("weight", [False, True])
-def test_rms_norm_cpu_path_matches_reference(shape, residual, weight, monkeypatch):
+@pytest.mark.parametrize("weight, offset", [(False, 0.0), (True, 0.0), (True, 1.0)])
+def test_rms_norm_cpu_path_matches_reference(shape, residual, weight, offset, monkeypatch):
     rn = importlib.import_module("fuseformer.ops.rms_norm")
     monkeypatch.setattr(rn, "choose_backend", lambda *args: "reference")  # as on a CPU-only install
     calls = []
@@ -590,13 +588,13 @@ def test_rms_norm_cpu_path_matches_reference(shape, residual, weight, monkeypatc
     n = shape[-1]
     leaves = [
         torch.randn(shape),
-        (1 + 0.5 * torch.randn(n)) if weight else None,
+        (1 - offset + 0.5 * torch.randn(n)) if weight else None,
         torch.randn(shape) if residual else None,
     ]
 
     def run(fn, cast, **kw):
         args = [t.detach().to(cast).requires_grad_() if t is not None else None for t in leaves]
-        out = fn(args[0], args[1], 1e-6, args[2], **kw)
+        out = fn(args[0], args[1], 1e-6, args[2], offset=offset, **kw)
         return (list(out) if residual else [out]), [a for a in args if a is not None]
 
     outs, args = run(F.rms_norm, torch.float32)
@@ -612,5 +610,8 @@ def test_rms_norm_cpu_path_matches_reference(shape, residual, weight, monkeypatc
     for a, rf, b in zip(args, ref_args, base_args):
         assert_close("grad", a.grad, rf.grad, b.grad)
     with fuseformer.use_backend("reference"):  # forced: the reference itself
-        F.rms_norm(leaves[0], leaves[1], 1e-6, leaves[2])
+        forced = F.rms_norm(leaves[0], leaves[1], 1e-6, leaves[2], offset=offset)
     assert calls == [1]
+    with torch.no_grad():  # the in-place form of the CPU path, bitwise the reference's
+        fast = F.rms_norm(leaves[0], leaves[1], 1e-6, leaves[2], offset=offset)
+    torch.testing.assert_close(fast, forced, rtol=0, atol=0)

@@ -2,8 +2,8 @@
 
 - with nothing cached, each op resolves exactly the config it used before the cache (the H200-measured
   tables and rules, hard-coded here so that a silent change fails);
-- a config stored for the op's key is the one it launches with, and explicit overrides
-  (``config=``, attention's ``CONFIG_OVERRIDES``) still win over it;
+- a config stored for the op's key is the one it launches with, and a launcher's explicit ``config=``
+  still wins over it;
 - a corrupt cache file or a stored config that does not fit is ignored with a warning;
 - the lookup happens once per plan (shape bucket, flags, dtype, device), not per call.
 """
@@ -18,12 +18,14 @@ from fuseformer.ops._utils import covers_row
 from fuseformer.runtime import autotune
 
 RN = importlib.import_module("fuseformer.ops.rms_norm")
+RN_BWD = importlib.import_module("fuseformer.ops.rms_norm_bwd")
 LN = importlib.import_module("fuseformer.ops.layer_norm")
 ACT = importlib.import_module("fuseformer.ops.activations")
 ROT = importlib.import_module("fuseformer.ops.rotary")
 CE = importlib.import_module("fuseformer.ops.cross_entropy")
 PA = importlib.import_module("fuseformer.ops.paged_attention")
 ATT = importlib.import_module("fuseformer.ops.attention")
+ATT_CFG = importlib.import_module("fuseformer.ops._attention_common")  # attention's launch configs
 ATT_BWD = importlib.import_module("fuseformer.ops.attention_bwd")
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -43,7 +45,7 @@ def h200(monkeypatch):
     a GPU run may change, left out)."""
     monkeypatch.setattr(autotune, "gpu_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(autotune, "_shipped", lambda kernel: {})
-    monkeypatch.setattr(ATT, "INTERPRET", False)
+    monkeypatch.setattr(ATT_CFG, "INTERPRET", False)
     autotune.clear_memory()
 
 
@@ -138,11 +140,11 @@ def test_defaults_are_the_pre_cache_values(gpu, request):
             assert _pick(cfg, *NORM4, "RELOAD") == want and set(cfg) == {*NORM4, "RELOAD"}, (n, res)
             assert RN._fwd_plan(n, res, True, True, dtype, torch.device("cpu"))[1] == want[0]
     for n, want in RMS_BWD.items():
-        assert _pick(RN.bwd_config(n, False, BF16, -1), *NORM4, "programs_per_sm") == want, n
-        assert _pick(RN.bwd_config(n, True, FP32, -1), *NORM4, "programs_per_sm") == want, n
+        assert _pick(RN_BWD.bwd_config(n, False, BF16, -1), *NORM4, "programs_per_sm") == want, n
+        assert _pick(RN_BWD.bwd_config(n, True, FP32, -1), *NORM4, "programs_per_sm") == want, n
     for n, want in RMS_DW.items():
-        assert _pick(RN.dw_config(n, -1), "BLOCK_P", "BLOCK_N", "num_warps") == want, n
-        assert RN._dw_plan(n)[0].kwargs == dict(zip(("BLOCK_P", "BLOCK_N", "num_warps"), want, strict=True))
+        assert _pick(RN_BWD.dw_config(n, -1), "BLOCK_P", "BLOCK_N", "num_warps") == want, n
+        assert RN_BWD._dw_plan(n)[0].kwargs == dict(zip(("BLOCK_P", "BLOCK_N", "num_warps"), want, strict=True))
     for n, want in LN_FWD.items():
         assert _pick(LN.fwd_config(n, False, BF16, "cpu"), *NORM4) == want, n
         assert _pick(LN.fwd_config(n, True, FP32, "cpu"), *NORM4) == want, n
@@ -159,8 +161,8 @@ def test_defaults_are_the_pre_cache_values(gpu, request):
     for args, want in PAGED.items():
         assert _pick(PA._attn_config(*args), *KC, "HEADS") == want, args
     for (kind, block_d, bounded), want in ATTN.items():
-        cfg = ATT.kernel_config(kind, block_d, bounded, BF16, "cpu")
-        expected = ATTN_INTERPRET[kind] if ATT.INTERPRET else want
+        cfg = ATT_CFG.kernel_config(kind, block_d, bounded, BF16, "cpu")
+        expected = ATTN_INTERPRET[kind] if ATT_CFG.INTERPRET else want
         assert _pick(_fields(cfg), *KC) == expected, (kind, block_d)
         assert cfg.warp_specialize == 0
 
@@ -171,10 +173,10 @@ def _fields(cfg) -> dict:
 
 def test_attention_keeps_the_interpreter_configs():
     """Under TRITON_INTERPRET=1 (how CI runs) the small interpreter configs stay the default."""
-    if not ATT.INTERPRET:
+    if not ATT_CFG.INTERPRET:
         pytest.skip("not under the interpreter")
     for kind, want in ATTN_INTERPRET.items():
-        assert _pick(_fields(ATT.kernel_config(kind, 128, True, torch.float16, "cpu")), *KC) == want
+        assert _pick(_fields(ATT_CFG.kernel_config(kind, 128, True, torch.float16, "cpu")), *KC) == want
 
 
 def test_keys():
@@ -184,7 +186,7 @@ def test_keys():
     assert ROT.config_key(16, 8, 64, 0, BF16) == "S16-H8-K64-P0-bfloat16"
     assert CE.config_key(128256, True, BF16) == "V131072-grad-bfloat16"
     assert PA.config_key(True, 16, 128, 2) == "decode-R16-D128-E2"
-    assert ATT.config_key(128, False, torch.float16) == "D128-full-float16"
+    assert ATT_CFG.config_key(128, False, torch.float16) == "D128-full-float16"
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,11 +209,12 @@ def test_rms_norm_launches_with_stored_configs(monkeypatch):
     bwd = dict(BLOCK_M=1, BLOCK_N=64, SINGLE_PASS=False, num_warps=2, programs_per_sm=3)
     dw = dict(BLOCK_P=8, BLOCK_N=16, num_warps=1)
     autotune.store(RN.FWD_KERNEL, RN.config_key(n, True, FP32), fwd, "cpu")
-    autotune.store(RN.BWD_KERNEL, RN.config_key(n, False, FP32), bwd, "cpu")
-    autotune.store(RN.DW_KERNEL, f"N{autotune.bucket(n)}", dw, "cpu")
-    spies = {name: _LauncherSpy(getattr(RN, name)) for name in ("_fwd_launcher", "_bwd_launcher", "_dw_launcher")}
+    autotune.store(RN_BWD.BWD_KERNEL, RN.config_key(n, False, FP32), bwd, "cpu")
+    autotune.store(RN_BWD.DW_KERNEL, f"N{autotune.bucket(n)}", dw, "cpu")
+    modules = dict(_fwd_launcher=RN, _bwd_launcher=RN_BWD, _dw_launcher=RN_BWD)
+    spies = {name: _LauncherSpy(getattr(mod, name)) for name, mod in modules.items()}
     for name, spy in spies.items():
-        monkeypatch.setattr(RN, name, spy)
+        monkeypatch.setattr(modules[name], name, spy)
     x, r, w, dy = torch.randn(m, n), torch.randn(m, n), torch.randn(n), torch.randn(m, n)
     y, h, rstd = RN.rms_norm_fwd(x, w, r, 1e-6)
     dx, dw_out = RN.rms_norm_bwd(dy, h, w, rstd)
@@ -227,7 +230,7 @@ def test_rms_norm_launches_with_stored_configs(monkeypatch):
     torch.testing.assert_close(dx, hd.grad.float(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(dw_out, wd.grad.float(), rtol=1e-4, atol=1e-3)
     # Another key (no residual) keeps the default; explicit config= still wins over the cache.
-    assert RN.fwd_config(n, False, FP32, "cpu") == RN._fwd_config(n)
+    assert RN.fwd_config(n, False, FP32, "cpu") == RN.default_config(n)
     explicit = dict(BLOCK_M=4, BLOCK_N=256, SINGLE_PASS=True, num_warps=4)
     RN.rms_norm_fwd(x, w, r, 1e-6, config=explicit)
     assert {k: spies["_fwd_launcher"].seen[-1][k] for k in explicit} == explicit
@@ -257,11 +260,8 @@ def test_other_ops_resolve_stored_configs():
     assert CE.ce_config(32000, True, BF16, "cpu") == dict(BLOCK_V=4096, num_warps=8)
     cfg = PA._attn_config(1, 4, 128, 2, "cpu")
     assert _pick(cfg, *KC, "HEADS") == (32, 16, 2, 1, 4)
-    PA.CONFIG_OVERRIDES["decode"]["BLOCK_M"] = 16  # overrides apply on top of the cached config
-    try:
-        assert _pick(PA._attn_config(1, 4, 128, 2, "cpu"), *KC, "HEADS") == (16, 16, 2, 1, 4)
-    finally:
-        PA.CONFIG_OVERRIDES["decode"].clear()
+    # An explicit config (paged_attention_fwd's config=) goes on top of the cached one, for that call only.
+    assert _pick(PA._attn_config(1, 4, 128, 2, "cpu", dict(BLOCK_M=16)), *KC, "HEADS") == (16, 16, 2, 1, 4)
     assert PA._attn_config(1, 4, 128, 2, "cpu")["BLOCK_M"] == 32
 
 
@@ -281,29 +281,27 @@ def test_ops_run_with_stored_configs():
     torch.testing.assert_close(ACT.glu_fwd(gate, up, "silu"), ACT.glu_ref(gate, up, "silu"))
 
 
-def test_attention_stored_config_under_overrides(monkeypatch):
+def test_attention_stored_config_under_an_explicit_config():
     stored = dict(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1, warp_specialize=0)
-    autotune.store(ATT.KERNELS["fwd"], ATT.config_key(32, True, torch.float16), stored, "cpu")
-    autotune.store(ATT.KERNELS["bwd_dq"], ATT.config_key(32, False, torch.float16), stored, "cpu")
-    fwd = lambda: _fields(ATT.kernel_config("fwd", 32, True, torch.float16, "cpu"))  # noqa: E731
-    assert fwd() == stored
-    # Overrides go on top of the cached lookup, read on every call: never hidden by the cache.
-    monkeypatch.setitem(ATT.CONFIG_OVERRIDES, "fwd", {"BLOCK_N": 32})
-    assert fwd() == dict(stored, BLOCK_N=32)
-    monkeypatch.setitem(ATT.CONFIG_OVERRIDES, "fwd", {})
+    autotune.store(ATT_CFG.KERNELS["fwd"], ATT_CFG.config_key(32, True, torch.float16), stored, "cpu")
+    autotune.store(ATT_CFG.KERNELS["bwd_dq"], ATT_CFG.config_key(32, False, torch.float16), stored, "cpu")
+    fwd = lambda config=None: _fields(ATT_CFG.resolve_config("fwd", config, 32, True, torch.float16, "cpu"))  # noqa: E731
+    assert fwd() == stored == _fields(ATT_CFG.kernel_config("fwd", 32, True, torch.float16, "cpu"))
+    # A launcher's config= goes on top of the cached lookup, for that call only: never hidden by the cache.
+    assert fwd(dict(BLOCK_N=32)) == dict(stored, BLOCK_N=32)
     assert fwd() == stored
     # The key is per (head dim, causal or full, dtype).
-    assert _fields(ATT.kernel_config("fwd", 32, False, torch.float16, "cpu")) != stored
-    assert _fields(ATT.kernel_config("fwd", 32, True, torch.bfloat16, "cpu")) != stored
-    assert _fields(ATT.kernel_config("bwd_dq", 32, False, torch.float16, "cpu")) == stored
+    assert _fields(ATT_CFG.kernel_config("fwd", 32, False, torch.float16, "cpu")) != stored
+    assert _fields(ATT_CFG.kernel_config("fwd", 32, True, torch.bfloat16, "cpu")) != stored
+    assert _fields(ATT_CFG.kernel_config("bwd_dq", 32, False, torch.float16, "cpu")) == stored
 
 
 def test_attention_launchers_ask_with_their_shape(monkeypatch):
     """flash_attention_fwd / _bwd resolve the config of their (head dim, bound, dtype, device)."""
     configs = {k: dict(BLOCK_M=16, BLOCK_N=16, num_warps=1 + i, num_stages=1, warp_specialize=0)
-               for i, k in enumerate(ATT.KERNELS)}  # fmt: skip
+               for i, k in enumerate(ATT_CFG.KERNELS)}  # fmt: skip
     for kind, cfg in configs.items():
-        autotune.store(ATT.KERNELS[kind], ATT.config_key(32, False, torch.float16), cfg, "cpu")
+        autotune.store(ATT_CFG.KERNELS[kind], ATT_CFG.config_key(32, False, torch.float16), cfg, "cpu")
     seen = []
 
     def spy(kernel, grid_fn, cfg, args, consts, key):
@@ -322,19 +320,19 @@ def test_attention_launchers_ask_with_their_shape(monkeypatch):
 # --------------------------------------------------------------------------------------------
 # Bad cache entries are ignored with a warning; lookups are once per plan
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kernel", [RN.FWD_KERNEL, ATT.KERNELS["fwd"], CE.KERNEL])
+@pytest.mark.parametrize("kernel", [RN.FWD_KERNEL, ATT_CFG.KERNELS["fwd"], CE.KERNEL])
 def test_a_corrupt_cache_file_is_ignored_with_a_warning(kernel):
     path = autotune.cache_path(kernel, "cpu")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("{not json")
     with pytest.warns(UserWarning, match="unreadable"):
         if kernel == RN.FWD_KERNEL:
-            assert RN.fwd_config(4096, True, BF16, "cpu") == RN._fwd_config(4096, True)
+            assert RN.fwd_config(4096, True, BF16, "cpu") == RN.default_config(4096, True)
         elif kernel == CE.KERNEL:
             assert CE.ce_config(32000, True, BF16, "cpu") == CE._config(32000)
         else:
-            cfg = ATT.kernel_config("fwd", 128, True, BF16, "cpu")
-            assert cfg == ATT._default_config("fwd", 128, True)
+            cfg = ATT_CFG.kernel_config("fwd", 128, True, BF16, "cpu")
+            assert cfg == ATT_CFG.default_config("fwd", 128, True)
 
 
 @pytest.mark.parametrize(
@@ -349,7 +347,7 @@ def test_a_corrupt_cache_file_is_ignored_with_a_warning(kernel):
 def test_a_stored_config_that_does_not_fit_is_ignored(cfg, match):
     autotune.store(RN.FWD_KERNEL, RN.config_key(4096, False, FP32), cfg, "cpu")
     with pytest.warns(UserWarning, match=match):
-        assert RN.fwd_config(4096, False, FP32, "cpu") == RN._fwd_config(4096)
+        assert RN.fwd_config(4096, False, FP32, "cpu") == RN.default_config(4096)
     # The forward still runs (on the default) and is right.
     x = torch.randn(3, 4096)
     with pytest.warns(UserWarning, match=match):
@@ -370,39 +368,33 @@ def test_the_lookup_happens_once_per_plan(monkeypatch):
     with fuseformer.use_backend("triton"):
         for _ in range(3):
             fuseformer.ops.rms_norm(x, w)
-            ATT.kernel_config("fwd", 64, True, torch.float16, "cpu")
-    assert calls == [RN.FWD_KERNEL, ATT.KERNELS["fwd"]]
+            ATT_CFG.kernel_config("fwd", 64, True, torch.float16, "cpu")
+    assert calls == [RN.FWD_KERNEL, ATT_CFG.KERNELS["fwd"]]
     # A store empties the plans: the next call looks the new config up.
-    autotune.store(RN.FWD_KERNEL, RN.config_key(64, False, FP32), RN._fwd_config(64), "cpu")
+    autotune.store(RN.FWD_KERNEL, RN.config_key(64, False, FP32), RN.default_config(64), "cpu")
     with fuseformer.use_backend("triton"):
         fuseformer.ops.rms_norm(x, w)
     assert calls[-1] == RN.FWD_KERNEL and len(calls) == 3
 
 
 # --------------------------------------------------------------------------------------------
-# Tuners
+# Tuning candidates (what bench/tune.py times)
 # --------------------------------------------------------------------------------------------
-def test_tuners_are_registered_for_tune_all():
-    for kernel in ("rms_norm_fwd", "rms_norm_bwd", "attention_fwd", "attention_bwd"):
-        assert kernel in autotune._TUNER_MODULES
-        importlib.import_module(autotune._TUNER_MODULES[kernel])
-        assert kernel in autotune._TUNERS
-
-
 def test_candidates_start_with_the_default_and_fit():
     for n in (1024, 4096, 8192, 65536):
         for res in (False, True):
             for quick in (False, True):
-                cands = RN.fwd_candidates(n, res, quick)
-                assert cands[0] == RN._fwd_config(n, res) and len(cands) > 1
+                cands = RN.candidate_configs(n, res, quick)
+                assert cands[0] == RN.default_config(n, res) and len(cands) > 1
                 assert all(set(c) == set(RN._FWD_FIELDS) and covers_row(n)(c) for c in cands)
                 assert len(cands) <= 8 or not quick
-        cands = RN.bwd_candidates(n, quick=True)
-        assert cands[0] == RN._bwd_config(n) and all(set(c) == set(RN._BWD_FIELDS) and covers_row(n)(c) for c in cands)
-    for kind in ATT.KERNELS:
+        cands = RN_BWD.candidate_configs(n, quick=True)
+        assert cands[0] == RN_BWD.default_config(n)
+        assert all(set(c) == set(RN_BWD._BWD_FIELDS) and covers_row(n)(c) for c in cands)
+    for kind in ATT_CFG.KERNELS:
         for block_d, bounded in ((64, True), (128, False), (256, True)):
             for quick in (False, True):
-                cands = ATT.candidate_configs(kind, block_d, bounded, quick)
-                assert cands[0] == _fields(ATT._default_config(kind, block_d, bounded))
-                assert all(set(c) == set(ATT._FIELDS) for c in cands) and len(cands) > 1
+                cands = ATT_CFG.candidate_configs(kind, block_d, bounded, quick)
+                assert cands[0] == _fields(ATT_CFG.default_config(kind, block_d, bounded))
+                assert all(set(c) == set(ATT_CFG._FIELDS) for c in cands) and len(cands) > 1
                 assert len(cands) <= 8 or not quick

@@ -1,9 +1,10 @@
-"""The Triton-version gates: the direct launch (ops/_utils.py) only on the Triton whose launch path it
+"""The Triton-version gates: the direct launch (runtime/launch.py) only on the Triton whose launch path it
 re-implements (3.6.x), the Gluon kernels (ops/_gluon.py) only where Triton's Gluon is the API they were
 written for; elsewhere ``kernel[grid]`` and the Triton kernels, which must compute the same.
 
 CI runs these under the oldest and the newest supported Triton (.ci/run), so each branch of each gate
-is pinned on both, with the detected version faked where the installed one does not reach it."""
+is pinned on both, with the detected version faked where the installed one does not reach it. (The launch
+path's own mechanics: tests/runtime/test_launch.py.)"""
 
 import inspect
 import subprocess
@@ -15,28 +16,29 @@ import torch
 import triton
 
 import fuseformer.ops as F
-from fuseformer.ops import _gluon, _utils
+from fuseformer.ops import _gluon
 from fuseformer.ops import activations as A
 from fuseformer.ops import attention as attn_mod
 from fuseformer.ops import mlp as mlp_mod
+from fuseformer.runtime import launch
 from fuseformer.testing import assert_close
 
 HAS_CUDA = torch.cuda.is_available()
-FORMAT = _utils._LAUNCH_ARGS_FORMAT
+FORMAT = launch._LAUNCH_ARGS_FORMAT
 
 
 # --------------------------------------------------------------------------------------------
 # Direct launch
 # --------------------------------------------------------------------------------------------
 def test_direct_launch_layout_only_on_triton_3_6():
-    assert _utils.launch_layout_problem("3.6.0", False, FORMAT) is None
-    assert _utils.launch_layout_problem("3.6.1", False, FORMAT) is None
+    assert launch.launch_layout_problem("3.6.0", False, FORMAT) is None
+    assert launch.launch_layout_problem("3.6.1", False, FORMAT) is None
     for version in ("3.5.1", "3.7.0", "3.8.0", "3.9.0", "4.0.0", "3.60.0"):
-        problem = _utils.launch_layout_problem(version, False, FORMAT)
+        problem = launch.launch_layout_problem(version, False, FORMAT)
         assert problem is not None and version in problem and "3.6.x" in problem
-    assert "interpreter" in _utils.launch_layout_problem("3.6.0", True, FORMAT)
-    assert "C launcher" in _utils.launch_layout_problem("3.6.0", False, None)  # a 3.6 build with another driver
-    assert "C launcher" in _utils.launch_layout_problem("3.6.0", False, "iiiKKOOOO")
+    assert "interpreter" in launch.launch_layout_problem("3.6.0", True, FORMAT)
+    assert "C launcher" in launch.launch_layout_problem("3.6.0", False, None)  # a 3.6 build with another driver
+    assert "C launcher" in launch.launch_layout_problem("3.6.0", False, "iiiKKOOOO")
 
 
 def _pretend(monkeypatch, version, interpret=False, cuda=True):
@@ -45,7 +47,7 @@ def _pretend(monkeypatch, version, interpret=False, cuda=True):
     from triton import knobs
     from triton.backends.nvidia import driver
 
-    monkeypatch.setattr(_utils, "_triton_version", lambda: version)
+    monkeypatch.setattr(launch, "_triton_version", lambda: version)
     monkeypatch.setattr(knobs.runtime, "interpret", interpret)
     monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", FORMAT, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
@@ -53,11 +55,11 @@ def _pretend(monkeypatch, version, interpret=False, cuda=True):
 
 def test_launch_path_is_direct_on_triton_3_6_with_cuda(monkeypatch):
     _pretend(monkeypatch, "3.6.0")
-    path, why = _utils.launch_path()
+    path, why = launch.launch_path()
     assert path == "direct" and "3.6.0" in why
-    assert _utils.triton_launch_layout_known()
-    with _utils.fast_launch(False):
-        assert _utils.launch_path() == (
+    assert launch.triton_launch_layout_known()
+    with launch.fast_launch(False):
+        assert launch.launch_path() == (
             "kernel[grid]",
             "the direct launch is turned off (FUSEFORMER_FAST_LAUNCH=0 or fast_launch(False))",
         )
@@ -66,28 +68,28 @@ def test_launch_path_is_direct_on_triton_3_6_with_cuda(monkeypatch):
 @pytest.mark.parametrize("version", ["3.7.0", "3.8.0", "3.9.0", "3.5.1"])
 def test_launch_path_is_kernel_grid_on_other_tritons(monkeypatch, version):
     _pretend(monkeypatch, version)
-    path, why = _utils.launch_path()
+    path, why = launch.launch_path()
     assert path == "kernel[grid]" and version in why
-    assert not _utils.triton_launch_layout_known()
+    assert not launch.triton_launch_layout_known()
     # A Launcher decides at its first launch: never the direct path on this Triton.
-    assert _utils.Launcher(A._glu_fwd_kernel)._decide() is False
+    assert launch.Launcher(A._glu_fwd_kernel)._decide() is False
 
 
 def test_launch_path_without_cuda_or_under_the_interpreter(monkeypatch):
     _pretend(monkeypatch, "3.6.0", cuda=False)
-    assert _utils.launch_path() == ("kernel[grid]", "no CUDA device")
+    assert launch.launch_path() == ("kernel[grid]", "no CUDA device")
     _pretend(monkeypatch, "3.6.0", interpret=True)
-    path, why = _utils.launch_path()
+    path, why = launch.launch_path()
     assert path == "kernel[grid]" and "interpreter" in why
 
 
 def test_launch_path_of_this_process():
     """What the installed Triton gets (the function ``fuseformer info`` reads)."""
-    path, why = _utils.launch_path()
+    path, why = launch.launch_path()
     assert path in ("direct", "kernel[grid]") and why
     if path == "direct":
-        assert triton.__version__.startswith(_utils.DIRECT_LAUNCH_TRITON) and HAS_CUDA
-    if not triton.__version__.startswith(_utils.DIRECT_LAUNCH_TRITON):
+        assert triton.__version__.startswith(launch.DIRECT_LAUNCH_TRITON) and HAS_CUDA
+    if not triton.__version__.startswith(launch.DIRECT_LAUNCH_TRITON):
         assert path == "kernel[grid]" and triton.__version__ in why
 
 
@@ -95,8 +97,8 @@ def test_launch_path_of_this_process():
 def test_kernel_grid_fallback_computes_under_the_interpreter(monkeypatch):
     """On a Triton the direct launch was not written for, every launch is kernel[grid] (a miss each)
     and the op's result is the reference's."""
-    monkeypatch.setattr(_utils, "_triton_version", lambda: "3.9.0")
-    launcher = _utils.Launcher(A._glu_fwd_kernel)
+    monkeypatch.setattr(launch, "_triton_version", lambda: "3.9.0")
+    launcher = launch.Launcher(A._glu_fwd_kernel)
     monkeypatch.setattr(A, "_fwd_launcher", launcher)
     for m, n in ((37, 123), (37, 123), (1, 769)):
         gate, up = torch.randn(m, n), torch.randn(m, n)
@@ -168,9 +170,9 @@ def test_gate_decisions_at_import_under_a_faked_triton_version():
     """A fresh process that sees Triton 3.9.0: Gluon off, kernel[grid], and the ops still import."""
     script = (
         "import triton; triton.__version__ = '3.9.0'\n"
-        "from fuseformer.ops import _gluon, _utils\n"
+        "from fuseformer.ops import _gluon\nfrom fuseformer.runtime import launch\n"
         "import fuseformer.ops\n"
-        "print(_gluon.HAVE_GLUON, _utils.launch_path()[0], _utils.triton_launch_layout_known())\n"
+        "print(_gluon.HAVE_GLUON, launch.launch_path()[0], launch.triton_launch_layout_known())\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
