@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import gc
 import signal
 import sys
@@ -96,13 +95,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="with --overlap-prefill on CUDA, run that prefill on a second CUDA stream, beside the decode step "
         "in flight rather than queued behind it (default: on with a CUDA device)",
     )
-    p.add_argument(
-        "--engine-process",
-        action="store_true",
-        help="run the engine in a process of its own (no GIL shared with the HTTP server; experimental: "
-        "on an H200 it was no faster than the engine thread)",
-    )
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template of /v1/chat/completions instead of the model's: a file, or the template itself "
+        "(jinja2 source, told apart by its '{{' or '{%%')",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a request's own chat_template (sandboxed, but a template may loop for as long as it likes; "
+        "default: a 400 naming chat_template, as vLLM)",
+    )
     p.add_argument(
         "--max-stream-overhead",
         type=float,
@@ -146,6 +151,29 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def _error(message: str, code: int) -> int:
     print(f"fuseformer serve: error: {message}", file=sys.stderr)
     return code
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s template: the file ``value`` names, else ``value`` itself when it reads as a
+    template (it has ``{{`` or ``{%``); ValueError otherwise, or when the template does not compile."""
+    from fuseformer.models.tokenizer import compile_chat_template
+
+    path = Path(value)
+    try:
+        is_file = path.is_file()
+    except OSError:  # a name too long for the file system: an inline template
+        is_file = False
+    if is_file:
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read {path}: {exc}") from exc
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ValueError(f"no file {value!r} (a template given inline must have '{{{{' or '{{%')")
+    compile_chat_template(template)  # ChatTemplateError (a ValueError) when it does not compile
+    return template
 
 
 # The GIL's switch interval while serving (Python's default: 5 ms). The event loop and the engine thread
@@ -287,6 +315,12 @@ def run_serve(args: argparse.Namespace) -> int:
     for flag in ("shutdown_timeout", "header_timeout", "timeout_keep_alive"):
         if not getattr(args, flag) > 0:
             return _error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}", 2)
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = read_chat_template(args.chat_template)
+        except ValueError as exc:
+            return _error(f"--chat-template: {exc}", 2)
 
     from fuseformer.engine.async_engine import AsyncEngine
     from fuseformer.engine.llm import LLM
@@ -310,27 +344,26 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     overlap_prefill = _on_cuda_unless_set(args, args.overlap_prefill)
     name = args.served_model_name or Path(model).resolve().name
-    if args.engine_process:
-        from fuseformer.engine.process_engine import ProcessEngine
-
-        try:
-            engine = ProcessEngine(functools.partial(LLM, model, **llm_kwargs), overlap_prefill=overlap_prefill)
-        except RuntimeError as exc:
-            return _error(str(exc), 1)
-    else:
-        try:
-            llm = LLM(model, **llm_kwargs)
-        except (FileNotFoundError, ValueError) as exc:
-            return _error(str(exc), 1)
-        try:  # generation_config.json's values in SamplingParams' ranges (its types: checked at load)
-            llm.get_default_sampling_params()
-        except (TypeError, ValueError) as exc:
-            return _error(f"{Path(model) / 'generation_config.json'}: {exc}", 1)
-        engine = AsyncEngine(
-            llm, start=False, max_stream_overhead=args.max_stream_overhead, overlap_prefill=overlap_prefill
-        )
+    try:
+        llm = LLM(model, **llm_kwargs)
+    except (FileNotFoundError, ValueError) as exc:
+        return _error(str(exc), 1)
+    try:  # generation_config.json's values in SamplingParams' ranges (its types: checked at load)
+        llm.get_default_sampling_params()
+    except (TypeError, ValueError) as exc:
+        return _error(f"{Path(model) / 'generation_config.json'}: {exc}", 1)
+    engine = AsyncEngine(
+        llm, start=False, max_stream_overhead=args.max_stream_overhead, overlap_prefill=overlap_prefill
+    )
     body = {} if args.max_body_bytes is None else dict(max_body_bytes=args.max_body_bytes)
-    app = create_app(engine, name, api_key=args.api_key, **body)
+    app = create_app(
+        engine,
+        name,
+        api_key=args.api_key,
+        chat_template=chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
+        **body,
+    )
     server = make_uvicorn_server(
         app,
         shutdown_timeout=args.shutdown_timeout,

@@ -1,12 +1,14 @@
-"""Request and response bodies of the OpenAI API subset that ``fuseformer serve`` speaks (pydantic 2).
+"""Request and response bodies of the OpenAI API subset that ``fuseformer serve`` speaks (pydantic 2),
+with vLLM's extras (``top_k``, ``stop_token_ids``, ``skip_special_tokens``, the chat-template options,
+``/tokenize``, ...).
 
-Requests: ``/v1/completions`` and ``/v1/chat/completions`` with the fields OpenAI documents, plus
-``top_k`` (as vLLM accepts it). Types are checked here; value ranges are checked by ``SamplingParams``
-(one place for them: the engine's), and ``to_sampling_params`` names the request field that failed.
-Unknown fields are ignored, as OpenAI's API does.
+A request model's fields are the parameters the server implements; their types are checked here and
+their ranges by ``SamplingParams`` (one place for them: the engine's), ``to_sampling_params`` naming
+the request field that failed. Any other name in a body is answered by ``parameters.check_extras``
+(the one rule: accepted only where it asks for what the server does; else a 400 naming it).
 
-Responses are built as plain dicts in OpenAI's shape (``app.py``); the models here document them and
-give the error body.
+Responses are built as plain dicts in OpenAI's shape (``completions.py``, ``chat.py``, ``app.py``);
+the models here document them.
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fuseformer.engine.sampling_params import SamplingParams
+from fuseformer.serve.errors import APIError
+from fuseformer.serve.parameters import check_extras
+
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest"]
 
 # Most completions per request, and top logprobs per token (OpenAI allows 20 for chat).
 MAX_N = 128
@@ -32,50 +38,42 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
+class _Checked(BaseModel):
+    """A body (or an option object in one) whose names outside its fields go through the one rule."""
+
+    model_config = ConfigDict(extra="allow")
+    _prefix: str = ""  # the object's names in errors: "stream_options." + name
+
+    @model_validator(mode="after")
+    def _check_extras(self) -> _Checked:
+        check_extras(self, self._prefix)
+        return self
 
 
-class ErrorResponse(BaseModel):
-    """``{"error": {"message", "type", "param", "code"}}``, as OpenAI returns it."""
+class StreamOptions(_Checked):
+    _prefix = "stream_options."
 
-    error: ErrorInfo
-
-
-class APIError(Exception):
-    """An error to return to the client in OpenAI's shape (400 unless said otherwise)."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        *,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-    ) -> None:
-        # A message may quote the client's text: a lone surrogate there ("\ud800") would make the
-        # response's UTF-8 encoding fail, a 500. It is written as its escape instead.
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
-
-    def body(self) -> dict[str, Any]:
-        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        return ErrorResponse(error=info).model_dump()
-
-
-class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    """Fields shared by both endpoints."""
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, ...: passed to the chat template
 
-    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class _ChatTemplateOptions(BaseModel):
+    """How messages become the prompt (vLLM's fields): ``chat.render_chat`` applies them."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class _SamplingRequest(_Checked):
+    """Fields shared by both generation endpoints."""
 
     model: str | None = None
     n: int = 1
@@ -90,9 +88,12 @@ class _SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # the end user, written to the server's log with the request id
+    request_id: str | None = None  # the response id's suffix (an X-Request-Id header wins)
 
     def _sampling_params(self, defaults: SamplingParams, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request: the model's defaults, then the fields given. Raises APIError
@@ -113,6 +114,8 @@ class _SamplingRequest(BaseModel):
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOP_STRINGS:
@@ -153,29 +156,21 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+    add_special_tokens: bool = True  # text prompts: the tokenizer's BOS/EOS rule
 
     def to_sampling_params(self, defaults: SamplingParams, max_tokens: int) -> SamplingParams:
         return self._sampling_params(defaults, max_tokens, self.logprobs)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: passed to the chat template
-
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
+class ChatCompletionRequest(_ChatTemplateOptions, _SamplingRequest):
+    """``POST /v1/chat/completions``: messages rendered with the chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # the template writes the special tokens
 
     def to_sampling_params(self, defaults: SamplingParams, max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -196,10 +191,43 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_tokens, "max_tokens"
 
 
+class TokenizeRequest(_ChatTemplateOptions, _Checked):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or ``messages`` rendered as chat completions renders
+    them (the chat-template options apply to messages only)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("give either prompt or messages", "prompt" if self.prompt is None else "messages")
+        if self.prompt is not None:
+            for name in _ChatTemplateOptions.model_fields:
+                if name in self.model_fields_set:
+                    raise APIError(f"{name} applies to messages, not to a prompt", name)
+        return self
+
+
+class DetokenizeRequest(_Checked):
+    """``POST /detokenize`` (vLLM's): token ids to text (special tokens kept)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ModelCard(BaseModel):
@@ -207,9 +235,21 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "fuseformer"
+    root: str | None = None
     max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

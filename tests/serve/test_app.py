@@ -177,6 +177,7 @@ def test_models_health_metrics(server, client, read_metric):
 
 
 _LONG = "hello " * 80  # over 64 tokens
+_HI = {"role": "user", "content": "hi"}
 
 BAD_REQUESTS = [
     # (path, body, param expected in the error; None: no field to name)
@@ -262,7 +263,7 @@ def test_bad_request_is_400_naming_the_field_and_the_server_keeps_serving(server
 def test_unknown_model_is_404_model_not_found(server, client, path):
     """As OpenAI and vLLM answer (it was a 400)."""
     url, _ = server
-    body = dict(model="gpt-4", prompt="hi", messages=[{"role": "user", "content": "hi"}])
+    body = dict(model="gpt-4") | (dict(prompt="hi") if path == "/v1/completions" else dict(messages=[_HI]))
     for stream in (False, True):
         r = httpx.post(f"{url}{path}", json=body | dict(stream=stream))
         assert r.status_code == 404, r.text
@@ -355,18 +356,18 @@ def test_api_key(checkpoint, start_server):
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_sse_templates_equal_the_dict_encoding(include_usage):
     """The streamed chunk templates give what json.dumps of the chunk dict gives, for any text."""
-    from fuseformer.serve.app import _Events, _sse
+    from fuseformer.serve.streaming import Events, sse
 
     head = dict(id="cmpl-ab12", object="text_completion", created=1764460800, model="tiny-llama")
     usage = {"usage": None} if include_usage else {}
-    events = _Events(head, include_usage)
+    events = Events(head, include_usage)
     for text in ["", "hello", 'a "quote" \\ back\nslash\t', "é中😀", "\u2028\x00"]:
-        choice = dict(index=3, text=text, logprobs=None, finish_reason=None)
-        assert events.text(3, text) == _sse(head | dict(choices=[choice]) | usage)
-        choice = dict(index=1, delta=dict(content=text), logprobs=None, finish_reason=None)
-        assert events.content(1, text) == _sse(head | dict(choices=[choice]) | usage)
+        choice = dict(index=3, text=text, logprobs=None, finish_reason=None, stop_reason=None)
+        assert events.text(3, text) == sse(head | dict(choices=[choice]) | usage)
+        choice = dict(index=1, delta=dict(content=text), logprobs=None, finish_reason=None, stop_reason=None)
+        assert events.content(1, text) == sse(head | dict(choices=[choice]) | usage)
         choice = dict(index=0, text=text, logprobs=None, finish_reason="stop")
-        assert events.choice(choice) == _sse(head | dict(choices=[choice]) | usage)
+        assert events.choice(choice) == sse(head | dict(choices=[choice]) | usage)
 
 
 def test_latency_histograms_count_every_token():
@@ -379,7 +380,8 @@ def test_latency_histograms_count_every_token():
     m.observe_first_token(0.03)
     m.observe_inter_token(0.012, 3)  # 3 tokens, 4 ms each
     m.observe_inter_token(0.5)
-    m.count_tokens(prompt=7, generation=4)
+    m.observe_prompt(7)
+    m.count_tokens(4)
     stats = SchedulerStats(
         num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0, num_preemptions=0
     )

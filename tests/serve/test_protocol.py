@@ -66,4 +66,6 @@ def test_types_are_checked_by_pydantic():
         CompletionRequest(prompt={"not": "a prompt"})
     with pytest.raises(ValidationError):
         ChatCompletionRequest(messages=[])
-    assert CompletionRequest(prompt="hi", unknown_field=1).prompt == "hi"  # unknown fields are ignored, as OpenAI does
+    with pytest.raises(APIError) as info:  # an unknown field is a 400 naming it (parameters.py), as OpenAI's
+        CompletionRequest(prompt="hi", unknown_field=1)
+    assert (info.value.param, info.value.code) == ("unknown_field", "unrecognized_parameter")

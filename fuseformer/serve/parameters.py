@@ -1,0 +1,153 @@
+"""The one rule for request parameters: each one the server accepts has its effect, or the request
+gets a 400 in OpenAI's shape that names it in ``param``.
+
+A request model (``protocol.py``) declares the parameters the server implements; its fields are
+typed, and ranges are checked where the request becomes ``SamplingParams``. Every other name in a
+body lands in the model's extras (``extra="allow"``), and ``check_extras`` looks each one up in
+``REFUSED``:
+
+- a name there, with a value that asks for nothing (null, or a value listed as neutral: the
+  server's behaviour anyway, e.g. ``logit_bias: {}``, ``response_format: {"type": "text"}``,
+  ``best_of`` equal to ``n``), is accepted: it has its effect, since the server does what it asks;
+- a name there with any other value: 400 "``name`` is not supported", ``code`` "unsupported_parameter";
+- a name not there: 400 "Unrecognized request argument supplied: ``name``" (OpenAI's own message),
+  ``code`` "unrecognized_parameter".
+
+No parameter is accepted and ignored: OpenAI's client sends none unless the caller gives it. Nested
+options are names with a dot (``stream_options.continuous_usage_stats``). docs/serving.md lists the
+table; tests/serve/test_params.py checks that every name here is refused, and listed there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from fuseformer.serve.errors import APIError
+
+
+def _never(value: Any, req: Any) -> bool:
+    return False
+
+
+def _equals(*values: Any) -> Callable[[Any, Any], bool]:
+    """Neutral when the value is one of ``values`` (booleans and numbers kept apart: ``true`` is not 1)."""
+
+    def neutral(value: Any, req: Any) -> bool:
+        return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in values)
+
+    return neutral
+
+
+def _empty(value: Any, req: Any) -> bool:
+    return value in ([], {}) or value == ""
+
+
+def _no_tools(value: Any, req: Any) -> bool:
+    """tool_choice / parallel_tool_calls without tools: there is nothing to call, and nothing is called."""
+    tools = (req.model_extra or {}).get("tools") or (req.model_extra or {}).get("functions")
+    return not tools and (value in ("none", "auto") or isinstance(value, bool))
+
+
+def _best_of(value: Any, req: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value == getattr(req, "n", 1)
+
+
+def _no_special_tokens_spaced(value: Any, req: Any) -> bool:
+    """The detokenizer joins special tokens without spaces (``false``); ``true`` is met trivially when
+    special tokens are left out of the text (``skip_special_tokens``, the default)."""
+    return value is False or (value is True and getattr(req, "skip_special_tokens", True))
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A parameter the server does not implement. ``neutral(value, request)``: the values that ask for
+    what the server does anyway (null always does); ``why``: the end of the 400's message."""
+
+    neutral: Callable[[Any, Any], bool] = _never
+    why: str = "is not supported by this server"
+
+
+_STRUCTURED = Refused(why="is not supported by this server: structured outputs are not implemented yet")
+_TOOLS = "is not supported by this server: tool calling is not implemented yet"
+_SAMPLER = "is not supported by this server: the sampler does not implement it yet"
+_OPENAI_ONLY = "is an OpenAI platform option that this server does not implement"
+
+# Every name a body may hold besides the request model's fields. Chat and completions share the
+# table: a name of the other endpoint is refused here in the same words.
+REFUSED: dict[str, Refused] = {
+    # Sampling controls the engine does not have yet (issue 29, item 2).
+    "logit_bias": Refused(_empty, _SAMPLER),
+    "min_tokens": Refused(_equals(0), _SAMPLER),
+    "bad_words": Refused(_empty, _SAMPLER),
+    "allowed_token_ids": Refused(why=_SAMPLER),
+    "prompt_logprobs": Refused(why="is not supported by this server: the engine returns no prompt logprobs"),
+    "truncate_prompt_tokens": Refused(why="is not supported by this server"),
+    "best_of": Refused(_best_of, "is not supported by this server unless it equals n"),
+    "use_beam_search": Refused(_equals(False), "is not supported by this server: there is no beam search"),
+    "length_penalty": Refused(_equals(1, 1.0), "is not supported by this server: there is no beam search"),
+    "spaces_between_special_tokens": Refused(
+        _no_special_tokens_spaced, "is not supported by this server: special tokens are joined without spaces"
+    ),
+    "logits_processors": Refused(_empty),
+    "priority": Refused(_equals(0), "is not supported by this server: requests are scheduled first come, first served"),
+    "return_tokens_as_token_ids": Refused(_equals(False)),
+    # Completions: echoing the prompt and insertion.
+    "echo": Refused(_equals(False)),
+    "suffix": Refused(_empty),
+    # Structured outputs (issue 29, item 3).
+    "response_format": Refused(lambda v, r: v == {"type": "text"}, _STRUCTURED.why),
+    "structured_outputs": _STRUCTURED,
+    "guided_json": _STRUCTURED,
+    "guided_regex": _STRUCTURED,
+    "guided_choice": _STRUCTURED,
+    "guided_grammar": _STRUCTURED,
+    "guided_decoding_backend": _STRUCTURED,
+    "guided_whitespace_pattern": _STRUCTURED,
+    # Tool calling (issue 29, item 4).
+    "tools": Refused(_empty, _TOOLS),
+    "tool_choice": Refused(_no_tools, _TOOLS),
+    "parallel_tool_calls": Refused(_no_tools, _TOOLS),
+    "functions": Refused(_empty, _TOOLS),
+    "function_call": Refused(_no_tools, _TOOLS),
+    # Streaming.
+    "stream_options.continuous_usage_stats": Refused(
+        _equals(False), "is not supported by this server: usage comes in the last chunk (include_usage)"
+    ),
+    # vLLM's extras for multimodal inputs, documents, disaggregation, reasoning.
+    "documents": Refused(_empty),
+    "mm_processor_kwargs": Refused(_empty),
+    "cache_salt": Refused(),
+    "kv_transfer_params": Refused(),
+    "vllm_xargs": Refused(_empty),
+    "include_reasoning": Refused(_equals(False)),
+    # OpenAI platform options.
+    "store": Refused(_equals(False), _OPENAI_ONLY),
+    "metadata": Refused(_empty, _OPENAI_ONLY),
+    "modalities": Refused(lambda v, r: v == ["text"], _OPENAI_ONLY),
+    "audio": Refused(why=_OPENAI_ONLY),
+    "prediction": Refused(why=_OPENAI_ONLY),
+    "service_tier": Refused(_equals("auto", "default"), _OPENAI_ONLY),
+    "reasoning_effort": Refused(why=_OPENAI_ONLY),
+    "verbosity": Refused(why=_OPENAI_ONLY),
+    "web_search_options": Refused(why=_OPENAI_ONLY),
+    "prompt_cache_key": Refused(why=_OPENAI_ONLY),
+    "prompt_cache_retention": Refused(why=_OPENAI_ONLY),
+    "safety_identifier": Refused(why=_OPENAI_ONLY),
+    "moderation": Refused(why=_OPENAI_ONLY),
+}
+
+
+def check_extras(model: BaseModel, prefix: str = "") -> None:
+    """Raise the 400 of the first parameter of ``model`` (a request model, or an option object in one,
+    its names under ``prefix``) that is not one of its fields and not accepted by ``REFUSED``."""
+    for name, value in (model.model_extra or {}).items():
+        key = prefix + name
+        rule = REFUSED.get(key)
+        if rule is None:
+            raise APIError(f"Unrecognized request argument supplied: {key}", key, code="unrecognized_parameter")
+        if value is not None and not rule.neutral(value, model):
+            raise APIError(f"{key} {rule.why}", key, code="unsupported_parameter")

@@ -1,0 +1,310 @@
+"""The one rule for request parameters (fuseformer/serve/parameters.py), end to end with the official
+``openai`` client: each parameter the server implements has an observable effect, streaming and not;
+each one it does not gets a 400 naming it in ``param`` (and the server keeps serving, its KV cache
+empty again); values that ask for what the server does anyway are accepted; unknown names are 400s;
+docs/serving.md lists the table."""
+
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import fuseformer
+from fuseformer.engine.cli import DEFAULT_MODEL
+from fuseformer.engine.llm import LLM
+from fuseformer.engine.sampling_params import SamplingParams
+from fuseformer.serve.parameters import REFUSED
+from fuseformer.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+MODEL = "tiny-llama"  # the name tests/serve/conftest.py serves the model as
+HI = [{"role": "user", "content": "hi"}]
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, start_server):
+    with start_server(checkpoint) as (url, engine):
+        yield url, engine
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint, llm_kwargs):
+    with fuseformer.use_backend("reference"):
+        yield LLM(checkpoint, **llm_kwargs)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _greedy(offline, prompt, n=16):
+    with fuseformer.use_backend("reference"):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return offline.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+
+def _streamed_completion(client, **kwargs):
+    """(text, finish_reason, stop_reason) of a streamed completion."""
+    text, finish, stop_reason = "", None, None
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            text += c.text
+            if c.finish_reason is not None:
+                finish, stop_reason = c.finish_reason, c.stop_reason
+    return text, finish, stop_reason
+
+
+def _streamed_chat(client, **kwargs):
+    text, finish, stop_reason = "", None, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.finish_reason is not None:
+                finish, stop_reason = c.finish_reason, c.stop_reason
+    return text, finish, stop_reason
+
+
+def _assert_serving(client, engine):
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+    assert engine.num_unfinished_requests == 0 and engine.get_stats().kv_cache_usage == 0
+
+
+# ---- wired parameters: each has its effect ------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output_and_stop_reason_for_a_stop_string(client, offline, stream):
+    greedy = _greedy(offline, "Hello").text
+    stop = greedy[3:6]
+    assert len(greedy) >= 6 and stop
+    base = dict(model=MODEL, prompt="Hello", max_tokens=16, temperature=0, stop=[stop])
+    for include in (False, True):
+        extra = dict(ignore_eos=True, include_stop_str_in_output=include)
+        if stream:
+            text, finish, stop_reason = _streamed_completion(client, **base, extra_body=extra)
+        else:
+            c = client.completions.create(**base, extra_body=extra).choices[0]
+            text, finish, stop_reason = c.text, c.finish_reason, c.stop_reason
+        cut = greedy.index(stop)
+        assert text == (greedy[: cut + len(stop)] if include else greedy[:cut])
+        assert (finish, stop_reason) == ("stop", stop)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_include_stop_str_in_output(client, offline, stream):
+    with fuseformer.use_backend("reference"):
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        greedy = offline.chat(HI, params, use_tqdm=False)[0].outputs[0].text
+    stop = greedy[2:5]
+    base = dict(model=MODEL, messages=HI, max_tokens=16, temperature=0, stop=stop)
+    extra = dict(ignore_eos=True, include_stop_str_in_output=True)
+    if stream:
+        text, finish, stop_reason = _streamed_chat(client, **base, extra_body=extra)
+    else:
+        c = client.chat.completions.create(**base, extra_body=extra).choices[0]
+        text, finish, stop_reason = c.message.content, c.finish_reason, c.stop_reason
+    assert text == greedy[: greedy.index(stop) + len(stop)] and (finish, stop_reason) == ("stop", stop)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_reason_is_the_stop_token_id_and_null_at_the_length_limit(client, offline, stream):
+    out = _greedy(offline, "Hello")
+    token = out.token_ids[4]
+    cut = out.token_ids.index(token)  # the first time it comes
+    base = dict(model=MODEL, prompt="Hello", max_tokens=16, temperature=0)
+    extra = dict(ignore_eos=True, stop_token_ids=[token])
+    if stream:
+        _, finish, stop_reason = _streamed_completion(client, **base, extra_body=extra)
+    else:
+        r = client.completions.create(**base, extra_body=extra)
+        finish, stop_reason = r.choices[0].finish_reason, r.choices[0].stop_reason
+        assert r.usage.completion_tokens == cut + 1
+    assert (finish, stop_reason) == ("stop", token)
+    r = client.completions.create(**base, extra_body=dict(ignore_eos=True))
+    assert (r.choices[0].finish_reason, r.choices[0].stop_reason) == ("length", None)
+
+
+@pytest.fixture(scope="module")
+def builtin_server(start_server):
+    """The built-in model: it writes EOS (<|endoftext|>, a special token) at the end of a file."""
+    if DEFAULT_MODEL is None:
+        pytest.skip("no built-in model installed")
+    with start_server(DEFAULT_MODEL, max_model_len=256) as (url, engine):
+        yield url, engine
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_skip_special_tokens_and_include_stop_str_with_eos(builtin_server, stream):
+    """The built-in model ends this prompt at once with EOS: its text shows only when it is kept
+    (include_stop_str_in_output) and special tokens are not skipped. EOS: stop_reason null (vLLM's)."""
+    client = openai.OpenAI(base_url=f"{builtin_server[0]}/v1", api_key="unused", max_retries=0, timeout=60)
+    prompt = "if __name__ == '__main__':\n    main()\n"
+    base = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    texts = {}
+    for include in (False, True):
+        for skip in (False, True):
+            extra = dict(include_stop_str_in_output=include, skip_special_tokens=skip)
+            if stream:
+                text, finish, stop_reason = _streamed_completion(client, **base, extra_body=extra)
+            else:
+                c = client.completions.create(**base, extra_body=extra).choices[0]
+                text, finish, stop_reason = c.text, c.finish_reason, c.stop_reason
+            assert (finish, stop_reason) == ("stop", None)
+            texts[include, skip] = text
+    assert texts == {(False, False): "", (False, True): "", (True, False): "<|endoftext|>", (True, True): ""}
+
+
+def test_add_special_tokens(checkpoint, start_server, tmp_path):
+    """A tokenizer that adds BOS: completions add it unless add_special_tokens is false; chat adds it
+    only when asked (the template writes the special tokens)."""
+    path = tmp_path / "bos"
+    shutil.copytree(checkpoint, path)
+    config = (path / "tokenizer_config.json").read_text()
+    (path / "tokenizer_config.json").write_text(config.replace('{"bos_token"', '{"add_bos_token": true, "bos_token"'))
+    with start_server(path) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        counts = {}
+        for add in (True, False):
+            r = client.completions.create(
+                model=MODEL, prompt="Hello", max_tokens=1, extra_body=dict(add_special_tokens=add)
+            )
+            counts["completion", add] = r.usage.prompt_tokens
+            r = client.chat.completions.create(
+                model=MODEL, messages=HI, max_tokens=1, extra_body=dict(add_special_tokens=add)
+            )
+            counts["chat", add] = r.usage.prompt_tokens
+        default = client.completions.create(model=MODEL, prompt="Hello", max_tokens=1).usage.prompt_tokens
+        chat_default = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1).usage.prompt_tokens
+    assert counts["completion", True] == counts["completion", False] + 1 == default
+    assert counts["chat", True] == counts["chat", False] + 1 == chat_default + 1
+
+
+def test_user_is_written_to_the_log(client, caplog):
+    with caplog.at_level(logging.INFO, logger="fuseformer.serve"):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, user="alice-42")
+    assert any("alice-42" in r.getMessage() for r in caplog.records)
+
+
+def test_request_id_field_names_the_response(client):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, extra_body=dict(request_id="job-7"))
+    assert r.id == "cmpl-job-7"
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1, extra_body=dict(request_id="job-8"))
+    assert r.id == "chatcmpl-job-8"
+
+
+# ---- refused parameters: a 400 naming them ------------------------------------------------------
+
+# (endpoint, body fields, the param named): realistic values, as clients send them.
+REFUSALS = [
+    ("completions", dict(logit_bias={"5": -100}), "logit_bias"),
+    ("chat", dict(logit_bias={"5": -100}), "logit_bias"),
+    ("chat", dict(response_format={"type": "json_object"}), "response_format"),
+    ("chat", dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+     "response_format"),
+    ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    ("chat", dict(tool_choice="required"), "tool_choice"),
+    ("chat", dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+    ("completions", dict(min_tokens=4), "min_tokens"),
+    ("chat", dict(min_tokens=4), "min_tokens"),
+    ("completions", dict(best_of=3), "best_of"),
+    ("completions", dict(best_of=2, n=1), "best_of"),
+    ("completions", dict(bad_words=["fox"]), "bad_words"),
+    ("completions", dict(allowed_token_ids=[5, 6]), "allowed_token_ids"),
+    ("completions", dict(prompt_logprobs=1), "prompt_logprobs"),
+    ("chat", dict(prompt_logprobs=0), "prompt_logprobs"),
+    ("completions", dict(truncate_prompt_tokens=4), "truncate_prompt_tokens"),
+    ("chat", dict(structured_outputs={"choice": ["a", "b"]}), "structured_outputs"),
+    ("completions", dict(guided_json={"type": "object"}), "guided_json"),
+    ("chat", dict(guided_choice=["a", "b"]), "guided_choice"),
+    ("chat", dict(guided_regex="a+"), "guided_regex"),
+    ("completions", dict(stream_options={"include_usage": True, "continuous_usage_stats": True}),
+     "stream_options.continuous_usage_stats"),
+    ("completions", dict(echo=True), "echo"),
+    ("completions", dict(suffix="end"), "suffix"),
+    ("completions", dict(use_beam_search=True), "use_beam_search"),
+    ("completions", dict(spaces_between_special_tokens=True, skip_special_tokens=False),
+     "spaces_between_special_tokens"),
+    ("chat", dict(modalities=["text", "audio"]), "modalities"),
+    ("chat", dict(store=True), "store"),
+    ("chat", dict(reasoning_effort="low"), "reasoning_effort"),
+    ("completions", dict(priority=1), "priority"),
+    ("completions", dict(no_such_parameter=1), "no_such_parameter"),
+    ("chat", dict(stream_options={"what": 1}), "stream_options.what"),
+    ("chat", dict(prompt="a completions field"), "prompt"),
+    ("completions", dict(messages=HI), "messages"),
+]  # fmt: skip
+
+
+def _body(endpoint, fields):
+    base = dict(model=MODEL, max_tokens=2) | (dict(prompt="hi") if endpoint == "completions" else dict(messages=HI))
+    return base | fields
+
+
+@pytest.mark.parametrize("endpoint, fields, param", REFUSALS, ids=[p for _, _, p in REFUSALS])
+def test_refused_parameter_is_400_naming_it(server, client, endpoint, fields, param):
+    url, engine = server
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    for stream in (False, True):
+        r = httpx.post(f"{url}{path}", json=_body(endpoint, fields) | dict(stream=stream))
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert error["param"] == param and param in error["message"], error
+        assert error["code"] in ("unsupported_parameter", "unrecognized_parameter")
+    create = client.completions.create if endpoint == "completions" else client.chat.completions.create
+    body = _body(endpoint, fields)
+    own = ("model", "max_tokens", "prompt" if endpoint == "completions" else "messages")
+    known = {k: body.pop(k) for k in own}
+    with pytest.raises(openai.BadRequestError) as info:
+        create(**known, extra_body=body)
+    assert info.value.status_code == 400 and info.value.body["param"] == param
+    _assert_serving(client, engine)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_every_refused_name_is_a_400_for_a_value_that_asks_for_something(server, name):
+    """Each name of the table, given a value it cannot take as neutral, on both endpoints."""
+    url, _ = server
+    head, _, tail = name.partition(".")
+    fields = {head: {tail: "x"}} if tail else {head: "x"}
+    for endpoint in ("completions", "chat"):
+        path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+        r = httpx.post(f"{url}{path}", json=_body(endpoint, fields))
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+
+
+NEUTRAL = [
+    ("completions", dict(logit_bias={})),
+    ("chat", dict(response_format={"type": "text"})),
+    ("chat", dict(tools=[], tool_choice="none", parallel_tool_calls=False)),
+    ("chat", dict(tool_choice="auto")),
+    ("completions", dict(min_tokens=0, best_of=1, echo=False, use_beam_search=False, length_penalty=1.0)),
+    ("completions", dict(n=2, best_of=2)),
+    ("chat", dict(stream_options={"include_usage": True, "continuous_usage_stats": False}, stream=True)),
+    ("chat", dict(logit_bias=None, response_format=None, tools=None, structured_outputs=None, prompt_logprobs=None)),
+    ("chat", dict(store=False, modalities=["text"], service_tier="auto")),
+    ("completions", dict(spaces_between_special_tokens=True)),  # special tokens skipped: nothing to space
+    ("completions", dict(spaces_between_special_tokens=False, skip_special_tokens=False)),
+]
+
+
+@pytest.mark.parametrize("endpoint, fields", NEUTRAL, ids=[str(f)[:50] for _, f in NEUTRAL])
+def test_a_value_that_asks_for_what_the_server_does_is_accepted(server, endpoint, fields):
+    url, _ = server
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    r = httpx.post(f"{url}{path}", json=_body(endpoint, fields))
+    assert r.status_code == 200, r.text
+
+
+def test_docs_list_every_parameter():
+    """docs/serving.md's tables name every field the request models take and every refused name."""
+    text = DOCS.read_text()
+    listed = set(re.findall(r"`([a-z_]+(?:\.[a-z_]+)?)`", text))
+    fields = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    assert not (fields - listed), fields - listed
+    assert not (set(REFUSED) - listed), set(REFUSED) - listed
