@@ -39,21 +39,53 @@ def _top_kernels(fn, n: int = 15) -> list[dict]:
     return rows[:n]
 
 
+def _host(fn) -> dict:
+    """Host time of one forward issued behind a ~0.5 s GPU sleep (a host sync inside shows as >= 0.5 s),
+    and the CUDA sync/copy calls of one forward (torch.profiler's CPU events)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    syncs = {}
+    for e in prof.key_averages():
+        if "Synchronize" in e.key or "Memcpy" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense", "aten::nonzero"):
+            syncs[e.key] = e.count
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    return dict(host_ms=min(times), syncs=syncs,
+                top_cpu=[(e.key[:80], round(e.self_cpu_time_total / 1e3, 3), e.count) for e in top])  # fmt: skip
+
+
 def ablate(name: str, model, fwd, kinds) -> dict:
     rec = dict(model=name, ms={})
     with torch.no_grad():
         rec["ms"]["eager"] = bench_ms(fwd, warmup=50, rep=400)
         rec["top_eager"] = _top_kernels(fwd)
+        rec["host"] = {"eager": _host(fwd)}
         for kind in kinds:
             report = fuseformer.optimize(model, training=False, include=[kind])
             rec["ms"][kind] = bench_ms(fwd, warmup=50, rep=400)
             rec.setdefault("counts", {})[kind] = report.counts()
+            rec["host"][kind] = _host(fwd)
             report.revert()
         report = fuseformer.optimize(model, training=False)
         rec["ms"]["all"] = bench_ms(fwd, warmup=50, rep=400)
         rec["top_all"] = _top_kernels(fwd)
+        rec["host"]["all"] = _host(fwd)
         report.revert()
     print(name, {k: round(v, 3) for k, v in rec["ms"].items()}, flush=True)
+    for kind, h in rec["host"].items():
+        print(f"  host {kind}: {h['host_ms']:.2f} ms, syncs {h['syncs']}", flush=True)
     return rec
 
 

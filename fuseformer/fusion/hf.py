@@ -106,6 +106,22 @@ def _set_bound_forward(module: nn.Module, fn, state: dict) -> None:
     module.forward = types.MethodType(fn, module)
 
 
+def _with_bound_forward(module: nn.Module, fn, state: dict, apply, undo):
+    """(apply, undo) that also bind ``fn`` as ``module``'s forward (state under its own key)."""
+
+    def apply_both():
+        apply()
+        module.__dict__["_fuseformer_rotary"] = state
+        module.forward = types.MethodType(fn, module)
+
+    def undo_both():
+        module.__dict__.pop("forward", None)
+        module.__dict__.pop("_fuseformer_rotary", None)
+        undo()
+
+    return apply_both, undo_both
+
+
 def _del_bound_forward(module: nn.Module) -> None:
     module.__dict__.pop("forward", None)
     module.__dict__.pop(_ATTR, None)
@@ -384,12 +400,15 @@ def _attention_candidates(model, prefix, layers, training, result) -> None:
             result.skipped.append(Skipped(path=path, kind="attention", reason="attention module has no config"))
             continue
         apply, undo = hf_attention.config_swap(attn, name)
+        rotary = hf_attention.rotary_state(attn)
+        if rotary is not None:  # RoPE fused too: the whole forward is ours
+            apply, undo = _with_bound_forward(attn, hf_attention.rotary_attention_forward, rotary, apply, undo)
         result.candidates.append(
             Candidate(
                 path=path,
                 kind="attention",
                 original=f"{type(attn).__name__} ({impl})",
-                replacement="fuseformer flash_attention",
+                replacement="fuseformer flash_attention" + (" + rotary" if rotary is not None else ""),
                 apply=apply,
                 undo=undo,
                 note="transformers AttentionInterface 'fuseformer'; the model's own masks and cache",

@@ -268,3 +268,84 @@ def fuseformer_attention(
         )
         out = out.index_copy(0, e_idx, oute)
     return out.view(b, sq, hq, d), None
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary + attention: a Llama-family attention module's whole forward
+# ---------------------------------------------------------------------------------------------
+# The attention modules whose forward :func:`rotary_attention_forward` reproduces: q/k/v projections,
+# (Qwen3: a per-head RMSNorm of q and k), rotate_half RoPE from the model's (cos, sin), the cache
+# update, attention, o_proj. Their rotary embeddings build cos/sin as cat(freqs, freqs), so the first
+# half of the last dim is the table the rotary kernel takes.
+ROTARY_CLASSES = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention"})
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, S, H, D) rotated by HF's position embeddings cos/sin (B | 1, S, R), R <= D: one kernel. With
+    B rows of positions the batch is one sequence of B * S tokens whose position p indexes row p of the (B * S, R / 2) table,
+    so each (b, s) gets its own row (left padding, any position_ids) with no offsets to check."""
+    b, s, h, d = x.shape
+    half = cos.shape[-1] // 2
+    if cos.shape[0] == 1:  # one row of positions for the whole batch (position_ids broadcast)
+        return F.apply_rotary(x, cos[0, :, :half], sin[0, :, :half])
+    table_cos = cos.reshape(b * s, -1)[:, :half]
+    table_sin = sin.reshape(b * s, -1)[:, :half]
+    return F.apply_rotary(x.reshape(1, b * s, h, d), table_cos, table_sin).view(b, s, h, d)
+
+
+def rotary_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """LlamaAttention.forward (and Mistral's, Qwen2's, Qwen3's) with RoPE in one kernel per q and k on
+    the projections' own (B, S, H, D) layout, so that the attention kernel reads them without the
+    transposes and copies of HF's rotate_half. The cache is updated as the class's forward does it:
+    transformers up to 5.2x names it ``past_key_values`` and passes ``cache_position`` in a dict,
+    later ones name it ``cache`` and pass the call's kwargs (``self.__dict__`` says which)."""
+    state = self.__dict__["_fuseformer_rotary"]
+    b, s = hidden_states.shape[:-1]
+    shape = (b, s, -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(shape)
+    k = self.k_proj(hidden_states).view(shape)
+    v = self.v_proj(hidden_states).view(shape)
+    if state["qk_norm"]:
+        q, k = self.q_norm(q), self.k_norm(k)
+    cos, sin = position_embeddings
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    key, value = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S, D) views, as HF's cache takes them
+    if state["cache_position"]:
+        cache = kwargs.pop("past_key_values", None)
+        cache_position = kwargs.pop("cache_position", None)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position})
+    else:
+        cache = kwargs.pop("cache", None)
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+    window = state["window"] and getattr(self.config if state["window"] == "config" else self, "sliding_window", None)
+    out, _ = fuseformer_attention(
+        self, q.transpose(1, 2), key, value, attention_mask,
+        dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling, sliding_window=window,
+        **kwargs,
+    )  # fmt: skip
+    return self.o_proj(out.reshape(b, s, -1)), None
+
+
+def rotary_state(attn: torch.nn.Module) -> dict | None:
+    """What :func:`rotary_attention_forward` needs to know of ``attn``'s class, or None when it does not
+    reproduce that class's forward."""
+    import inspect
+
+    if type(attn).__name__ not in ROTARY_CLASSES:
+        return None
+    if not all(isinstance(getattr(attn, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return None
+    params = inspect.signature(type(attn).forward).parameters
+    qk_norm = type(attn).__name__ == "Qwen3Attention"
+    if qk_norm and not (hasattr(attn, "q_norm") and hasattr(attn, "k_norm")):
+        return None
+    return dict(
+        qk_norm=qk_norm,
+        cache_position="cache_position" in params,
+        # What the class passes as sliding_window: Qwen2's and Qwen3's per-layer attribute, Mistral's config.
+        window={"LlamaAttention": None, "MistralAttention": "config"}.get(type(attn).__name__, "module"),
+    )

@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fuseformer  # noqa: E402
-from fuseformer.fusion import hf  # noqa: E402
+from fuseformer.fusion import hf, hf_attention  # noqa: E402
 from fuseformer.testing import assert_close  # noqa: E402
 
 ALL = frozenset({"norm", "mlp", "attention", "loss"})
@@ -296,3 +296,20 @@ def test_attention_function_masks():
         for m in (mask, torch.where(mask, 0.0, torch.finfo(torch.float32).min)):
             out, _ = fuseformer_attention(module, q, k, v, m, scaling=d**-0.5, sliding_window=window)
             torch.testing.assert_close(out[rows], want[rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_rotary_fused_into_llama_family_attention(model_type):
+    """Llama, Mistral, Qwen2 and Qwen3 attention modules get the rotary + attention forward (RoPE in one
+    kernel per q and k); undo gives the class's own forward back."""
+    model = make(model_type)
+    result = hf.find_candidates(model, training=False, kinds=frozenset({"attention"}))
+    attn = [c for c in result.candidates if c.kind == "attention"]
+    assert attn and all(c.replacement.endswith("+ rotary") for c in attn)
+    layer = model.model.layers[0].self_attn
+    for c in attn:
+        c.apply()
+    assert layer.forward.__func__ is hf_attention.rotary_attention_forward
+    for c in attn:
+        c.undo()
+    assert "forward" not in layer.__dict__ and "_fuseformer_rotary" not in layer.__dict__
