@@ -100,7 +100,8 @@ TINY_LLAMA = dict(
 
 
 def tiny_llama(device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
-    """(our LlamaForCausalLM with random weights, its ModelConfig) for ``TINY_LLAMA | overrides``.
+    """(our model with random weights, its ModelConfig) for ``TINY_LLAMA | overrides``; the model is the
+    registry's class for the architecture (``overrides`` may name another, e.g. Gemma2ForCausalLM).
 
     The weights are scaled so the logits are O(1)-O(10): greedy choices are decisive, not near-ties.
     Drawn from a private generator (the global RNG is left alone).
@@ -108,11 +109,11 @@ def tiny_llama(device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0, 
     import math
 
     from fuseformer.models.config import ModelConfig
-    from fuseformer.models.llama import LlamaForCausalLM
+    from fuseformer.models.registry import build_model
 
     config = ModelConfig(**(TINY_LLAMA | overrides))
     gen = torch.Generator().manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = build_model(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             r = torch.randn(p.shape, generator=gen)
@@ -121,6 +122,116 @@ def tiny_llama(device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0, 
             elif "norm" not in name:
                 p.copy_(0.3 * r)
     return model.to(device, dtype).eval(), config
+
+
+# --------------------------------------------------------------------------------------------
+# A model of the registry run by hand, without the engine (tests/models)
+# --------------------------------------------------------------------------------------------
+def packed_logits(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Our logits for every token of the packed sequences ``seqs`` (no cache): list of (S_i, V)."""
+    from fuseformer.models.attention_metadata import AttentionMetadata
+
+    ids = torch.cat(seqs)
+    positions = torch.cat([torch.arange(len(s), device=ids.device) for s in seqs])
+    with torch.no_grad():
+        hidden = model(ids, positions, AttentionMetadata.varlen([len(s) for s in seqs], device=ids.device))
+        logits = model.compute_logits(hidden)
+    return list(logits.split([len(s) for s in seqs]))
+
+
+def greedy_paged(model, prompts, steps, *, block_size=4, chunk=4, num_blocks=24, device="cpu", all_logits=False):
+    """Greedy decoding of several prompts in one varlen batch per step, over a paged KV cache with a
+    hand-managed block table: each step computes up to ``chunk`` new tokens per sequence, so steps
+    mix prefill chunks (with a cached prefix) and single-token decodes. Returns the new tokens of
+    each prompt, and with ``all_logits`` also the logits of every token each sequence computed.
+
+    ``model``: one the registry builds, any architecture."""
+    import random
+
+    from fuseformer.models.attention_metadata import AttentionMetadata
+
+    cfg = model.config
+    dtype = model.lm_head.weight.dtype
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    # NaN-filled: a read of a slot nobody wrote would poison the logits.
+    nan = dict(fill_value=float("nan"), dtype=dtype, device=device)
+    caches = [(torch.full(shape, **nan), torch.full(shape, **nan)) for _ in range(cfg.num_hidden_layers)]
+    free = list(range(num_blocks))
+    random.Random(0).shuffle(free)
+    seqs = [list(p) for p in prompts]
+    tables = [[] for _ in prompts]
+    done = [0] * len(prompts)  # tokens whose K/V are in the cache
+    outputs = [[] for _ in prompts]
+    logits_of = [[] for _ in prompts]
+    while any(len(o) < steps for o in outputs):
+        active = [b for b in range(len(prompts)) if len(outputs[b]) < steps]
+        ids, positions, slots, cu, ctx, rows, sampled = [], [], [], [0], [], [], []
+        for b in active:
+            n = min(chunk, len(seqs[b]) - done[b])
+            for p in range(done[b], done[b] + n):
+                if p // block_size == len(tables[b]):
+                    tables[b].append(free.pop())
+                ids.append(seqs[b][p])
+                positions.append(p)
+                slots.append(tables[b][p // block_size] * block_size + p % block_size)
+            cu.append(cu[-1] + n)
+            ctx.append(done[b] + n)
+            done[b] += n
+            if done[b] == len(seqs[b]):  # the whole sequence is in: its last token's logits sample
+                rows.append(cu[-1] - 1)
+                sampled.append(b)
+        width = max(len(tables[b]) for b in active)
+        block_tables = [tables[b] + [0] * (width - len(tables[b])) for b in active]
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
+            kv_caches=caches,
+            context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
+        )
+        with torch.no_grad():
+            hidden = model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta)
+            rows = torch.tensor(rows, dtype=torch.long, device=device)
+            next_tokens = model.compute_logits(hidden, rows).argmax(-1).tolist()
+            if all_logits:
+                for i, b in enumerate(active):
+                    logits_of[b].append(model.compute_logits(hidden[cu[i] : cu[i + 1]]).cpu())
+        for b, token in zip(sampled, next_tokens):
+            seqs[b].append(token)
+            outputs[b].append(token)
+    if all_logits:
+        return outputs, [torch.cat(chunks) for chunks in logits_of]
+    return outputs
+
+
+def hf_logits(hf, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a transformers model ``hf`` (fp32) on one sequence ``ids`` (S,): (reference in fp64,
+    baseline in fp32), each (S, V), the pair ``assert_close`` takes."""
+    with torch.no_grad():
+        base = hf(ids[None]).logits[0]
+        hf.double()
+        try:
+            ref = hf(ids[None]).logits[0]
+        finally:
+            hf.float()
+    return ref, base
+
+
+def hf_packed_grads(hf, ids: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Gradients of the mean cross-entropy of a transformers model ``hf`` on one sequence ``ids`` (S,)
+    against ``target`` (S,), named as our parameters are (q/k/v and gate/up concatenated into the
+    packed parameters)."""
+    hf.zero_grad()
+    loss = torch.nn.functional.cross_entropy(hf(ids[None]).logits[0], target)
+    loss.backward()
+    grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    for n in [n for n in grads if ".q_proj." in n]:
+        parts = [grads.pop(n.replace("q_proj", x)) for x in ("q_proj", "k_proj", "v_proj")]
+        grads[n.replace("q_proj", "qkv_proj")] = torch.cat(parts)
+    for n in [n for n in grads if ".gate_proj." in n]:
+        grads[n.replace("gate_proj", "gate_up_proj")] = torch.cat([grads.pop(n), grads.pop(n.replace("gate", "up"))])
+    return grads
 
 
 def shared_prefix_prompts(vocab_size: int, num: int, max_len: int, generator: torch.Generator) -> list[list[int]]:
@@ -136,7 +247,7 @@ def shared_prefix_prompts(vocab_size: int, num: int, max_len: int, generator: to
 
 
 # --------------------------------------------------------------------------------------------
-# Engine streams (AsyncEngine, ProcessEngine) in tests
+# Engine streams (AsyncEngine) in tests
 # --------------------------------------------------------------------------------------------
 def run_bounded(coro, timeout: float = 60.0):
     """``asyncio.run(coro)``, failing with TimeoutError after ``timeout`` seconds instead of hanging."""
@@ -198,11 +309,11 @@ def compile_offline(script: str, timeout: int = 600, tools: tuple[str, ...] = ("
 
 def skip_unless_direct_launch_triton() -> None:
     """Skip the calling test (one that checks the direct launch path is taken) on a Triton that path
-    was not written for: there every launch is ``kernel[grid]`` (ops/_utils.py, DIRECT_LAUNCH_TRITON)."""
+    was not written for: there every launch is ``kernel[grid]`` (runtime/launch.py, DIRECT_LAUNCH_TRITON)."""
     import pytest
     import triton
 
-    from fuseformer.ops._utils import DIRECT_LAUNCH_TRITON
+    from fuseformer.runtime.launch import DIRECT_LAUNCH_TRITON
 
     if not triton.__version__.startswith(DIRECT_LAUNCH_TRITON):
         pytest.skip(f"Triton {triton.__version__}: the direct launch is for {DIRECT_LAUNCH_TRITON} only")

@@ -86,8 +86,8 @@ class RMSNorm(nn.Module):
         eps: added to mean(x^2). None means ``torch.finfo(x.dtype).eps``, as in torch.nn.RMSNorm.
         elementwise_affine: hold a learnable ``weight`` (N,), initialized to ones (to zeros with an
             offset, so that the scale starts at one either way).
-        offset: added to the weight before it scales; 0 (Llama) or 1 (Gemma's ``x * (1 + w)``). With
-            an offset the scale ``offset + weight`` is formed in fp32, as Gemma does, so a bf16 weight
+        offset: added to the weight before it scales; 0 (Llama) or 1 (Gemma's ``x * (1 + w)``). The
+            scale ``offset + weight`` is formed in fp32 inside the op, as Gemma does, so a bf16 weight
             near zero keeps its precision.
 
     State dict: ``weight``, as torch.nn.RMSNorm and HF LlamaRMSNorm. ``variance_epsilon`` (HF's
@@ -140,13 +140,13 @@ class RMSNorm(nn.Module):
         """x (..., N) -> y (..., N); with ``residual`` (like x): (norm(x + residual), x + residual)."""
         _check_last_dim("RMSNorm", x, self.hidden_size)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        weight = self.weight
-        if self.offset and weight is not None:
-            # (N,) fp32: Gemma scales in fp32 by (1 + w); rms_norm takes a weight of any float dtype.
-            weight = self.offset + weight.float()
-        elif self.offset and self.offset != 1.0:
-            weight = torch.full((self.hidden_size,), self.offset, device=x.device)
-        return F.rms_norm(x, weight, eps=eps, residual=residual)
+        if self.weight is not None:
+            # The op forms offset + weight in fp32 (Gemma's order), in the kernel.
+            return F.rms_norm(x, self.weight, eps=eps, residual=residual, offset=self.offset)
+        if self.offset and self.offset != 1.0:  # no weight: the scale is the offset alone
+            scale = torch.full((self.hidden_size,), self.offset, device=x.device)
+            return F.rms_norm(x, scale, eps=eps, residual=residual)
+        return F.rms_norm(x, None, eps=eps, residual=residual)
 
     def extra_repr(self) -> str:
         offset = f", offset={self.offset}" if self.offset else ""

@@ -8,43 +8,14 @@ checkpoint's weights). Parameter names follow Hugging Face's, except the packed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 import fuseformer.ops as F
 from fuseformer.layers import RMSNorm
 from fuseformer.layers.rotary import rope_inv_freq as _rope_inv_freq
+from fuseformer.models.attention_metadata import AttentionMetadata  # also re-exported: its old home
 from fuseformer.models.config import ModelConfig
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """What attention needs to know about a step of T new tokens from B sequences.
-
-    cu_seqlens_q: (B+1,) int32, prefix sums of the new tokens per sequence.
-    max_seqlen_q: the largest new-token count (host int; sizes the kernel grid without a sync).
-    kv_caches: one (k_cache, v_cache) per layer, each (num_blocks, block_size, Hkv, D); or None for a
-        plain causal varlen forward over the new tokens only (prefill without cache, training).
-    context_lens: (B,) int32, cached + new tokens per sequence (with kv_caches).
-    slot_mapping: (T,) int64, flat slot block * block_size + offset where each new token's K/V is
-        written; -1 skips (with kv_caches).
-    block_tables: (B, max_blocks) int32, each sequence's blocks in order (with kv_caches).
-    """
-
-    cu_seqlens_q: torch.Tensor
-    max_seqlen_q: int
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    context_lens: torch.Tensor | None = None
-    slot_mapping: torch.Tensor | None = None
-    block_tables: torch.Tensor | None = None
-
-    @classmethod
-    def varlen(cls, seqlens: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
-        """Metadata for plain causal attention over packed sequences of ``seqlens`` tokens, no cache."""
-        cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        return cls(cu_seqlens_q=cu, max_seqlen_q=max(seqlens, default=0))
 
 
 def rope_inv_freq(config: ModelConfig, seq_len: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,7 +42,9 @@ class Attention(nn.Module):
             config.num_key_value_heads,
             config.head_dim,
         )
-        self.scale = self.head_dim**-0.5
+        # Gemma2 scales by query_pre_attn_scalar**-0.5 and soft-caps the scores (0: no cap).
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = config.attn_logit_softcapping or 0.0
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
@@ -102,37 +75,51 @@ class Attention(nn.Module):
         if meta.kv_caches is None:  # causal within each packed sequence, over the new tokens only
             cu, n = meta.cu_seqlens_q, meta.max_seqlen_q
             window = (self.window - 1, 0) if self.window > 0 else (-1, -1)
-            o = F.flash_attention(q, k, v, True, self.scale, window, cu, cu, n, n)
+            o = F.flash_attention(q, k, v, True, self.scale, window, cu, cu, n, n, softcap=self.softcap)
         else:
             k_cache, v_cache = meta.kv_caches[self.layer]
             F.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             o = F.paged_attention(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                self.scale, causal=True, window=self.window, max_seqlen_q=meta.max_seqlen_q,
+                self.scale, causal=True, window=self.window, max_seqlen_q=meta.max_seqlen_q, softcap=self.softcap,
             )  # fmt: skip
         return self.o_proj(o.reshape(t, -1))
+
+
+# config.hidden_act -> GeGLU's gelu ``approximate`` (Gemma); silu is SwiGLU.
+_GELU_APPROXIMATE = {"gelu_tanh": "tanh", "gelu": "none"}
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.act = config.hidden_act
         # rows [0, I) gate, [I, 2I) up
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Packed [gate | up] into swiglu: its gradient comes back as one tensor (no concatenation).
-        return self.down_proj(F.swiglu(self.gate_up_proj(x)))
+        # Packed [gate | up] into the op: its gradient comes back as one tensor (no concatenation).
+        gate_up = self.gate_up_proj(x)  # (T, 2I)
+        if self.act == "silu":
+            return self.down_proj(F.swiglu(gate_up))
+        return self.down_proj(F.geglu(gate_up, approximate=_GELU_APPROXIMATE[self.act]))
 
 
 class DecoderLayer(nn.Module):
+    norm_offset = 0.0  # the norms scale by (norm_offset + weight); Gemma's subclass sets 1
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.new_norm(config)
         self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.new_norm(config)
         self.mlp = MLP(config)
+
+    @classmethod
+    def new_norm(cls, config: ModelConfig) -> RMSNorm:
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, offset=cls.norm_offset)
 
     def forward(self, hidden, residual, cos, sin, meta):
         # The residual add before each norm is fused into it: (norm(h + r), h + r).
@@ -146,12 +133,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_class: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
+        self.norm = layer_class.new_norm(config)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def _apply(self, fn, recurse=True):
@@ -174,8 +161,12 @@ class LlamaModel(nn.Module):
         freqs = positions[:, None].float() * inv_freq
         return freqs.cos(), freqs.sin()
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) token ids -> (T, H) input hidden states."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # (T, H)
+        hidden = self.embed(input_ids)  # (T, H)
         cos, sin = self.rotary_cos_sin(positions, meta)
         residual = None
         for layer in self.layers:
@@ -187,10 +178,12 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The model for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
 
+    base_model_class: type[LlamaModel] = LlamaModel  # the decoder stack; a subclass names its own
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = self.base_model_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,4 +1,4 @@
-"""Load a Llama-family model from a local Hugging Face directory (nothing is downloaded).
+"""Load a model of the registry from a local Hugging Face directory (nothing is downloaded).
 
 The mapping from checkpoint names to our parameters is data (STYLE.md §5): ``PACKED_MODULES`` says
 which checkpoint modules are packed, in order, into one of ours (q/k/v -> qkv_proj, gate/up ->
@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from fuseformer.models.config import ModelConfig
-from fuseformer.models.llama import LlamaForCausalLM
+from fuseformer.models.registry import build_model
 
 # Our packed module -> the checkpoint modules stacked along dim 0 of its weight (and bias), in order.
 PACKED_MODULES: dict[str, tuple[str, ...]] = {
@@ -83,12 +84,12 @@ def _checkpoint_files(path: Path) -> dict[Path, list[str] | None]:
     raise FileNotFoundError(f"load_model: {path} holds neither {_SINGLE} nor {_INDEX}")
 
 
-def empty_model(config: ModelConfig, dtype: torch.dtype, device) -> LlamaForCausalLM:
-    """Our model for ``config``, built on the meta device and cast there, then allocated (not
-    initialized) once, in ``dtype``, on ``device``; tied embeddings tied. Its values are garbage
-    until loaded."""
+def empty_model(config: ModelConfig, dtype: torch.dtype, device) -> nn.Module:
+    """Our model for ``config`` (the registry's class for its architecture), built on the meta device
+    and cast there, then allocated (not initialized) once, in ``dtype``, on ``device``; tied
+    embeddings tied. Its values are garbage until loaded."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(dtype)
+        model = build_model(config).to(dtype)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -125,7 +126,7 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     strict: bool = True,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[nn.Module, ModelConfig]:
     """Build the model of the HF directory ``path`` and load its safetensors weights.
 
     Args:
@@ -156,7 +157,7 @@ def load_model(
 
     # Pass 1, headers only: where each tensor goes, its shape checked against the meta model.
     with torch.device("meta"):
-        meta = LlamaForCausalLM(config)
+        meta = build_model(config)
     params = dict(meta.named_parameters())
     targets = checkpoint_targets(meta, config)
     plan: dict[str, tuple[Path, str]] = {}  # checkpoint name -> (file, name)

@@ -1,5 +1,8 @@
 """Checkpoints: a Hugging Face model directory plus the trainer's state, written atomically.
 
+The functions here take plain state (state dicts, a ModelConfig, a :class:`RunState`), not a
+Trainer: ``Trainer.save_checkpoint`` / ``Trainer.load_checkpoint`` gather and restore it.
+
     <out_dir>/checkpoints/step_000100/   config.json, model.safetensors (HF names: q/k/v and
                                          gate/up unpacked), tokenizer files, trainer_state.pt
                                          (optimizer, scheduler, scaler, RNG, data position, step)
@@ -18,8 +21,10 @@ import os
 import random
 import shutil
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,9 +34,6 @@ from fuseformer.models.config import ModelConfig
 from fuseformer.models.loader import PACKED_MODULES, load_model, shard_rows
 from fuseformer.train import distributed as D
 
-if TYPE_CHECKING:
-    from fuseformer.train.trainer import Trainer
-
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -39,54 +41,17 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-_MODEL_TYPES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 _STATE = "trainer_state.pt"
 _LATEST = "latest"
-_PREFIX = "lm."  # the trainer's module holds the model as .lm
 
 
 # --------------------------------------------------------------------------------------------
 # The model as a Hugging Face directory
 # --------------------------------------------------------------------------------------------
 def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **extra: Any) -> dict[str, Any]:
-    """config.json for ``config``; ``ModelConfig.from_hf`` of it gives ``config`` back."""
-    arch = config.architecture
-    if arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM") and (
-        config.attention_bias != config.o_proj_bias
-    ):
-        raise ValueError(f"hf_config: {arch} cannot have attention_bias != o_proj_bias in config.json")
-    out: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": _MODEL_TYPES[arch],
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": config.rope_scaling,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_bias": config.attention_bias,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-    if arch == "MistralForCausalLM":
-        out["sliding_window"] = config.sliding_window
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        out["use_sliding_window"] = config.sliding_window is not None
-        out["sliding_window"] = config.sliding_window
-        out["layer_types"] = list(config.layer_types)
-        out["max_window_layers"] = config.num_hidden_layers
-    return out | extra
+    """config.json for ``config`` (``ModelConfig.to_hf``, by the registry's writer of its architecture),
+    weights in ``dtype``; ``ModelConfig.from_hf`` of it gives ``config`` back."""
+    return config.to_hf() | {"torch_dtype": str(dtype).removeprefix("torch.")} | extra
 
 
 def hf_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -166,7 +131,8 @@ def _rng_state() -> dict[str, Any]:
     }
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the Python, NumPy, torch and CUDA generators from a checkpoint's ``rng``."""
     random.setstate(state["python"])
     n = state["numpy"]
     np.random.set_state(
@@ -198,33 +164,57 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(trainer: Trainer) -> Path | None:
-    """Write the trainer's checkpoint (every rank calls it; rank 0 writes). Returns its path on rank 0."""
-    info = trainer.dist
-    model_state = D.full_model_state(trainer.module, info)
-    optim_state = D.full_optimizer_state(trainer.module, trainer.optimizer, info)
+@dataclass(kw_only=True, slots=True)
+class RunState:
+    """What a checkpoint keeps of a run besides the weights, as plain values and state dicts: the
+    trainer gathers it (``Trainer.save_checkpoint``) and restores it (``Trainer.load_checkpoint``)."""
+
+    step: int
+    skipped_steps: int
+    tokens_seen: int
+    optimizer: dict[str, Any]  # the whole (unsharded) optimizer state
+    scheduler: dict[str, Any]
+    scaler: dict[str, Any] | None  # fp16's GradScaler, else None
+    data: dict[str, Any]  # the sampler's position
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    model_state: dict[str, torch.Tensor],
+    model_config: ModelConfig,
+    run: RunState,
+    *,
+    dist: D.DistInfo,
+    train_config: dict[str, Any],
+    keep_checkpoints: int,
+    tokenizer_dir: str | Path | None = None,
+) -> Path | None:
+    """Write ``<out_dir>/checkpoints/step_<run.step>``: the model (``model_state``, our parameter
+    names, of ``model_config``) as a Hugging Face directory, ``run`` and the RNG states in
+    trainer_state.pt, ``train_config`` as train_config.json; then point ``latest`` at it and keep
+    the newest ``keep_checkpoints``. Every rank calls it (rank 0 writes; a barrier after). Returns
+    its path on rank 0, else None."""
     path = None
-    if info.is_main:
-        root = checkpoint_root(trainer.config.out_dir)
-        name = f"step_{trainer.step:07d}"
+    if dist.is_main:
+        root = checkpoint_root(out_dir)
+        name = f"step_{run.step:07d}"
         tmp = root / f".tmp_{name}"
         for stale in root.glob(".tmp_step_*"):  # left by a run killed mid-save
             shutil.rmtree(stale, ignore_errors=True)
-        lm_state = {k.removeprefix(_PREFIX): v for k, v in model_state.items()}
-        save_model(lm_state, trainer.lm.config, tmp, dtype=torch.float32, tokenizer_dir=trainer.tokenizer_dir)
+        save_model(model_state, model_config, tmp, dtype=torch.float32, tokenizer_dir=tokenizer_dir)
         state = {
-            "step": trainer.step,
-            "skipped_steps": trainer.skipped_steps,
-            "tokens_seen": trainer.tokens_seen,
-            "optimizer": optim_state,
-            "scheduler": trainer.scheduler.state_dict(),
-            "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
-            "data": trainer.sampler.state_dict(),
+            "step": run.step,
+            "skipped_steps": run.skipped_steps,
+            "tokens_seen": run.tokens_seen,
+            "optimizer": run.optimizer,
+            "scheduler": run.scheduler,
+            "scaler": run.scaler,
+            "data": run.data,
             "rng": _rng_state(),
-            "world_size": info.world_size,
+            "world_size": dist.world_size,
         }
         torch.save(state, tmp / _STATE)
-        (tmp / "train_config.json").write_text(json.dumps(trainer.config.to_dict(), indent=2, default=str))
+        (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2, default=str))
         path = root / name
         if path.exists():  # the same step written by an earlier, resumed run
             shutil.rmtree(path)
@@ -233,9 +223,9 @@ def save_checkpoint(trainer: Trainer) -> Path | None:
         pointer_tmp.write_text(name)
         os.replace(pointer_tmp, root / _LATEST)
         done = sorted(p for p in root.glob("step_*") if p != path)
-        for old in done[: max(0, len(done) - (trainer.config.keep_checkpoints - 1))]:
+        for old in done[: max(0, len(done) - (keep_checkpoints - 1))]:
             shutil.rmtree(old, ignore_errors=True)
-    D.barrier(info)
+    D.barrier(dist)
     return path
 
 
@@ -261,53 +251,58 @@ def _read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], 
     return config, lm.state_dict(), state
 
 
-def resume_latest(trainer: Trainer) -> Path | None:
-    """Restore the trainer from the newest checkpoint of its run that reads; returns its path, or
-    None when the run has none. A newest checkpoint that is unreadable (a truncated trainer_state.pt)
-    is passed over, with a warning, for the next older one; when none reads, the newest one's
-    error is raised (starting again from step 0 would overwrite the run)."""
-    root = checkpoint_root(trainer.config.out_dir)
-    latest = latest_checkpoint(trainer.config.out_dir)
+@dataclass(kw_only=True, slots=True)
+class LoadedCheckpoint:
+    """A checkpoint as read from disk (:func:`read_checkpoint`), nothing restored yet."""
+
+    model_state: dict[str, torch.Tensor]  # our parameter names, fp32 on the CPU
+    run: RunState
+    rng: dict[str, Any]  # for :func:`set_rng_state`
+    world_size: int  # of the run that wrote it
+
+
+def read_checkpoint(path: str | Path, model_config: ModelConfig) -> LoadedCheckpoint:
+    """Read every file of the checkpoint at ``path`` and check that its model is ``model_config``'s
+    shape (ValueError naming the differing fields otherwise). A checkpoint whose files cannot be read
+    raises CheckpointReadError, before the caller has restored anything."""
+    path = Path(path)
+    if not (path / _STATE).is_file():
+        raise ValueError(f"load_checkpoint: {path} is not a trainer checkpoint (no {_STATE})")
+    config, lm_state, state = _read_checkpoint(path)
+    check_same_shape(config, model_config, str(path))
+    run = RunState(
+        step=state["step"],
+        skipped_steps=state["skipped_steps"],
+        tokens_seen=state["tokens_seen"],
+        optimizer=state["optimizer"],
+        scheduler=state["scheduler"],
+        scaler=state["scaler"],
+        data=state["data"],
+    )
+    return LoadedCheckpoint(model_state=lm_state, run=run, rng=state["rng"], world_size=state["world_size"])
+
+
+def resume_latest(out_dir: str | Path, restore: Callable[[Path], None], *, warn: bool = True) -> Path | None:
+    """Restore (``restore(path)``, which reads with :func:`read_checkpoint`) from the newest checkpoint
+    of the run in ``out_dir`` that reads; returns its path, or None when the run has none. A newest
+    checkpoint that is unreadable (a truncated trainer_state.pt) is passed over, with a warning when
+    ``warn``, for the next older one; when none reads, the newest one's error is raised (starting
+    again from step 0 would overwrite the run)."""
+    root = checkpoint_root(out_dir)
+    latest = latest_checkpoint(out_dir)
     if latest is None:
         return None
     older = sorted((p for p in root.glob("step_*") if (p / _STATE).is_file() and p != latest), reverse=True)
     first_error: CheckpointReadError | None = None
     for path in [latest, *older]:
         try:
-            load_checkpoint(trainer, path)
+            restore(path)
         except CheckpointReadError as exc:
             first_error = first_error or exc
-            if trainer.dist.is_main:
+            if warn:
                 warnings.warn(f"resume: {exc}; trying an older checkpoint", stacklevel=2)
             continue
-        if first_error is not None and trainer.dist.is_main:
+        if first_error is not None and warn:
             warnings.warn(f"resume: resumed from the older {path}, not {latest}", stacklevel=2)
         return path
     raise first_error
-
-
-def load_checkpoint(trainer: Trainer, path: str | Path) -> None:
-    """Restore model, optimizer, scheduler, scaler, RNG and data position from ``path``. Every file is
-    read first: a checkpoint that cannot be read (CheckpointReadError) leaves the trainer as it was."""
-    path = Path(path)
-    if not (path / _STATE).is_file():
-        raise ValueError(f"load_checkpoint: {path} is not a trainer checkpoint (no {_STATE})")
-    info = trainer.dist
-    config, lm_state, state = _read_checkpoint(path)
-    check_same_shape(config, trainer.lm.config, str(path))
-    D.load_full_model_state(trainer.module, {_PREFIX + k: v for k, v in lm_state.items()}, info)
-    D.load_full_optimizer_state(trainer.module, trainer.optimizer, state["optimizer"], info)
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    if trainer.scaler is not None and state["scaler"] is not None:
-        trainer.scaler.load_state_dict(state["scaler"])
-    if state["world_size"] != info.world_size and info.is_main:
-        warnings.warn(
-            f"load_checkpoint: saved with world size {state['world_size']}, resumed with {info.world_size}; "
-            "the data order continues, but a step now holds other rows",
-            stacklevel=2,
-        )
-    trainer.sampler.load_state_dict(state["data"])
-    _set_rng_state(state["rng"])
-    trainer.step = state["step"]
-    trainer.skipped_steps = state["skipped_steps"]
-    trainer.tokens_seen = state["tokens_seen"]

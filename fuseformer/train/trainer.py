@@ -1,4 +1,4 @@
-"""The training loop for causal LMs on our Llama-family models.
+"""The training loop for causal LMs on the models of our registry (fuseformer.models.registry).
 
 One optimizer step:
 
@@ -28,11 +28,15 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as TF
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fuseformer.layers import RMSNorm
+from fuseformer.models.attention_metadata import AttentionMetadata
 from fuseformer.models.config import ModelConfig
-from fuseformer.models.llama import AttentionMetadata, LlamaForCausalLM
+from fuseformer.models.loader import empty_model
+from fuseformer.train import checkpoint as C
 from fuseformer.train import distributed as D
 from fuseformer.train.config import TrainConfig
 from fuseformer.train.data import (
@@ -50,6 +54,8 @@ from fuseformer.train.loss import linear_cross_entropy_sum
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "loss.png"
+_LM_PREFIX = "lm."  # CausalLMLoss holds the model as .lm: its state's names, less this, are the model's
+_CAPPED_CHUNK = 4096  # tokens per chunk of the soft-capped loss (train/loss.py's fallback chunk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,25 +66,43 @@ class CausalLMLoss(nn.Module):
 
     forward(input_ids (T,), positions (T,), cu_seqlens (n+1,) int32, max_seqlen, targets (T,))
     -> the fp32 sum of the token losses (targets -100 ignored).
+
+    A model whose logits are soft-capped (Gemma2's ``final_logit_softcapping``) takes its logits
+    from ``compute_logits``, chunked and recomputed in backward: the fused linear cross-entropy
+    has no cap.
     """
 
-    def __init__(self, lm: LlamaForCausalLM) -> None:
+    def __init__(self, lm: nn.Module) -> None:
         super().__init__()
         self.lm = lm
 
     def forward(self, input_ids, positions, cu_seqlens, max_seqlen: int, targets) -> torch.Tensor:
         meta = AttentionMetadata(cu_seqlens_q=cu_seqlens, max_seqlen_q=max_seqlen)
         hidden = self.lm(input_ids, positions, meta)  # (T, H)
-        return linear_cross_entropy_sum(hidden, self.lm.lm_head.weight, targets)
+        if self.lm.config.final_logit_softcapping is None:
+            return linear_cross_entropy_sum(hidden, self.lm.lm_head.weight, targets)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for h, t in zip(hidden.split(_CAPPED_CHUNK), targets.split(_CAPPED_CHUNK)):
+            if torch.is_grad_enabled():
+                total = total + checkpoint(self._capped_loss, h, t, use_reentrant=False)
+            else:
+                total = total + self._capped_loss(h, t)
+        return total
+
+    def _capped_loss(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = self.lm.compute_logits(hidden).float()  # (C, V)
+        return TF.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def init_weights(lm: LlamaForCausalLM, std: float, seed: int) -> None:
-    """normal(0, std) for linear and embedding weights, zero biases, unit norm weights (seeded)."""
+def init_weights(lm: nn.Module, std: float, seed: int) -> None:
+    """normal(0, std) for linear and embedding weights, zero biases, norms scaling by one (weight 1,
+    or 0 under an offset: Gemma's 1 + w) (seeded)."""
+    offsets = {f"{n}.weight": m.offset for n, m in lm.named_modules() if isinstance(m, RMSNorm)}
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in lm.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(1.0 - offsets.get(name, 0.0))
             elif p.dim() == 1:
                 p.zero_()
             else:
@@ -93,7 +117,7 @@ def _autocast_embedding(module: nn.Module, args: Any, out: torch.Tensor) -> torc
     return None
 
 
-def apply_activation_checkpointing(lm: LlamaForCausalLM, every: int, skip_last: int = 0) -> None:
+def apply_activation_checkpointing(lm: nn.Module, every: int, skip_last: int = 0) -> None:
     """Recompute layers 0, every, 2*every, ... in backward (torch.utils.checkpoint, non-reentrant),
     but none of the last ``skip_last`` layers.
 
@@ -184,7 +208,7 @@ class Trainer:
         self,
         config: TrainConfig,
         *,
-        model: LlamaForCausalLM | None = None,
+        model: nn.Module | None = None,
         train_corpus: TokenCorpus | None = None,
         eval_corpus: TokenCorpus | None = None,
     ) -> None:
@@ -205,11 +229,7 @@ class Trainer:
         self.tokenizer_dir: Path | None = None
         if model is None:
             if isinstance(config.model, ModelConfig):
-                with torch.device("meta"):
-                    model = LlamaForCausalLM(config.model)
-                model.to_empty(device="cpu")
-                if config.model.tie_word_embeddings:
-                    model.lm_head.weight = model.model.embed_tokens.weight
+                model = empty_model(config.model, torch.float32, "cpu")  # the registry's class, tied
                 init_weights(model, config.init_std, config.seed)
             else:
                 from fuseformer.models.loader import load_model
@@ -253,9 +273,7 @@ class Trainer:
         self.skipped_steps = 0
         self.tokens_seen = 0
         if config.resume:
-            from fuseformer.train.checkpoint import resume_latest
-
-            resumed = resume_latest(self)
+            resumed = C.resume_latest(config.out_dir, self.load_checkpoint, warn=self.dist.is_main)
             if resumed is not None:
                 self._log(f"resumed from {resumed} at step {self.step}")
 
@@ -400,8 +418,6 @@ class Trainer:
         """Run to max_steps: progress bar, metrics.jsonl, eval, checkpoints, loss.png at the end."""
         from tqdm.auto import tqdm
 
-        from fuseformer.train.checkpoint import save_checkpoint
-
         cfg, info = self.config, self.dist
         result = TrainResult()
         metrics_path = self.out_dir / METRICS_FILE
@@ -432,7 +448,7 @@ class Trainer:
                         f"grad_norm {m['grad_norm']:.3f} {m['tokens_per_s']:,.0f} tok/s"
                     )
             if cfg.save_every and (self.step % cfg.save_every == 0 or last):
-                result.checkpoint = save_checkpoint(self)
+                result.checkpoint = self.save_checkpoint()
         bar.close()
         if info.is_main:
             result.curve = plot_loss_curve(metrics_path, self.out_dir / CURVE_FILE)
@@ -442,15 +458,64 @@ class Trainer:
     def export(self, path: str | Path) -> Path | None:
         """Write the model as it is now as a bf16 Hugging Face directory (+ the tokenizer files).
         Every rank calls it (FSDP gathers the shards); rank 0 writes and gets the path."""
-        from fuseformer.train.checkpoint import save_model
-
         state = D.full_model_state(self.module, self.dist)
         out = None
         if self.dist.is_main:
-            state = {k.removeprefix("lm."): v for k, v in state.items()}
-            out = save_model(state, self.lm.config, path, dtype=torch.bfloat16, tokenizer_dir=self.tokenizer_dir)
+            state = {k.removeprefix(_LM_PREFIX): v for k, v in state.items()}
+            out = C.save_model(state, self.lm.config, path, dtype=torch.bfloat16, tokenizer_dir=self.tokenizer_dir)
         D.barrier(self.dist)
         return out
+
+    # ----------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path | None:
+        """Write the run's checkpoint (model, optimizer, scheduler, scaler, RNG, data position, step) to
+        ``<out_dir>/checkpoints`` (checkpoint.py). Every rank calls it (FSDP gathers the shards);
+        rank 0 writes and gets the path."""
+        info = self.dist
+        model_state = D.full_model_state(self.module, info)
+        run = C.RunState(
+            step=self.step,
+            skipped_steps=self.skipped_steps,
+            tokens_seen=self.tokens_seen,
+            optimizer=D.full_optimizer_state(self.module, self.optimizer, info),
+            scheduler=self.scheduler.state_dict(),
+            scaler=self.scaler.state_dict() if self.scaler is not None else None,
+            data=self.sampler.state_dict(),
+        )
+        return C.save_checkpoint(
+            self.config.out_dir,
+            {k.removeprefix(_LM_PREFIX): v for k, v in model_state.items()},
+            self.lm.config,
+            run,
+            dist=info,
+            train_config=self.config.to_dict(),
+            keep_checkpoints=self.config.keep_checkpoints,
+            tokenizer_dir=self.tokenizer_dir,
+        )
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore model, optimizer, scheduler, scaler, RNG and data position from the checkpoint at
+        ``path``. Every file is read first: a checkpoint that cannot be read (CheckpointReadError)
+        leaves the trainer as it was."""
+        info = self.dist
+        ckpt = C.read_checkpoint(path, self.lm.config)
+        run = ckpt.run
+        D.load_full_model_state(self.module, {_LM_PREFIX + k: v for k, v in ckpt.model_state.items()}, info)
+        D.load_full_optimizer_state(self.module, self.optimizer, run.optimizer, info)
+        self.scheduler.load_state_dict(run.scheduler)
+        if self.scaler is not None and run.scaler is not None:
+            self.scaler.load_state_dict(run.scaler)
+        if ckpt.world_size != info.world_size and info.is_main:
+            warnings.warn(
+                f"load_checkpoint: saved with world size {ckpt.world_size}, resumed with {info.world_size}; "
+                "the data order continues, but a step now holds other rows",
+                stacklevel=2,
+            )
+        self.sampler.load_state_dict(run.data)
+        C.set_rng_state(ckpt.rng)
+        self.step = run.step
+        self.skipped_steps = run.skipped_steps
+        self.tokens_seen = run.tokens_seen
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -88,6 +88,31 @@ def test_rms_norm_matches_hf_llama_rms_norm(device):
 
 
 @pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_offset_matches_hf_gemma_rms_norm(residual, device):
+    """offset=1 is Gemma's x * (1 + w): outputs and gradients against HF GemmaRMSNorm (weight 0 at
+    init, so the scale starts at one either way)."""
+    modeling_gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
+    assert torch.equal(RMSNorm(8, offset=1.0).weight, modeling_gemma.GemmaRMSNorm(8).weight)
+    theirs = _randomize(modeling_gemma.GemmaRMSNorm(96, eps=1e-6))
+    ours = RMSNorm(96, eps=1e-6, offset=1.0)
+    ours.load_state_dict(theirs.state_dict())
+    _compare(ours, theirs, (2, 7, 96), residual=residual, device=device)
+    shared = RMSNorm.from_module(theirs, offset=1.0)
+    assert shared.weight is theirs.weight and shared.offset == 1.0
+    assert repr(shared) == "RMSNorm((96,), eps=1e-06, elementwise_affine=True, offset=1.0)"
+
+
+def test_rms_norm_offset_without_weight_scales_by_the_offset():
+    x = torch.randn(3, 16)
+    with fuseformer.use_backend("triton"):
+        one = RMSNorm(16, elementwise_affine=False, offset=1.0)(x)
+        two = RMSNorm(16, elementwise_affine=False, offset=2.0)(x)
+    plain = RMSNorm(16, elementwise_affine=False)(x)
+    torch.testing.assert_close(one, plain)
+    torch.testing.assert_close(two, 2 * plain)
+
+
+@pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("elementwise_affine, bias", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("shape", [(3, 5, 64), (4, 257)])
 def test_layer_norm_matches_torch_layer_norm(shape, elementwise_affine, bias, residual, device):

@@ -1,5 +1,5 @@
 """Tiny random Hugging Face checkpoints, made in the test session with transformers' save_pretrained
-(nothing is downloaded): one per architecture and feature the model must cover."""
+(nothing is downloaded): one per architecture and feature the models must cover."""
 
 import functools
 import math
@@ -44,24 +44,45 @@ CHECKPOINTS = {
     ),
     # q/k norm, head_dim 32 != hidden / heads, untied.
     "qwen3": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+    # Offset norms, GeGLU (the legacy "gelu", read as the tanh form), scaled embeddings, MQA, tied.
+    "gemma": (transformers.GemmaConfig, dict(num_key_value_heads=1, head_dim=16, hidden_act="gelu")),
+    # Gemma2: 3 layers, sliding window 4 in layers 0 and 2; query_pre_attn_scalar 24 != head_dim; both
+    # soft-caps low enough to bite (random scores reach ~4, logits ~15); GQA 4/2, untied.
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=4,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 _MODEL_CLASSES = {
     transformers.LlamaConfig: transformers.LlamaForCausalLM,
     transformers.MistralConfig: transformers.MistralForCausalLM,
     transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
     transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+    transformers.GemmaConfig: transformers.GemmaForCausalLM,
+    transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
 }
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Every parameter random (biases and norm weights too, so that none is a silent no-op), scaled
-    so activations and logits are O(1)-O(10): greedy choices are then decisive."""
+    so activations and logits are O(1)-O(10): greedy choices are then decisive. Gemma's norms scale
+    by 1 + weight, so theirs are drawn around 0."""
     gen = torch.Generator().manual_seed(seed)
+    one = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             r = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * r)
+                p.copy_(one + 0.3 * r)
             elif p.dim() == 1:  # biases
                 p.copy_(0.5 * r)
             elif "embed_tokens" in name:
@@ -77,7 +98,7 @@ def hf_checkpoint(tmp_path_factory):
     @functools.cache
     def make(name: str, sharded: bool = False):
         config_cls, kwargs = CHECKPOINTS[name]
-        config = config_cls(**_BASE, **kwargs)
+        config = config_cls(**(_BASE | kwargs))
         torch.manual_seed(1234)
         model = _MODEL_CLASSES[config_cls](config).eval()
         _randomize(model, seed=len(name))

@@ -2,39 +2,17 @@
 the HF model in fp64; baseline: the HF model in fp32) and greedy decoding over a paged KV cache."""
 
 import copy
-import random
 
 import pytest
 import torch
 
 import fuseformer
-from fuseformer.models.llama import AttentionMetadata, rope_inv_freq
+from fuseformer.models.attention_metadata import AttentionMetadata
+from fuseformer.models.llama import rope_inv_freq
 from fuseformer.models.loader import load_model
-from fuseformer.testing import assert_close
+from fuseformer.testing import assert_close, greedy_paged, hf_logits, hf_packed_grads, packed_logits
 
 ARCHS = ["llama3", "llama_linear_tied", "llama_dynamic", "mistral", "qwen2", "qwen3"]
-
-
-def _hf_logits(hf, ids):
-    """HF logits of one sequence: (reference in fp64, baseline in fp32), each (S, V)."""
-    with torch.no_grad():
-        base = hf(ids[None]).logits[0]
-        hf.double()
-        try:
-            ref = hf(ids[None]).logits[0]
-        finally:
-            hf.float()
-    return ref, base
-
-
-def _ours(model, seqs):
-    """Our logits for every token of the packed sequences ``seqs`` (no cache): list of (S_i, V)."""
-    ids = torch.cat(seqs)
-    positions = torch.cat([torch.arange(len(s), device=ids.device) for s in seqs])
-    with torch.no_grad():
-        hidden = model(ids, positions, AttentionMetadata.varlen([len(s) for s in seqs], device=ids.device))
-        logits = model.compute_logits(hidden)
-    return list(logits.split([len(s) for s in seqs]))
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -42,8 +20,8 @@ def test_logits_match_transformers_single_sequence(name, hf_checkpoint):
     path, hf = hf_checkpoint(name)
     model, config = load_model(path)
     ids = torch.randint(0, config.vocab_size, (15,))  # past every window and the dynamic-rope length
-    (out,) = _ours(model, [ids])
-    ref, base = _hf_logits(hf, ids)
+    (out,) = packed_logits(model, [ids])
+    ref, base = hf_logits(hf, ids)
     assert_close(f"{name} logits", out, ref, base)
 
 
@@ -52,9 +30,9 @@ def test_logits_match_transformers_varlen_batch(name, hf_checkpoint):
     path, hf = hf_checkpoint(name)
     model, config = load_model(path)
     seqs = [torch.randint(0, config.vocab_size, (n,)) for n in (7, 13)]
-    outs = _ours(model, seqs)
+    outs = packed_logits(model, seqs)
     for i, (ids, out) in enumerate(zip(seqs, outs)):
-        ref, base = _hf_logits(hf, ids)
+        ref, base = hf_logits(hf, ids)
         assert_close(f"{name} logits of sequence {i}", out, ref, base)
     # compute_logits on the last rows only gives the same rows.
     ids = torch.cat(seqs)
@@ -72,66 +50,6 @@ def test_sharded_checkpoint_loads_the_same_model(hf_checkpoint):
     single, _ = load_model(hf_checkpoint("qwen3")[0])
     for (name, a), (_, b) in zip(sharded.state_dict().items(), single.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-
-
-def _greedy_paged(model, prompts, steps, *, block_size=4, chunk=4, num_blocks=24, device="cpu", all_logits=False):
-    """Greedy decoding of several prompts in one varlen batch per step, over a paged KV cache with a
-    hand-managed block table: each step computes up to ``chunk`` new tokens per sequence, so steps
-    mix prefill chunks (with a cached prefix) and single-token decodes. Returns the new tokens of
-    each prompt, and with ``all_logits`` also the logits of every token each sequence computed."""
-    cfg = model.config
-    dtype = model.lm_head.weight.dtype
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    # NaN-filled: a read of a slot nobody wrote would poison the logits.
-    nan = dict(fill_value=float("nan"), dtype=dtype, device=device)
-    caches = [(torch.full(shape, **nan), torch.full(shape, **nan)) for _ in range(cfg.num_hidden_layers)]
-    free = list(range(num_blocks))
-    random.Random(0).shuffle(free)
-    seqs = [list(p) for p in prompts]
-    tables = [[] for _ in prompts]
-    done = [0] * len(prompts)  # tokens whose K/V are in the cache
-    outputs = [[] for _ in prompts]
-    logits_of = [[] for _ in prompts]
-    while any(len(o) < steps for o in outputs):
-        active = [b for b in range(len(prompts)) if len(outputs[b]) < steps]
-        ids, positions, slots, cu, ctx, rows, sampled = [], [], [], [0], [], [], []
-        for b in active:
-            n = min(chunk, len(seqs[b]) - done[b])
-            for p in range(done[b], done[b] + n):
-                if p // block_size == len(tables[b]):
-                    tables[b].append(free.pop())
-                ids.append(seqs[b][p])
-                positions.append(p)
-                slots.append(tables[b][p // block_size] * block_size + p % block_size)
-            cu.append(cu[-1] + n)
-            ctx.append(done[b] + n)
-            done[b] += n
-            if done[b] == len(seqs[b]):  # the whole sequence is in: its last token's logits sample
-                rows.append(cu[-1] - 1)
-                sampled.append(b)
-        width = max(len(tables[b]) for b in active)
-        block_tables = [tables[b] + [0] * (width - len(tables[b])) for b in active]
-        meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-            max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
-            kv_caches=caches,
-            context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
-        )
-        with torch.no_grad():
-            hidden = model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta)
-            rows = torch.tensor(rows, dtype=torch.long, device=device)
-            next_tokens = model.compute_logits(hidden, rows).argmax(-1).tolist()
-            if all_logits:
-                for i, b in enumerate(active):
-                    logits_of[b].append(model.compute_logits(hidden[cu[i] : cu[i + 1]]).cpu())
-        for b, token in zip(sampled, next_tokens):
-            seqs[b].append(token)
-            outputs[b].append(token)
-    if all_logits:
-        return outputs, [torch.cat(chunks) for chunks in logits_of]
-    return outputs
 
 
 # The Triton kernels run interpreted on the CPU (~1 s a step): one architecture takes them (GQA, bias,
@@ -170,24 +88,9 @@ def test_greedy_decoding_with_paged_cache_matches_generate(name, backend, hf_che
     steps = 6
     prompts = [torch.randint(0, config.vocab_size, (n,)) for n in _prompt_lengths(name, (6, 9, 1), steps)]
     with fuseformer.use_backend(backend):
-        ours = _greedy_paged(model, [p.tolist() for p in prompts], steps)
+        ours = greedy_paged(model, [p.tolist() for p in prompts], steps)
     for prompt, got in zip(prompts, ours):
         assert got == _hf_greedy(hf, prompt, steps, name), f"{name}: prompt {prompt.tolist()}"
-
-
-def _hf_grads(hf, ids, target):
-    """Gradients of the mean cross-entropy over the HF model's parameters, named as ours are (q/k/v and
-    gate/up concatenated into the packed parameters)."""
-    hf.zero_grad()
-    loss = torch.nn.functional.cross_entropy(hf(ids[None]).logits[0], target)
-    loss.backward()
-    grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
-    for n in [n for n in grads if ".q_proj." in n]:
-        parts = [grads.pop(n.replace("q_proj", x)) for x in ("q_proj", "k_proj", "v_proj")]
-        grads[n.replace("q_proj", "qkv_proj")] = torch.cat(parts)
-    for n in [n for n in grads if ".gate_proj." in n]:
-        grads[n.replace("gate_proj", "gate_up_proj")] = torch.cat([grads.pop(n), grads.pop(n.replace("gate", "up"))])
-    return grads
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
@@ -200,8 +103,8 @@ def test_gradients_match_transformers(name, hf_checkpoint):
     target = torch.randint(0, config.vocab_size, (11,))
     hidden = model(ids, torch.arange(11), AttentionMetadata.varlen([11]))
     torch.nn.functional.cross_entropy(model.compute_logits(hidden), target).backward()
-    base = _hf_grads(hf, ids, target)
-    ref = _hf_grads(copy.deepcopy(hf).double(), ids, target)
+    base = hf_packed_grads(hf, ids, target)
+    ref = hf_packed_grads(copy.deepcopy(hf).double(), ids, target)
     hf.zero_grad()
     ours = {n: p.grad for n, p in model.named_parameters()}
     assert set(ours) == set(base), set(ours) ^ set(base)
@@ -240,8 +143,8 @@ def test_reference_backend_gives_the_same_logits(hf_checkpoint):
     model, config = load_model(path)
     ids = torch.randint(0, config.vocab_size, (9,))
     with fuseformer.use_backend("reference"):
-        (out,) = _ours(model, [ids])
-    ref, base = _hf_logits(hf, ids)
+        (out,) = packed_logits(model, [ids])
+    ref, base = hf_logits(hf, ids)
     assert_close("logits", out, ref, base)
 
 
@@ -278,7 +181,7 @@ def test_logits_gpu_half(name, dtype, hf_checkpoint):
     hf_half = copy.deepcopy(hf).to("cuda", dtype)
     hf64 = copy.deepcopy(hf_half).to(torch.float64)
     seqs = [torch.randint(0, config.vocab_size, (n,), device="cuda") for n in (40, 97, 1)]
-    outs = _ours(model, seqs)
+    outs = packed_logits(model, seqs)
     for ids, out in zip(seqs, outs):
         with torch.no_grad():
             base, ref = hf_half(ids[None]).logits[0], hf64(ids[None]).logits[0]
@@ -293,7 +196,7 @@ def test_greedy_decoding_gpu(name, hf_checkpoint):
     model, config = load_model(path, device="cuda")
     hf = copy.deepcopy(hf).cuda()
     prompts = [torch.randint(0, config.vocab_size, (n,)) for n in _prompt_lengths(name, (6, 9, 1, 20), 8)]
-    ours = _greedy_paged(model, [p.tolist() for p in prompts], 8, chunk=5, num_blocks=64, device="cuda")
+    ours = greedy_paged(model, [p.tolist() for p in prompts], 8, chunk=5, num_blocks=64, device="cuda")
     for prompt, got in zip(prompts, ours):
         assert got == _hf_greedy(hf, prompt.cuda(), 8, name), f"{name}: prompt {prompt.tolist()}"
 
@@ -334,7 +237,7 @@ def test_real_sizes_gpu(arch, dtype, tmp_path):
     hf_half = copy.deepcopy(hf).to("cuda", dtype)
     hf64 = copy.deepcopy(hf_half).to(torch.float64)
     prompts = [torch.randint(0, config.vocab_size, (n,)).tolist() for n in (1000, 517, 3)]
-    outputs, logits = _greedy_paged(
+    outputs, logits = greedy_paged(
         model, prompts, 6, block_size=16, chunk=384, num_blocks=200, device="cuda", all_logits=True
     )
     for prompt, out, got in zip(prompts, outputs, logits):
@@ -343,7 +246,7 @@ def test_real_sizes_gpu(arch, dtype, tmp_path):
             base, ref = hf_half(seq[None]).logits[0], hf64(seq[None]).logits[0]
         assert_close(f"{arch} {dtype} logits (len {len(prompt)})", got.cuda(), ref, base)
     # And the no-cache path (flash_attention) on the same prompts.
-    outs = _ours(model, [torch.tensor(p, device="cuda") for p in prompts])
+    outs = packed_logits(model, [torch.tensor(p, device="cuda") for p in prompts])
     for prompt, out in zip(prompts, outs):
         ids = torch.tensor(prompt, device="cuda")[None]
         with torch.no_grad():

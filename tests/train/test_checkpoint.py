@@ -43,7 +43,7 @@ def test_resume_matches_uninterrupted(tmp_path, model_config, corpus):
         for _ in range(4):  # killed during step 5, after the checkpoint of step 3
             t.train_step()
             if t.step == 3:
-                C.save_checkpoint(t)
+                t.save_checkpoint()
         with (tmp_path / "b" / "metrics.jsonl").open("w") as f:
             f.writelines(json.dumps({"step": s, "loss": 0.0}) + "\n" for s in (1, 2, 3, 4))
         resumed_trainer = Trainer(_config(model, tmp_path / "b", save_every=3), train_corpus=corpus())
@@ -120,7 +120,7 @@ def test_killed_mid_save_keeps_last_good(tmp_path, model_config, corpus, monkeyp
     with fuseformer.use_backend("reference"):
         t = Trainer(_config(model_config(), tmp_path, keep_checkpoints=2), train_corpus=corpus())
         t.train_step()
-        first = C.save_checkpoint(t)
+        first = t.save_checkpoint()
         t.train_step()
 
         def killed(*args, **kwargs):
@@ -128,7 +128,7 @@ def test_killed_mid_save_keeps_last_good(tmp_path, model_config, corpus, monkeyp
 
         monkeypatch.setattr(C.torch, "save", killed)
         with pytest.raises(KeyboardInterrupt):
-            C.save_checkpoint(t)
+            t.save_checkpoint()
         monkeypatch.undo()
         root = C.checkpoint_root(tmp_path)
         assert (root / ".tmp_step_0000002").is_dir()  # the half-written one, under its temporary name
@@ -138,7 +138,7 @@ def test_killed_mid_save_keeps_last_good(tmp_path, model_config, corpus, monkeyp
         # later saves clean the leftover and keep the newest keep_checkpoints
         for _ in range(3):
             resumed.train_step()
-            C.save_checkpoint(resumed)
+            resumed.save_checkpoint()
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000003", "step_0000004"]
     assert C.latest_checkpoint(tmp_path).name == "step_0000004"
 
@@ -147,11 +147,11 @@ def test_checkpoint_of_another_model_shape(tmp_path, model_config, corpus):
     with fuseformer.use_backend("reference"):
         t = Trainer(_config(model_config(), tmp_path), train_corpus=corpus())
         t.train_step()
-        C.save_checkpoint(t)
+        t.save_checkpoint()
         with pytest.raises(ValueError, match=r"another model: hidden_size 32 \(run: 64\)"):
             Trainer(_config(model_config(hidden_size=64), tmp_path), train_corpus=corpus())
         with pytest.raises(ValueError, match="not a trainer checkpoint"):
-            C.load_checkpoint(t, tmp_path)
+            t.load_checkpoint(tmp_path)
 
 
 def test_truncated_newest_state_falls_back_to_older(tmp_path, model_config, corpus):
@@ -160,9 +160,9 @@ def test_truncated_newest_state_falls_back_to_older(tmp_path, model_config, corp
     with fuseformer.use_backend("reference"):
         t = Trainer(_config(model_config(), tmp_path, keep_checkpoints=2), train_corpus=corpus())
         t.train_step()
-        first = C.save_checkpoint(t)
+        first = t.save_checkpoint()
         t.train_step()
-        newest = C.save_checkpoint(t)
+        newest = t.save_checkpoint()
         state = newest / "trainer_state.pt"
         state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
         with pytest.warns(UserWarning) as record:
