@@ -400,8 +400,10 @@ def _attention_candidates(model, prefix, layers, training, result) -> None:
             result.skipped.append(Skipped(path=path, kind="attention", reason="attention module has no config"))
             continue
         apply, undo = hf_attention.config_swap(attn, name)
-        rotary = hf_attention.rotary_state(attn)
-        if rotary is not None:  # RoPE fused too: the whole forward is ours
+        # RoPE fused too (the whole forward is ours) for inference only: with training=True the GPU test
+        # test_llama_training_gradients_kept failed on 2026-12-04 (not yet diagnosed).
+        rotary = None if training else hf_attention.rotary_state(attn)
+        if rotary is not None:
             apply, undo = _with_bound_forward(attn, hf_attention.rotary_attention_forward, rotary, apply, undo)
         result.candidates.append(
             Candidate(
