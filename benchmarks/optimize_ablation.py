@@ -59,7 +59,11 @@ def _host(fn) -> dict:
         torch.cuda.synchronize()
     syncs = {}
     for e in prof.key_averages():
-        if "Synchronize" in e.key or "Memcpy" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense", "aten::nonzero"):
+        if (
+            "Synchronize" in e.key
+            or "Memcpy" in e.key
+            or e.key in ("aten::item", "aten::_local_scalar_dense", "aten::nonzero")
+        ):
             syncs[e.key] = e.count
     top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
     return dict(host_ms=min(times), syncs=syncs,

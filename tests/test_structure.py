@@ -26,9 +26,6 @@ ENV_ALLOWED = {
     # Turns off the Hopper Gluon kernels (README: "FUSEFORMER_GLUON=0 turns them off"), for a user whose
     # Triton build or driver misbehaves with them; `fuseformer info` says whether they run.
     "FUSEFORMER_GLUON",
-    # Turns off the direct launch (runtime/launch.py re-implements Triton 3.6's launcher): the escape hatch
-    # if it ever launches wrongly on a user's machine; `fuseformer info` names it. Tests use fast_launch(False).
-    "FUSEFORMER_FAST_LAUNCH",
 }
 
 

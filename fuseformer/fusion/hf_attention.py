@@ -281,9 +281,10 @@ ROTARY_CLASSES = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attentio
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, S, H, D) rotated by HF's position embeddings cos/sin (B | 1, S, R), R <= D: one kernel. With
-    B rows of positions the batch is one sequence of B * S tokens whose position p indexes row p of the (B * S, R / 2) table,
-    so each (b, s) gets its own row (left padding, any position_ids) with no offsets to check."""
+    """x (B, S, H, D) rotated by HF's position embeddings cos/sin (B | 1, S, R), R <= D: one kernel.
+    With B rows of positions the batch is one sequence of B * S tokens whose position p indexes row p
+    of the (B * S, R / 2) table, so each (b, s) gets its own row (left padding, any position_ids)
+    with no offsets to check."""
     b, s, h, d = x.shape
     half = cos.shape[-1] // 2
     if cos.shape[0] == 1:  # one row of positions for the whole batch (position_ids broadcast)
@@ -297,8 +298,9 @@ def rotary_attention_forward(self, hidden_states, position_embeddings=None, atte
     """LlamaAttention.forward (and Mistral's, Qwen2's, Qwen3's) with RoPE in one kernel per q and k on
     the projections' own (B, S, H, D) layout, so that the attention kernel reads them without the
     transposes and copies of HF's rotate_half. The cache is updated as the class's forward does it:
-    transformers up to 5.2x names it ``past_key_values`` and passes ``cache_position`` in a dict,
-    later ones name it ``cache`` and pass the call's kwargs (``self.__dict__`` says which)."""
+    forwards with a ``cache_position`` parameter (transformers 4.x) pass it in a dict; later ones take
+    the cache as ``past_key_values`` (5.17) or ``cache`` (5.25) and pass the call's kwargs
+    (``self.__dict__`` says which)."""
     state = self.__dict__["_fuseformer_rotary"]
     b, s = hidden_states.shape[:-1]
     shape = (b, s, -1, self.head_dim)
@@ -314,7 +316,8 @@ def rotary_attention_forward(self, hidden_states, position_embeddings=None, atte
         cache = kwargs.pop("past_key_values", None)
         cache_position = kwargs.pop("cache_position", None)
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position})
+            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
+            key, value = cache.update(key, value, self.layer_idx, cache_kwargs)
     else:
         cache = kwargs.pop("cache", None)
         if cache is None:

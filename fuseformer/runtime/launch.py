@@ -2,7 +2,7 @@
 ``@triton.jit`` kernel as ``kernel[grid](...)`` the first time a specialization runs, then call its
 compiled form's C launcher directly, on the Triton release whose launch path this re-implements
 (``DIRECT_LAUNCH_TRITON``, version-gated: any other Triton, the interpreter, or
-FUSEFORMER_FAST_LAUNCH=0 take ``kernel[grid]`` every time). ``launch_path()`` says which one this
+``fast_launch(False)`` take ``kernel[grid]`` every time). ``launch_path()`` says which one this
 process takes (``fuseformer info``).
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -23,9 +22,9 @@ import torch
 # hook chains. After the first launch of a specialization, :class:`Launcher` keeps the compiled
 # kernel under a key that determines Triton's own key and calls its C launcher directly.
 #
-# FUSEFORMER_FAST_LAUNCH=0 (read at import) or ``fast_launch(False)`` turn it off: every launch
-# is then ``kernel[grid](...)``.
-_fast_launch_on = os.environ.get("FUSEFORMER_FAST_LAUNCH", "1").strip().lower() not in ("0", "false", "off", "no")
+# ``fast_launch(False)`` turns it off (tests that compare both paths): every launch is then
+# ``kernel[grid](...)``. No environment switch: the version gate decides where it runs.
+_fast_launch_on = True
 
 
 def fast_launch_enabled() -> bool:
@@ -169,7 +168,7 @@ def launch_path() -> tuple[str, str]:
     compiled kernel's C launcher is called directly after a specialization's first ``kernel[grid]``
     (Triton 3.6.x, compiled kernels, CUDA), else ``("kernel[grid]", why not)``. For ``fuseformer info``."""
     if not _fast_launch_on:
-        return "kernel[grid]", "the direct launch is turned off (FUSEFORMER_FAST_LAUNCH=0 or fast_launch(False))"
+        return "kernel[grid]", "the direct launch is turned off (fast_launch(False))"
     problem = _installed_layout_problem()
     if problem is None and not torch.cuda.is_available():
         problem = "no CUDA device"

@@ -28,7 +28,7 @@ def test_fast_launch_switch_is_scoped():
         assert not launch.fast_launch_enabled()
         assert launch.launch_path() == (
             "kernel[grid]",
-            "the direct launch is turned off (FUSEFORMER_FAST_LAUNCH=0 or fast_launch(False))",
+            "the direct launch is turned off (fast_launch(False))",
         )
         with launch.fast_launch(True):
             assert launch.fast_launch_enabled()

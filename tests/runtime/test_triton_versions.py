@@ -61,7 +61,7 @@ def test_launch_path_is_direct_on_triton_3_6_with_cuda(monkeypatch):
     with launch.fast_launch(False):
         assert launch.launch_path() == (
             "kernel[grid]",
-            "the direct launch is turned off (FUSEFORMER_FAST_LAUNCH=0 or fast_launch(False))",
+            "the direct launch is turned off (fast_launch(False))",
         )
 
 
