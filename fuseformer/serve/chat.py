@@ -19,10 +19,10 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from fuseformer.models.tokenizer import ChatTemplateError
-from fuseformer.serve.errors import APIError, shutdown_error, stream_error
+from fuseformer.serve.errors import APIError, shutdown_error
 from fuseformer.serve.protocol import ChatCompletionRequest, TokenizeRequest
 from fuseformer.serve.serving import Serving
-from fuseformer.serve.streaming import Choice, Events, by_choice, chat_logprobs, merged, sse, usage
+from fuseformer.serve.streaming import Choice, Events, by_choice, chat_logprobs, merged, sse_stream, usage
 
 # Template variables that requests set through their own fields: not through chat_template_kwargs.
 _OWN_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize")
@@ -112,44 +112,41 @@ async def create_chat_completion(server: Serving, req: ChatCompletionRequest, ht
 
         async def events() -> AsyncIterator[str]:
             events = Events(head, req.include_usage)
-            try:
-                for index in range(params.n):
-                    delta = dict(role="assistant", content="")
-                    yield events.choice(
-                        dict(index=index, delta=delta, logprobs=None, finish_reason=None, stop_reason=None)
+            for index in range(params.n):
+                delta = dict(role="assistant", content="")
+                yield events.choice(dict(index=index, delta=delta, logprobs=None, finish_reason=None, stop_reason=None))
+            async for batch in merged(http_request, server.running, run):
+                server.note(run, batch)
+                chunks = []
+                for _, c in by_choice(batch, params.n):
+                    server.record(choices[c.index], c, arrival)
+                    if not req.logprobs and c.finish_reason is None:
+                        if c.text or not text_only:  # else held back: a partial character, a stop string
+                            chunks.append(events.content(c.index, c.text))
+                        continue
+                    lps = None
+                    if req.logprobs and c.logprobs:
+                        lps = chat_logprobs(server.token_text, c.token_ids, c.logprobs, top)
+                    delta = dict(content=c.text) if c.text or c.finish_reason is None else {}
+                    choice = dict(
+                        index=c.index,
+                        delta=delta,
+                        logprobs=lps,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
                     )
-                async for batch in merged(http_request, server.running, run):
-                    server.note(run, batch)
-                    chunks = []
-                    for _, c in by_choice(batch, params.n):
-                        server.record(choices[c.index], c, arrival)
-                        if not req.logprobs and c.finish_reason is None:
-                            if c.text or not text_only:  # else held back: a partial character, a stop string
-                                chunks.append(events.content(c.index, c.text))
-                            continue
-                        lps = None
-                        if req.logprobs and c.logprobs:
-                            lps = chat_logprobs(server.token_text, c.token_ids, c.logprobs, top)
-                        delta = dict(content=c.text) if c.text or c.finish_reason is None else {}
-                        choice = dict(
-                            index=c.index,
-                            delta=delta,
-                            logprobs=lps,
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
-                        )
-                        chunks.append(events.choice(choice))
-                    if chunks:
-                        yield "".join(chunks)
-                if run.cut:
-                    yield sse(shutdown_error().body())
-                elif req.include_usage:
-                    yield sse(head | dict(choices=[], usage=usage(len(ids), choices, run, 1)))
-            except Exception as exc:  # headers are sent: the error goes in the stream, then [DONE]
-                yield sse(stream_error(exc).body())
-            yield sse("[DONE]")
+                    chunks.append(events.choice(choice))
+                if chunks:
+                    yield "".join(chunks)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(
+            sse_stream(
+                events(),
+                run,
+                lambda: head | dict(choices=[], usage=usage(len(ids), choices, run, 1)) if req.include_usage else None,
+            ),
+            media_type="text/event-stream",
+        )
 
     async for batch in merged(http_request, server.running, run):
         server.note(run, batch)

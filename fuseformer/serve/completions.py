@@ -10,10 +10,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from fuseformer.serve.errors import shutdown_error, stream_error
+from fuseformer.serve.errors import shutdown_error
 from fuseformer.serve.protocol import CompletionRequest
 from fuseformer.serve.serving import Serving
-from fuseformer.serve.streaming import Choice, Events, by_choice, completion_logprobs, merged, sse, usage
+from fuseformer.serve.streaming import Choice, Events, by_choice, completion_logprobs, merged, sse_stream, usage
 
 
 async def create_completion(server: Serving, req: CompletionRequest, http_request: Request) -> Any:
@@ -39,42 +39,45 @@ async def create_completion(server: Serving, req: CompletionRequest, http_reques
 
         async def events() -> AsyncIterator[str]:
             events = Events(head, req.include_usage)
-            try:
-                async for batch in merged(http_request, server.running, run):
-                    server.note(run, batch)
-                    chunks = []
-                    for index, c in by_choice(batch, n):
-                        ch = server.record(choices[index], c, arrival)
-                        if params.logprobs is None:
-                            if c.finish_reason is None:
-                                if c.text or not text_only:  # else held back: a partial character, a stop string
-                                    chunks.append(events.text(index, c.text))
-                                continue
-                            lps = None
-                        elif c.logprobs:
-                            offset = len(ch.text) - len(c.text)
-                            lps = completion_logprobs(server.token_text, c.token_ids, c.logprobs, offset)
-                        else:
-                            lps = None
-                        choice = dict(
-                            index=index,
-                            text=c.text,
-                            logprobs=lps,
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
-                        )
-                        chunks.append(events.choice(choice))
-                    if chunks:
-                        yield "".join(chunks)
-                if run.cut:
-                    yield sse(shutdown_error().body())
-                elif req.include_usage:
-                    yield sse(head | dict(choices=[], usage=usage(num_prompt, choices, run, len(prompts))))
-            except Exception as exc:  # headers are sent: the error goes in the stream, then [DONE]
-                yield sse(stream_error(exc).body())
-            yield sse("[DONE]")
+            async for batch in merged(http_request, server.running, run):
+                server.note(run, batch)
+                chunks = []
+                for index, c in by_choice(batch, n):
+                    ch = server.record(choices[index], c, arrival)
+                    if params.logprobs is None:
+                        if c.finish_reason is None:
+                            if c.text or not text_only:  # else held back: a partial character, a stop string
+                                chunks.append(events.text(index, c.text))
+                            continue
+                        lps = None
+                    elif c.logprobs:
+                        offset = len(ch.text) - len(c.text)
+                        lps = completion_logprobs(server.token_text, c.token_ids, c.logprobs, offset)
+                    else:
+                        lps = None
+                    choice = dict(
+                        index=index,
+                        text=c.text,
+                        logprobs=lps,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    chunks.append(events.choice(choice))
+                if chunks:
+                    yield "".join(chunks)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(
+            sse_stream(
+                events(),
+                run,
+                lambda: (
+                    head | dict(choices=[], usage=usage(num_prompt, choices, run, len(prompts)))
+                    if req.include_usage
+                    else None
+                ),
+            ),
+            media_type="text/event-stream",
+        )
 
     async for batch in merged(http_request, server.running, run):
         server.note(run, batch)

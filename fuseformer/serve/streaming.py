@@ -23,6 +23,7 @@ from fastapi import Request
 
 from fuseformer.engine.async_engine import RequestStream
 from fuseformer.engine.outputs import CompletionOutput, RequestOutput
+from fuseformer.serve.errors import shutdown_error, stream_error
 
 
 @dataclass(slots=True, eq=False)
@@ -184,6 +185,24 @@ class Events:
 
 def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def sse_stream(
+    body: AsyncIterator[str], run: Running, final: Callable[[], dict[str, Any] | None]
+) -> AsyncIterator[str]:
+    """A streamed response's events: ``body``'s chunks; then the shutdown error if the server cut the
+    run, else ``final()`` (the usage chunk, or None for none); an exception of ``body`` goes in the
+    stream as an error event (the headers are sent); then [DONE]. Completions and chat alike."""
+    try:
+        async for chunk in body:
+            yield chunk
+        if run.cut:
+            yield sse(shutdown_error().body())
+        elif (last := final()) is not None:
+            yield sse(last)
+    except Exception as exc:
+        yield sse(stream_error(exc).body())
+    yield sse("[DONE]")
 
 
 def usage(prompt_tokens: int, choices: list[Choice], run: Running, num_prompts: int) -> dict[str, Any]:
