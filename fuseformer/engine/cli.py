@@ -85,11 +85,26 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         "many times over",
     )
     p.add_argument(
-        "--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs, CUDA only (default: off)"
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay decode steps as CUDA graphs captured at start (default: on with a CUDA device, as vLLM's); "
+        "--no-cuda-graphs runs them eagerly",
     )
+    add_enforce_eager(p)
     p.add_argument("--quiet", action="store_true", help="no loading line and no summary on stderr (default: off)")
     p.set_defaults(func=run_generate)
     return p
+
+
+def add_enforce_eager(p: argparse.ArgumentParser) -> None:
+    """--enforce-eager, shared by ``generate`` and ``serve``."""
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs and no scheduling ahead, unless asked for by their own flags (vLLM's name; "
+        "default: off, so both are on with a CUDA device)",
+    )
 
 
 def check_model_args(args: argparse.Namespace) -> tuple[str | None, str | None]:
@@ -114,6 +129,8 @@ def check_model_args(args: argparse.Namespace) -> tuple[str | None, str | None]:
             return model, f"--device {args.device}: no CUDA device is available ({why}); use --device cpu"
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
             return model, f"--device {args.device}: there are {torch.cuda.device_count()} CUDA device(s)"
+    if args.enforce_eager and args.cuda_graphs:
+        return model, "--enforce-eager and --cuda-graphs contradict each other; pass one"
     if args.cuda_graphs:
         if not torch.cuda.is_available() or (args.device is not None and not args.device.startswith("cuda")):
             return model, "--cuda-graphs needs a CUDA device"
@@ -170,6 +187,7 @@ def run_generate(args: argparse.Namespace) -> int:
             device=device,
             seed=0 if args.seed is None else args.seed,
             cuda_graphs=args.cuda_graphs,
+            enforce_eager=args.enforce_eager,
         )
     except (FileNotFoundError, ValueError) as exc:
         return _error(str(exc), 1)

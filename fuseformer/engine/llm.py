@@ -98,16 +98,19 @@ class LLM:
         seed: seeds torch's global RNG (the draws of unseeded sampled requests).
         cpu_kv_cache_gib: the KV cache size on the CPU.
         tokenizer: a directory (or Tokenizer) to take the tokenizer from instead of ``model``'s.
-        cuda_graphs: replay decode-only steps as CUDA graphs captured at start (vLLM's default; its
-            ``enforce_eager=True`` is ``cuda_graphs=False`` here, our default until the graphs have
-            run in production). Needs a CUDA device: True with another device raises ValueError.
-            Capture takes a few seconds and ~0.1 GiB at the 8B shape, taken from the KV cache.
+        cuda_graphs: replay decode-only steps as CUDA graphs captured at start. Default (None): on
+            when the model runs on CUDA, unless ``enforce_eager``; True with another device raises
+            ValueError. Capture takes a few seconds and ~0.1 GiB at the 8B shape, taken from the KV
+            cache; both are printed once when the LLM is built.
         async_scheduling: in ``step`` (and so ``generate``), schedule and launch the next decode step
             before the current one's tokens are read (``AsyncScheduler``; vLLM's
             ``async_scheduling``): the host's per-step work (reading tokens, detokenizing, outputs,
             scheduling) overlaps the device's next step instead of leaving the device idle. Outputs
             are the same; a request that finishes has one step of device work done for nothing.
             Steps of requests with penalties, or with requests waiting, are not scheduled ahead.
+            Default (None): on when the model runs on CUDA, unless ``enforce_eager``.
+        enforce_eager: vLLM's name for the slow, simple path: no CUDA graphs and no scheduling ahead
+            (unless ``async_scheduling=True`` is given too). ``cuda_graphs=True`` with it raises ValueError.
         async_scheduling_min_seqs: schedule ahead only steps of at least this many requests. At a
             small batch the host work hidden is small (~1 ms at batch 1–2 at the 8B shape) and a
             request that arrives waits for the step scheduled ahead too (``fuseformer serve`` uses 8).
@@ -133,13 +136,19 @@ class LLM:
         seed: int = 0,
         cpu_kv_cache_gib: float = 1.0,
         tokenizer: str | Path | Tokenizer | None = None,
-        cuda_graphs: bool = False,
-        async_scheduling: bool = False,
+        cuda_graphs: bool | None = None,
+        async_scheduling: bool | None = None,
         async_scheduling_min_seqs: int = 1,
         prefill_stream: bool = False,
+        enforce_eager: bool = False,
     ) -> None:
-        if not isinstance(async_scheduling, bool):
-            raise ValueError(f"LLM: async_scheduling must be a bool, got {async_scheduling!r}")
+        for name, value in (("cuda_graphs", cuda_graphs), ("async_scheduling", async_scheduling)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"LLM: {name} must be a bool or None (the default), got {value!r}")
+        if not isinstance(enforce_eager, bool):
+            raise ValueError(f"LLM: enforce_eager must be a bool, got {enforce_eager!r}")
+        if enforce_eager and cuda_graphs:
+            raise ValueError("LLM: enforce_eager=True and cuda_graphs=True contradict each other; pass one")
         if not isinstance(async_scheduling_min_seqs, int) or async_scheduling_min_seqs < 1:
             raise ValueError(f"LLM: async_scheduling_min_seqs must be an int >= 1, got {async_scheduling_min_seqs!r}")
         if not isinstance(prefill_stream, bool):
@@ -152,9 +161,12 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             cpu_kv_cache_gib=cpu_kv_cache_gib,
         )
+        if device is None and isinstance(model, nn.Module):
+            device = next(model.parameters()).device  # a built model runs where it is
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if not isinstance(cuda_graphs, bool):
-            raise ValueError(f"LLM: cuda_graphs must be a bool, got {cuda_graphs!r}")
+        fast = device.type == "cuda" and not enforce_eager
+        cuda_graphs = fast if cuda_graphs is None else cuda_graphs
+        async_scheduling = fast if async_scheduling is None else async_scheduling
         if cuda_graphs and device.type != "cuda":  # before loading: the mistake costs no load time
             raise ValueError(f"LLM: cuda_graphs=True needs a CUDA device, got device {str(device)!r}")
         torch.manual_seed(seed)

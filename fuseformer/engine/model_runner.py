@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import sys
 import time
 from dataclasses import dataclass
 
@@ -291,6 +292,14 @@ class ModelRunner:
         if cuda_graphs:
             self.decode_graphs = self.make_decode_graphs(self.graph_sizes, capture=True)
             self.decode_graphs.capture()
+            g = self.decode_graphs
+            print(
+                f"fuseformer: captured {len(g.graphs)} CUDA graphs (decode steps of {g.sizes[0]}-{g.sizes[-1]} "
+                f"requests) in {g.capture_seconds:.1f} s, {g.pool_bytes / 2**30:.2f} GiB; "
+                "enforce_eager=True runs without them",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def make_decode_graphs(self, sizes: list[int], *, capture: bool) -> _DecodeGraphs:
         """Static buffers (and, with ``capture``, CUDA graphs) over this runner's model and cache for

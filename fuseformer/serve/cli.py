@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from fuseformer.engine.cli import add_enforce_eager
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --async-scheduling schedules ahead steps of this many requests or more: below, the host work hidden
 # is ~1 ms a step at the 8B shape, and a request arriving would wait for the step scheduled ahead too
@@ -72,6 +74,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="replay decode steps as CUDA graphs captured at start (default: on with a CUDA device, as vLLM's; "
         "2.6x the output tok/s of eager at the Llama-3-8B shape on an H200); --no-cuda-graphs runs eagerly",
     )
+    add_enforce_eager(p)
     p.add_argument(
         "--overlap-prefill",
         action=argparse.BooleanOptionalAction,
@@ -208,9 +211,12 @@ def _use_cuda_graphs(args: argparse.Namespace) -> bool:
 
 
 def _on_cuda_unless_set(args: argparse.Namespace, value: bool | None) -> bool:
-    """A flag's value as given; unset (None), whether the server runs on a CUDA device."""
+    """A flag's value as given; unset (None), whether the server runs on a CUDA device (and not
+    --enforce-eager)."""
     if value is not None:
         return value
+    if args.enforce_eager:
+        return False
     import torch
 
     if args.device is not None:

@@ -52,6 +52,42 @@ def test_cuda_graphs_need_a_cuda_device():
         LLM(model, device="cpu", num_kv_blocks=8, block_size=4, max_model_len=16, cuda_graphs=True)
 
 
+def test_llm_fast_by_default_on_cuda_only(monkeypatch):
+    """CUDA graphs and async scheduling are the default where the model runs on CUDA, unless
+    enforce_eager; on the CPU nothing changes."""
+    from fuseformer.engine import llm as llm_module
+
+    model, _ = _model()
+    kw = dict(num_kv_blocks=8, block_size=4, max_model_len=16)
+    llm = LLM(model, **kw)
+    assert not llm.runner.cuda_graphs and not llm.async_scheduling
+    assert LLM(model, async_scheduling=True, **kw).async_scheduling
+    with pytest.raises(ValueError, match="enforce_eager=True and cuda_graphs=True contradict"):
+        LLM(model, enforce_eager=True, cuda_graphs=True, **kw)
+    with pytest.raises(ValueError, match="enforce_eager must be a bool"):
+        LLM(model, enforce_eager="yes", **kw)
+    with pytest.raises(ValueError, match="async_scheduling must be a bool or None"):
+        LLM(model, async_scheduling=1, **kw)
+
+    # What EngineCore is asked for when the model is on CUDA (the core itself replaced: no GPU here).
+    asked = {}
+
+    class Core:
+        def __init__(self, *args, cuda_graphs, async_scheduling, **kwargs):
+            asked.update(cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
+            self.max_model_len = 16
+
+    monkeypatch.setattr(llm_module, "EngineCore", Core)
+    for kwargs, expected in [
+        ({}, (True, True)),
+        ({"enforce_eager": True}, (False, False)),
+        ({"enforce_eager": True, "async_scheduling": True}, (False, True)),
+        ({"cuda_graphs": False}, (False, True)),
+    ]:
+        LLM(model, device="cuda", **kwargs, **kw)
+        assert (asked["cuda_graphs"], asked["async_scheduling"]) == expected, kwargs
+
+
 def _drive(device, dtype, backend, sizes, capture):
     """One scheduler drives three runners over the same model: eager, padded (``sizes``; CUDA graphs
     when ``capture``) and an fp64 eager reference. Every step is checked; returns step counts."""

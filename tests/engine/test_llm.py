@@ -466,6 +466,7 @@ def test_generate_cli_streams_the_text_of_llm_generate(text_checkpoint):
         (["hi", "--model", "{ckpt}", "--top-p", "2"], "top_p"),
         (["hi", "--model", "{ckpt}", "--temperature", "x"], "invalid float value"),
         (["hi", "--model", "{ckpt}", "--device", "cpu", "--cuda-graphs"], "--cuda-graphs needs a CUDA device"),
+        (["hi", "--model", "{ckpt}", "--enforce-eager", "--cuda-graphs"], "--enforce-eager and --cuda-graphs contradict"),
     ],
 )
 def test_generate_cli_bad_arguments_exit_2(args, match, text_checkpoint, capsys):

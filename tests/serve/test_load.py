@@ -232,6 +232,8 @@ def test_serve_cli_bad_arguments_exit_2(args, match, checkpoint, capsys, monkeyp
         (["--device", "cuda:0"], True, True),
         (["--no-cuda-graphs"], True, False),
         (["--cuda-graphs"], True, True),
+        (["--enforce-eager"], True, False),
+        (["--enforce-eager", "--cuda-graphs"], True, True),
     ],
 )
 def test_serve_cuda_graphs_default_on_with_a_cuda_device(argv, cuda_available, expected, monkeypatch):
@@ -248,6 +250,8 @@ def test_serve_cuda_graphs_default_on_with_a_cuda_device(argv, cuda_available, e
     # --async-scheduling, --overlap-prefill and --prefill-stream follow the same rule.
     for flag in ("async-scheduling", "overlap-prefill", "prefill-stream"):
         args = parser.parse_args(["serve", *(a.replace("cuda-graphs", flag) for a in argv)])
+        if args.enforce_eager and getattr(args, flag.replace("-", "_")):
+            continue  # the flag given, on, beside --enforce-eager: checked above for --cuda-graphs
         assert cli._on_cuda_unless_set(args, getattr(args, flag.replace("-", "_"))) is expected
 
 
