@@ -68,7 +68,11 @@ def main() -> None:
     if rank == 0:
         torch.save({"losses": losses, "state": {k: v.detach().clone() for k, v in state.items()}}, args.out)
     if args.mode != "none":
-        dist.destroy_process_group()
+        # After a barrier, as the trainer does: a rank that leaves while rank 0 still saves died once
+        # with gloo's "terminate called without an active exception" (fresh clone, 2026-12-04).
+        from fuseformer.train.distributed import destroy
+
+        destroy()
 
 
 if __name__ == "__main__":

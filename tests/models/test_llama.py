@@ -252,3 +252,33 @@ def test_real_sizes_gpu(arch, dtype, tmp_path):
         with torch.no_grad():
             base, ref = hf_half(ids).logits[0], hf64(ids).logits[0]
         assert_close(f"{arch} {dtype} logits, no cache (len {len(prompt)})", out, ref, base)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("tokens", [1, 8, 80])  # decode steps (the decode GEMMs on a GPU) and a prefill
+def test_fused_mlp_in_the_model_matches_the_unfused_mlp(act, tokens, device):
+    """The model's MLP (fused_mlp: gate-up GEMM with act * mul, then down) against nn.Linear + the
+    activation + nn.Linear: reference in fp64, baseline the unfused MLP in the kernels' dtype (fp32 and
+    fp16 under the CPU interpreter, whose bf16 dot is wrong; bf16 too on a GPU)."""
+    from fuseformer.models.config import ModelConfig
+    from fuseformer.models.llama import MLP
+
+    config = ModelConfig(architecture="LlamaForCausalLM", hidden_size=64, intermediate_size=96, hidden_act=act,
+                         num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, vocab_size=32)  # fmt: skip
+    mlp = MLP(config).to(device)
+
+    def unfused(m: MLP, x: torch.Tensor) -> torch.Tensor:
+        gate, up = m.gate_up_proj(x).chunk(2, dim=-1)
+        a = torch.nn.functional.silu(gate) if act == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
+        return m.down_proj(a * up)
+
+    dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+    for dtype in dtypes:
+        ours = copy.deepcopy(mlp).to(dtype)
+        x = torch.randn(tokens, 64, device=device, dtype=dtype)
+        with torch.no_grad(), fuseformer.use_backend("triton"):
+            out = ours(x)
+        with torch.no_grad():
+            ref = unfused(copy.deepcopy(mlp).double(), x.double())
+            base = unfused(ours, x)
+        assert_close(f"MLP {act} T {tokens} {dtype}", out, ref, base)
