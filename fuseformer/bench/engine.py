@@ -1,27 +1,36 @@
-"""``fuseformer bench engine``: offline throughput of the engine, with transformers as peers in the same run.
+"""``fuseformer bench engine``: the engine on four workloads, as users run it, with transformers as peers.
 
 Random weights at the Llama-3-8B shape (no checkpoint: the HF model is built in memory and its
-weights copied into ours, so both run the same numbers), 256 requests x (256 prompt, 256 output)
-tokens, greedy, EOS ignored. Reported per implementation: output tok/s (output tokens / wall time of
-the whole batch), mean time to first token (from submission; all requests are submitted at once, so
-it includes queueing, as vLLM's offline benchmark measures it) and mean time per output token after
-the first. Ours runs twice on CUDA, eager and with CUDA graphs for decode steps
-(``cuda_graphs=True``: graph capture happens when the LLM is built, outside the timed part; the row
-adds the capture time, the graphs' memory pool and the share of steps that replayed a graph); on
-the CPU the graphs row is left out (CUDA graphs need a CUDA device). Peers: transformers'
-continuous-batching ``generate_batch`` and ``generate`` at batch 64. ``quick``: a Llama-3.2-1B shape
-and 64 requests.
+weights copied into ours, so both run the same numbers), greedy, EOS ignored, random prompts:
+
+- ``batch1``: one request, 128 prompt tokens, 256 output (decode at the weights-bandwidth limit);
+- ``fixed``: 256 requests x (256 prompt, 256 output);
+- ``mix``: 512 requests, prompt lengths U(32, 1024), output lengths U(16, 512) (ShareGPT-like);
+- ``prefix``: 256 requests of one shared 2,048-token prefix and 32 tokens of their own, 128 output.
+
+Ours runs with the defaults (``LLM(model)``: CUDA graphs, async scheduling, warm-up) and with
+``enforce_eager=True`` (CUDA only: on the CPU the two are the same engine). Reported per row: output
+tok/s (output tokens / wall time of the whole batch), mean time to first token (from submission; all
+requests are submitted at once, so it includes queueing, as vLLM's offline benchmark measures it),
+mean time per output token after the first, and for ``batch1`` the decode bandwidth: the bytes of
+weights a decode step reads (every parameter but the input embedding, which is read one row a token)
+/ TPOT, as % of the device-to-device copy bandwidth measured in the same run. Peers: transformers'
+continuous-batching ``generate_batch`` and ``generate`` at batch 64 (``fixed``), ``generate`` with
+its dynamic cache and with its static cache (which transformers compiles with torch.compile by
+itself on CUDA) for ``batch1``. ``quick``: the Llama-3.2-1B shape, every workload a quarter the size.
 """
 
 from __future__ import annotations
 
 import gc
+import random
 import time
 from typing import Any
 
 import torch
 
 Record = dict[str, Any]
+WORKLOADS = ("batch1", "fixed", "mix", "prefix")
 
 # Llama-3-8B and Llama-3.2-1B (config.json values; rope scaling left out: random weights do not care).
 SHAPES = {
@@ -90,10 +99,46 @@ def _record(impl: str, case: dict, **fields: Any) -> Record:
     return {"bench": "engine", "impl": impl, **case, **fields}
 
 
+def workload(name: str, vocab_size: int, scale: float = 1.0, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """(prompts as token ids, output lengths) of workload ``name``; ``scale`` shrinks every count
+    and length (at least 1), for quick runs and tests."""
+    rng = random.Random(seed)
+
+    def n(x: int) -> int:
+        return max(1, round(x * scale))
+
+    def tokens(k: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(k)]
+
+    if name == "batch1":
+        return [tokens(n(128))], [n(256)]
+    if name == "fixed":
+        return [tokens(n(256)) for _ in range(n(256))], [n(256)] * n(256)
+    if name == "mix":
+        count = n(512)
+        return [tokens(rng.randint(n(32), n(1024))) for _ in range(count)], [
+            rng.randint(n(16), n(512)) for _ in range(count)
+        ]
+    if name == "prefix":
+        shared = tokens(n(2048))
+        return [shared + tokens(n(32)) for _ in range(n(256))], [n(128)] * n(256)
+    raise ValueError(f"bench engine: workload must be one of {WORKLOADS}, got {name!r}")
+
+
+def decode_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter but the input embedding (a lookup
+    reads one row a token), unless the LM head shares it."""
+    embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)  # ours and HF's
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    head = getattr(model, "lm_head", None)
+    tied = head is not None and embed is not None and head.weight is embed
+    return total - (0 if embed is None or tied else embed.numel() * embed.element_size())
+
+
 def _run_ours(
     model,
     prompts: list[list[int]],
-    output_len: int,
+    output_lens: list[int],
     case: dict,
     device: str,
     impl: str = "fuseformer LLM",
@@ -102,14 +147,15 @@ def _run_ours(
     from fuseformer.engine.llm import LLM
     from fuseformer.engine.sampling_params import SamplingParams
 
-    llm = LLM(model, device=device, max_model_len=len(prompts[0]) + output_len, **llm_kwargs)
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    max_len = max(len(p) + o for p, o in zip(prompts, output_lens))
+    start = time.perf_counter()
+    llm = LLM(model, device=device, max_model_len=max_len, **llm_kwargs)
+    build_s = time.perf_counter() - start
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in output_lens]
     core = llm.core
-    extra: Record = {}
-    graphs = None
+    extra: Record = {"startup_s": build_s, "warm_up_s": core.warm_up_seconds}
+    graphs = core.runner.decode_graphs
     try:
-        llm.generate(prompts[: min(8, len(prompts))], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        graphs = core.runner.decode_graphs
         replays_before = sum(graphs.replays.values()) if graphs is not None else 0
         steps_before, ahead_before = core.runner.num_steps, core.num_steps_ahead
         _sync(device)
@@ -126,6 +172,7 @@ def _run_ours(
                 graph_capture_s=graphs.capture_seconds,
                 graph_pool_mib=graphs.pool_bytes / 2**20,
             )
+        extra["prefix_hit_rate"] = core.scheduler.kv.prefix_cache_hit_rate
     finally:
         num_blocks = core.runner.num_blocks
         del llm, core, graphs  # the graphs hold the cache and their memory pool
@@ -168,11 +215,21 @@ def _run_hf_generate_batch(hf, prompts: list[list[int]], output_len: int, case: 
     return _record("HF generate_batch", case, seconds=seconds, output_tokens=num_out, output_tok_s=num_out / seconds)
 
 
-def _run_hf_generate(hf, prompts: list[list[int]], output_len: int, case: dict, device: str, batch: int = 64) -> Record:
+def _run_hf_generate(
+    hf, prompts: list[list[int]], output_len: int, case: dict, device: str, batch: int = 64, static: bool = False
+) -> Record:
+    """``generate`` over batches of ``batch`` prompts; ``static``: its static cache (which transformers
+    compiles with torch.compile by itself on CUDA: the two warm-up calls take the compilation)."""
     ids = torch.tensor(prompts, device=device)
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    if static:
+        kwargs["cache_implementation"] = "static"
     with torch.no_grad():
-        hf.generate(ids[:batch, :8], attention_mask=torch.ones_like(ids[:batch, :8]), max_new_tokens=2, do_sample=False)
+        for _ in range(2 if static else 1):
+            warm = ids[:batch]
+            hf.generate(
+                warm, attention_mask=torch.ones_like(warm), **(kwargs | dict(max_new_tokens=4, min_new_tokens=4))
+            )
         _sync(device)
         start = time.perf_counter()
         num_out = 0
@@ -182,44 +239,49 @@ def _run_hf_generate(hf, prompts: list[list[int]], output_len: int, case: dict, 
             num_out += out[:, chunk.shape[1] :].numel()
         _sync(device)
     seconds = time.perf_counter() - start
+    impl = f"HF generate bs {batch}" + (" static cache (compiled)" if static else "")
     return _record(
-        f"HF generate bs {batch}", case, seconds=seconds, output_tokens=num_out, output_tok_s=num_out / seconds
+        impl,
+        case,
+        seconds=seconds,
+        output_tokens=num_out,
+        output_tok_s=num_out / seconds,
+        mean_tpot_ms=1e3 * seconds / max(1, num_out // len(prompts)) if len(prompts) <= batch else None,
     )
 
 
-def run_case(
-    shape: dict,
-    num_requests: int,
-    input_len: int,
-    output_len: int,
+def run_workload(
+    name: str,
+    hf,
+    ours,
     *,
     shape_name: str = "custom",
     device: str = "cuda",
-    dtype: torch.dtype = torch.bfloat16,
+    scale: float = 1.0,
     peers: bool = True,
-    cuda_graphs: bool | None = None,
     **llm_kwargs: Any,
 ) -> list[Record]:
-    """Our engine (eager, then with CUDA graphs, then with graphs and async scheduling), then each peer
-    (a run that fails is recorded with its error), on one set of random weights and random prompts.
-    ``cuda_graphs``: add the graphs rows; None: on CUDA only."""
-    hf, ours = build_models(shape, device, dtype)
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, shape["vocab_size"], (num_requests, input_len), generator=gen).tolist()
-    case = dict(model=shape_name, requests=num_requests, input_len=input_len, output_len=output_len, dtype=str(dtype))
+    """Workload ``name`` (``workload``) on ours with the defaults, with ``enforce_eager=True`` on CUDA,
+    then its peers (a run that fails is recorded with its error)."""
+    vocab = ours.config.vocab_size
+    prompts, output_lens = workload(name, vocab, scale)
+    case = dict(
+        model=shape_name, workload=name, requests=len(prompts), dtype=str(next(ours.parameters()).dtype),
+        input_tokens=sum(map(len, prompts)), max_output_len=max(output_lens),
+    )  # fmt: skip
+    runs = [("fuseformer LLM", lambda: _run_ours(ours, prompts, output_lens, case, device, **llm_kwargs))]
+    if device.startswith("cuda"):
+        eager = "fuseformer LLM enforce_eager"
+        runs.append((eager, lambda: _run_ours(ours, prompts, output_lens, case, device, eager, enforce_eager=True)))
+    if peers and name == "fixed":
+        runs.append(("HF generate_batch", lambda: _run_hf_generate_batch(hf, prompts, output_lens[0], case, device)))
+        runs.append(("HF generate bs 64", lambda: _run_hf_generate(hf, prompts, output_lens[0], case, device)))
+    if peers and name == "batch1":
+        runs.append(("HF generate bs 1", lambda: _run_hf_generate(hf, prompts, output_lens[0], case, device, 1)))
+        if device.startswith("cuda"):
+            static = "HF generate bs 1 static cache (compiled)"
+            runs.append((static, lambda: _run_hf_generate(hf, prompts, output_lens[0], case, device, 1, static=True)))
     records = []
-    runs = [("fuseformer LLM", lambda: _run_ours(ours, prompts, output_len, case, device, **llm_kwargs))]
-    if cuda_graphs if cuda_graphs is not None else device.startswith("cuda"):
-        graphs = "fuseformer LLM + CUDA graphs"
-        runs.append(
-            (graphs, lambda: _run_ours(ours, prompts, output_len, case, device, graphs, cuda_graphs=True, **llm_kwargs))
-        )
-        ahead = "fuseformer LLM + graphs + async scheduling"
-        kw = dict(cuda_graphs=True, async_scheduling=True) | llm_kwargs
-        runs.append((ahead, lambda: _run_ours(ours, prompts, output_len, case, device, ahead, **kw)))
-    if peers:
-        runs.append(("HF generate_batch", lambda: _run_hf_generate_batch(hf, prompts, output_len, case, device)))
-        runs.append(("HF generate bs 64", lambda: _run_hf_generate(hf, prompts, output_len, case, device)))
     for impl, run in runs:
         try:
             records.append(run())
@@ -228,31 +290,49 @@ def run_case(
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+    if name == "batch1":
+        nbytes = decode_bytes(ours)
+        copy = None
+        if device.startswith("cuda"):
+            from fuseformer.bench._timing import copy_ceiling_tb_s
+
+            copy = copy_ceiling_tb_s(device)
+        for r in records:
+            if r.get("mean_tpot_ms"):
+                r["decode_tb_s"] = nbytes / (r["mean_tpot_ms"] * 1e-3) / 1e12
+                if copy:
+                    r["decode_pct_copy"] = 100 * r["decode_tb_s"] / copy
     return records
 
 
 def format_table(records: list[Record]) -> str:
-    lines = [f"{'impl':<28} {'output tok/s':>12} {'TTFT ms':>9} {'TPOT ms':>8} {'seconds':>8}"]
+    lines = [f"{'workload':<8} {'impl':<42} {'output tok/s':>12} {'TTFT ms':>9} {'TPOT ms':>8} {'seconds':>8}"]
     for r in records:
+        head = f"{r.get('workload', '-'):<8} {r['impl']:<42}"
         if "error" in r:
-            lines.append(f"{r['impl']:<28} error: {r['error'][:200]}")
+            lines.append(f"{head} error: {r['error'][:200]}")
             continue
-        ttft = f"{r['mean_ttft_ms']:.0f}" if "mean_ttft_ms" in r else "-"
-        tpot = f"{r['mean_tpot_ms']:.1f}" if "mean_tpot_ms" in r else "-"
-        line = f"{r['impl']:<28} {r['output_tok_s']:>12.0f} {ttft:>9} {tpot:>8} {r['seconds']:>8.1f}"
+        ttft = f"{r['mean_ttft_ms']:.0f}" if r.get("mean_ttft_ms") is not None else "-"
+        tpot = f"{r['mean_tpot_ms']:.2f}" if r.get("mean_tpot_ms") is not None else "-"
+        line = f"{head} {r['output_tok_s']:>12.0f} {ttft:>9} {tpot:>8} {r['seconds']:>8.1f}"
+        if "decode_pct_copy" in r:
+            line += f"  decode {r['decode_tb_s']:.2f} TB/s = {r['decode_pct_copy']:.0f}% of copy"
         if "graph_steps" in r:
             line += (
                 f"  ({r['graph_steps']}/{r['steps']} steps on graphs, capture {r['graph_capture_s']:.1f} s, "
-                f"pool {r['graph_pool_mib']:.0f} MiB)"
+                f"warm-up {r['warm_up_s']:.1f} s, pool {r['graph_pool_mib']:.0f} MiB)"
             )
         lines.append(line)
     return "\n".join(lines)
 
 
-def bench_engine(quick: bool = False) -> list[Record]:
-    """The issue's case on a CUDA GPU: 256 requests x (256 in, 256 out) at the Llama-3-8B shape;
-    ``quick``: the Llama-3.2-1B shape and 64 requests."""
+def bench_engine(quick: bool = False, workloads: tuple[str, ...] = WORKLOADS) -> list[Record]:
+    """The four workloads at the Llama-3-8B shape in bf16 on a CUDA GPU; ``quick``: the Llama-3.2-1B
+    shape, each workload at a quarter of its size."""
     name = "llama3.2-1b" if quick else "llama3-8b"
-    records = run_case(SHAPES[name], 64 if quick else 256, 256, 256, shape_name=name)
-    print(format_table(records))
+    hf, ours = build_models(SHAPES[name], "cuda", torch.bfloat16)
+    records = []
+    for w in workloads:
+        records += run_workload(w, hf, ours, shape_name=name, scale=0.25 if quick else 1.0)
+        print(format_table(records[-4:]), flush=True)
     return records

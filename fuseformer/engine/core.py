@@ -15,6 +15,7 @@ The core sees token ids only: prompts, text and ``n > 1`` are the output process
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -23,10 +24,12 @@ import torch
 from torch import nn
 
 from fuseformer.engine.async_scheduler import AsyncScheduler
+from fuseformer.engine.block_pool import PrefixCacheStats
 from fuseformer.engine.model_runner import CacheConfig, LaunchedStep, ModelRunner
 from fuseformer.engine.output_processor import OutputProcessor
 from fuseformer.engine.outputs import RequestOutput
 from fuseformer.engine.request import Request, RequestStatus
+from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
 from fuseformer.engine.step_log import StepLog, StepRecord
 from fuseformer.models.config import ModelConfig
@@ -70,6 +73,7 @@ class EngineCore:
         async_scheduling: schedule with an ``AsyncScheduler`` (steps of at least
             ``async_scheduling_min_seqs`` requests scheduled ahead); else a ``Scheduler``.
         prefill_stream: on CUDA, launch ``step_with_arrivals``' early prefills on a second stream.
+        warm_up: run ``warm_up`` now, before the first request; None (default): on CUDA.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class EngineCore:
         async_scheduling: bool = False,
         async_scheduling_min_seqs: int = 1,
         prefill_stream: bool = False,
+        warm_up: bool | None = None,
     ) -> None:
         limit = max_model_len or config.max_position_embeddings
         self.runner = ModelRunner(
@@ -120,6 +125,65 @@ class EngineCore:
         self.num_steps_ahead = 0  # steps launched ahead of the previous step's tokens
         # Where the steps' time goes, by kind (see fuseformer.engine.step_log): for benchmarks.
         self.step_log = StepLog()
+        self.warm_up_seconds = 0.0
+        if warm_up if warm_up is not None else self.runner.device.type == "cuda":
+            self.warm_up()
+            print(f"fuseformer: warmed up (every step kind and token bucket) in {self.warm_up_seconds:.1f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    def warm_up(self) -> float:
+        """Run every kind of step the engine will meet before the first request does, so that no request
+        waits for a kernel's compilation (Triton's JIT, autotune entries, cuBLAS heuristics): prefills of
+        each power-of-two token bucket from 16 up to ``max_num_batched_tokens`` (the kernels' configs
+        are chosen per bucket) and of one token less (Triton specializes on multiples of 16), decode
+        steps, a mixed step (a prefill chunk beside a decode), a prefill after a prefix-cache hit, and a
+        sampled, seeded request with top-k/top-p/min-p and logprobs. Afterwards nothing of it is left:
+        no request, every block free, no cached prefix, the step log and prefix-cache counters at zero,
+        torch's RNG states as they were (the sampler draws from them for the whole batch). Returns the
+        seconds it took (also ``warm_up_seconds``). Call it with no requests in the engine."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("EngineCore.warm_up: requests are in the engine; warm up before adding any")
+        start = time.perf_counter()
+        vocab = self.runner.config.vocab_size
+        limit = max(1, min(self.runner.max_num_batched_tokens, self.max_model_len - 2))
+        lengths, p = [1], 16
+        while p <= limit:
+            lengths += [p - 1, p]
+            p *= 2
+        if limit not in lengths:
+            lengths.append(limit)
+        greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        counter = iter(range(10**9))
+
+        def prompt(n: int) -> list[int]:  # distinct tokens: no prefix hit unless one is meant
+            return [next(counter) % vocab for _ in range(n)]
+
+        def run(*batches: list[Request]) -> None:
+            for i, batch in enumerate(batches):
+                self.add_requests(batch)
+                if i + 1 < len(batches):
+                    self.step(_DISCARD)  # the next batch arrives while these decode: a mixed step
+            while self.has_unfinished_requests():
+                self.step(_DISCARD)
+
+        sampled = SamplingParams(temperature=1, top_k=8, top_p=0.9, min_p=0.01, seed=0, max_tokens=2, logprobs=2)
+        mixed = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        with torch.random.fork_rng(devices=[self.runner.device] if self.runner.device.type == "cuda" else []):
+            prompts = [prompt(n) for n in lengths]
+            for n, tokens in zip(lengths, prompts):
+                run([Request(f"warm-up-{n}", tokens, greedy)])
+            run([Request("warm-up-decoding", prompt(min(limit, 40)), mixed)],
+                [Request("warm-up-arriving", prompt(min(limit, 24)), greedy)])  # fmt: skip
+            longest = prompts[-1]
+            if len(longest) > self.scheduler.config.block_size:  # its full blocks are cached now
+                run([Request("warm-up-prefix-hit", longest[:-1] + prompt(1), greedy)])
+            run([Request("warm-up-sampled", prompt(min(limit, 8)), sampled)])
+
+        self.scheduler.kv.reset_prefix_cache()
+        self.scheduler.kv.pool.prefix_stats = PrefixCacheStats()
+        self.step_log = StepLog()
+        self.warm_up_seconds = time.perf_counter() - start
+        return self.warm_up_seconds
 
     @property
     def async_scheduling(self) -> bool:
@@ -275,3 +339,14 @@ class EngineCore:
         if handle.start_event is not None and done is not None:
             gpu_ms = handle.start_event.elapsed_time(done)
         self.step_log.add(StepRecord(kind, tokens, len(scheduled), handle.launch_ms, wait_ms, post_ms, gpu_ms))
+
+
+class _Discard:
+    """The output processor of ``EngineCore.warm_up``: its requests have no text and no stop strings."""
+
+    @staticmethod
+    def process(updates: list) -> tuple[list[RequestOutput], list[str]]:
+        return [], []
+
+
+_DISCARD = _Discard()

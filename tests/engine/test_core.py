@@ -80,6 +80,61 @@ def test_core_steps_give_what_generate_returns(model, async_scheduling):
     assert core.get_stats().num_running == 0 and core.step_log.count > 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_warm_up_runs_every_kind_of_step_and_leaves_nothing(model, async_scheduling, monkeypatch):
+    """warm_up (on by default on CUDA) runs prefills of each token bucket and one less, decode, mixed
+    and prefix-hit steps and a seeded sampled request; afterwards no request, no cached prefix, every
+    block free, zeroed counters, torch's RNG untouched, and the engine gives what a fresh one gives."""
+    prompts = _prompts((5, 13, 1, 9))
+    with fuseformer.use_backend("reference"):
+        fresh = _core(model, async_scheduling=async_scheduling)
+        processor = _processor(fresh, model[1])
+        for i, p in enumerate(prompts):
+            _add(fresh, processor, f"r{i}", p)
+        expected = []
+        while processor.has_unfinished_requests():
+            expected += fresh.step(processor)
+
+        core = _core(model, async_scheduling=async_scheduling)
+        token_counts, kinds = [], set()
+        log_step = EngineCore._log_step
+
+        def spy(self, handle, wait_ms, post_ms):
+            token_counts.append(handle.scheduler_output.num_batched_tokens)
+            kinds.update(
+                "hit"
+                if s.start_position > 0 and len(s.token_ids) > 1
+                else "mixed"
+                if len(handle.scheduler_output.scheduled) > 1
+                and any(len(x.token_ids) > 1 for x in handle.scheduler_output.scheduled)
+                else "step"
+                for s in handle.scheduler_output.scheduled
+            )
+            log_step(self, handle, wait_ms, post_ms)
+
+        monkeypatch.setattr(EngineCore, "_log_step", spy)
+        rng = torch.get_rng_state()
+        assert core.warm_up() > 0 and core.warm_up_seconds > 0
+        monkeypatch.undo()
+        assert torch.equal(torch.get_rng_state(), rng)
+        # limit min(24 tokens a step, 64 - 2): 1, 15, 16, 24 tokens prefilled in one step each.
+        assert {1, 15, 16, 24} <= set(token_counts) and {"hit", "mixed"} <= kinds
+        kv = core.scheduler.kv
+        assert not core.has_unfinished_requests() and core.step_in_flight is None
+        assert kv.pool.num_free_blocks == 39 and not kv.pool.cached
+        assert kv.prefix_cache_hit_rate == 0 and core.step_log.count == 0
+        processor = _processor(core, model[1])
+        for i, p in enumerate(prompts):
+            _add(core, processor, f"r{i}", p)
+        outputs = []
+        while processor.has_unfinished_requests():
+            outputs += core.step(processor)
+    assert _tokens(outputs) == _tokens(expected)
+    with pytest.raises(RuntimeError, match="warm up before adding any"):
+        _add(core, processor, "late", prompts[0])
+        core.warm_up()
+
+
 class _StopAfter:
     """An output processor stand-in: says a stop string ended ``request_id`` once it has ``num`` tokens;
     records every update it gets."""
