@@ -39,9 +39,12 @@ class AsyncScheduler(Scheduler):
         of ``prev`` that cannot finish by length in it computes one token at its next position, the
         token ``prev`` samples for it (``ahead_rows``). None when the next step must be scheduled
         normally, after ``prev``'s update: fewer than ``min_seqs`` requests run, ``prev`` is not a
-        decode step of all running requests, it preempted, requests wait to be admitted, a request has
-        penalties (they read its output tokens), every request finishes by length in ``prev``, or the
-        blocks are short."""
+        decode step of all running requests, it preempted, requests wait to be admitted, a request's
+        sampling reads its output (``Request.sampling_reads_output``: penalties, a bad word of several
+        tokens, ``min_tokens`` not reached; the sampler reads the output at launch, one token short
+        in a step scheduled ahead), every request finishes by length in ``prev``, or the blocks are
+        short. Token controls that do not read the output (``logit_bias``, ``allowed_token_ids``,
+        one-token bad words) are scheduled ahead."""
         if len(self.running) < self.min_seqs:
             return None
         running = RequestStatus.RUNNING
@@ -57,7 +60,7 @@ class AsyncScheduler(Scheduler):
                 len(s.token_ids) != 1
                 or not s.sample
                 or req.num_computed_tokens != s.start_position
-                or req.sampling_params.needs_penalties
+                or req.sampling_reads_output
             ):
                 return None
             # After prev's token: at max_tokens or max_model_len it finishes whatever it samples.

@@ -9,8 +9,10 @@ prompt's last tokens so that the first output word gets its space.
 
 Stop strings are searched in the new text plus the ``len(stop) - 1`` characters before it, so a stop
 string split across tokens is found; the output is cut before it (or after it with
-``include_stop_str_in_output``). For streaming, ``get_next_output_text`` holds back the last
-``len(longest stop) - 1`` characters until the request finishes, so a stop string is never streamed.
+``include_stop_str_in_output``). Until the output has more than ``min_tokens`` tokens no stop string
+is looked for (vLLM's rule: text that ends before then never stops the request). For streaming,
+``get_next_output_text`` holds back the last ``len(longest stop) - 1`` characters until the request
+finishes, so a stop string is never streamed.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: a Hugging Face ``tokenizers.Tokenizer``.
         prompt_token_ids: the prompt (its last tokens give the first output word its context).
-        params: ``stop``, ``skip_special_tokens`` and ``include_stop_str_in_output`` are used.
+        params: ``stop``, ``skip_special_tokens``, ``include_stop_str_in_output`` and ``min_tokens``
+            are used.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -68,14 +71,16 @@ class IncrementalDetokenizer:
         if self.finished:
             return self.stop_string
         new_token_ids = list(new_token_ids)
+        num_before = len(self.output_token_ids)
         self.output_token_ids.extend(new_token_ids)
         if stop_terminated and not self.params.include_stop_str_in_output and new_token_ids:
             new_token_ids = new_token_ids[:-1]
-        for t in new_token_ids:
+        min_tokens = self.params.min_tokens
+        for j, t in enumerate(new_token_ids):
             before = len(self.output_text)
             self._tokens.append(t)
             self.output_text += self._next_text(flush=False)
-            if self.stop and self._find_stop(before):
+            if self.stop and num_before + j >= min_tokens and self._find_stop(before):
                 return self.stop_string
         if stop_terminated:
             self.output_text += self._next_text(flush=True)
@@ -87,7 +92,8 @@ class IncrementalDetokenizer:
             return ""
         before = len(self.output_text)
         self.output_text += self._next_text(flush=True)
-        self._find_stop(before)
+        if self.stop and len(self.output_token_ids) > self.params.min_tokens:
+            self._find_stop(before)
         return self.output_text[before:]
 
     def get_next_output_text(self, finished: bool) -> str:

@@ -7,6 +7,11 @@ outside, for streaming (the ``generate`` CLI); the server drives the core itself
 
 Every input is checked before anything is scheduled: a bad prompt or parameter in a batch raises
 ``ValueError`` and no request of that batch runs.
+
+It reads as vLLM's ``LLM``: prompts as text, token ids or vLLM's prompt dicts, ``SamplingParams`` of the
+same names, ``RequestOutput``/``CompletionOutput``/``Logprob`` of the same shapes, ``get_tokenizer()``.
+vLLM's constructor arguments for what this engine does not have are taken only at the value that is
+its behaviour anyway (``_VLLM_ONLY``); any other value, or a name neither has, raises naming it.
 """
 
 from __future__ import annotations
@@ -36,6 +41,24 @@ __all__ = ["LLM", "Prompt", "StepHandle"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "half": torch.float16}
 _DTYPES |= {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# vLLM's LLM arguments for features this engine does not have: name -> (the values that ask for what
+# it does anyway, what it does). ``LLM(tensor_parallel_size=1)`` from a vLLM script runs; ``2`` raises.
+_VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tensor_parallel_size": ((1,), "an engine runs on one device (no tensor parallelism)"),
+    "pipeline_parallel_size": ((1,), "an engine runs on one device (no pipeline parallelism)"),
+    "data_parallel_size": ((1,), "an engine runs on one device (no data parallelism)"),
+    "quantization": ((None,), "weights run in dtype (no quantization)"),
+    "kv_cache_dtype": (("auto",), "the KV cache is in the model's dtype"),
+    "trust_remote_code": ((False,), "models are the registry's (fuseformer.models.registry): no checkpoint code runs"),
+    "enable_chunked_prefill": ((None, True), "prefills are always chunked to max_num_batched_tokens"),
+    "swap_space": ((0,), "preempted requests recompute (as vLLM v1's): there is no CPU swap space"),
+    "cpu_offload_gb": ((0,), "weights stay on the device"),
+    "tokenizer_mode": (("auto",), "the tokenizer is the model directory's tokenizer.json"),
+    "skip_tokenizer_init": ((False,), "the tokenizer is loaded when the model directory has one"),
+    "revision": ((None,), "the model is a local directory"),
+    "tokenizer_revision": ((None,), "the tokenizer is a local directory"),
+}
 
 
 def _resolve_dtype(dtype: str | torch.dtype, checkpoint: torch.dtype | None) -> torch.dtype:
@@ -107,7 +130,9 @@ class LLM:
             ``async_scheduling``): the host's per-step work (reading tokens, detokenizing, outputs,
             scheduling) overlaps the device's next step instead of leaving the device idle. Outputs
             are the same; a request that finishes has one step of device work done for nothing.
-            Steps of requests with penalties, or with requests waiting, are not scheduled ahead.
+            Steps of requests whose sampling reads their output so far (penalties, ``min_tokens``
+            not yet reached, bad words of several tokens), or with requests waiting, are not
+            scheduled ahead.
             Default (None): on when the model runs on CUDA, unless ``enforce_eager``.
         enforce_eager: vLLM's name for the slow, simple path: no CUDA graphs and no scheduling ahead
             (unless ``async_scheduling=True`` is given too). ``cuda_graphs=True`` with it raises ValueError.
@@ -119,6 +144,10 @@ class LLM:
             prefill is host-bound, the decode step memory-bound: they share the GPU well). On by
             default in ``fuseformer serve`` on CUDA (H200, 8B shape: 1 req/s p50 time to first token
             0.95-1.00x a lone request's with ``AsyncEngine.overlap_prefill``, runs 31-33).
+        **vllm_only: vLLM's arguments in ``_VLLM_ONLY`` (``tensor_parallel_size``, ``quantization``,
+            ``trust_remote_code``, ``enable_chunked_prefill``, ``swap_space``, ``kv_cache_dtype``, ...),
+            at the values that are this engine's behaviour (``tensor_parallel_size=1``,
+            ``trust_remote_code=False``, ...); another value raises ValueError naming it.
     """
 
     def __init__(
@@ -141,7 +170,9 @@ class LLM:
         async_scheduling_min_seqs: int = 1,
         prefill_stream: bool = False,
         enforce_eager: bool = False,
+        **vllm_only: Any,
     ) -> None:
+        _check_vllm_only(vllm_only)
         for name, value in (("cuda_graphs", cuda_graphs), ("async_scheduling", async_scheduling)):
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"LLM: {name} must be a bool or None (the default), got {value!r}")
@@ -256,6 +287,10 @@ class LLM:
     def eos_token_ids(self, value: list[int]) -> None:
         self.output_processor.eos_token_ids = value
 
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The tokenizer (``encode``, ``decode``, ``apply_chat_template``); None when the model has none."""
+        return self.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams from the model's generation_config.json (do_sample false -> greedy), else vLLM's defaults."""
         return self.output_processor.default_sampling_params()
@@ -270,7 +305,8 @@ class LLM:
         *,
         arrival_time: float | None = None,
     ) -> str:
-        """Queue a prompt (text or token ids) for ``step``; returns its request id (made when None)."""
+        """Queue a prompt (text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``) for
+        ``step``; returns its request id (made when None)."""
         group = self.output_processor.make_request(request_id, prompt, sampling_params, arrival_time)
         self._queue(group)
         return group.request_id
@@ -316,14 +352,16 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[int] | list[list[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text, or token ids); outputs in the order of ``prompts``.
+        """Complete each prompt; outputs in the order of ``prompts``.
 
         Args:
-            prompts: one prompt (a string or a list of token ids) or a list of them.
+            prompts: one prompt or a list of them: a string, a list of token ids, or vLLM's prompt
+                dicts ``{"prompt": text}`` and ``{"prompt_token_ids": ids}`` (other keys, such as
+                ``multi_modal_data``, raise ValueError).
             sampling_params: one for all prompts, or one per prompt; None: the model's defaults
                 (generation_config.json).
             use_tqdm: show a progress bar.
@@ -331,13 +369,15 @@ class LLM:
         It steps the engine until no request is left: requests added with ``add_request`` and not yet
         finished run along, and their outputs are not returned here (do not mix the two APIs).
         """
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        checked = [self.output_processor.prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        return self._run(checked, sampling_params, use_tqdm)
+        processor = self.output_processor
+        params = processor.params_list(sampling_params, len(prompts))
+        checked = [processor.prompt_ids(p, f"prompts[{i}]", sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        return self._run(checked, params, use_tqdm)
 
     def chat(
         self,
@@ -352,21 +392,22 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("LLM.chat: the model has no tokenizer.json")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        processor = self.output_processor
+        params = processor.params_list(sampling_params, len(conversations))
         checked = []
-        for i, conv in enumerate(conversations):
+        for i, (conv, sp) in enumerate(zip(conversations, params)):
             text = self.tokenizer.apply_chat_template(
                 conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
             )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            _, ids = self.output_processor.prompt_ids(ids, f"conversation {i}")
+            _, ids = processor.prompt_ids(ids, f"conversation {i}", sp)
             checked.append((text, ids))
-        return self._run(checked, sampling_params, use_tqdm)
+        return self._run(checked, params, use_tqdm)
 
     def _run(
-        self, checked: list[tuple[str | None, list[int]]], sampling_params: Any, use_tqdm: bool
+        self, checked: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
         processor = self.output_processor
-        params = processor.params_list(sampling_params, len(checked))
         # Every group is built (each request made, so checked) before any is queued: an error in the
         # batch leaves nothing behind to run, unseen, in the next call.
         groups = [processor.make_group(None, text, ids, p) for (text, ids), p in zip(checked, params)]
@@ -385,3 +426,16 @@ class LLM:
                             bar.update(1)
                     bar.set_postfix_str(f"{num_out / max(time.perf_counter() - start, 1e-9):.0f} tok/s out")
         return [processor.final_output(g) for g in groups]
+
+
+def _check_vllm_only(kwargs: dict[str, Any]) -> None:
+    """Raise for an argument that is neither LLM's nor one of vLLM's ``_VLLM_ONLY`` (TypeError, as
+    Python's own), or one of those at a value that asks for a feature this engine does not have."""
+    for name, value in kwargs.items():
+        if name not in _VLLM_ONLY:
+            raise TypeError(f"LLM: unexpected keyword argument {name!r} (not an argument of this engine's LLM)")
+        accepted, behaviour = _VLLM_ONLY[name]
+        if not any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in accepted):
+            raise ValueError(
+                f"LLM: {name}={value!r} is not supported: {behaviour} (accepted: {', '.join(map(repr, accepted))})"
+            )

@@ -23,7 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-from fuseformer.engine.sampler import SamplingMetadata, make_generator, sample, staged, to_device
+from fuseformer.engine.outputs import PositionLogprobs
+from fuseformer.engine.sampler import (
+    SamplingMetadata,
+    make_generator,
+    position_logprobs,
+    prompt_logprobs,
+    sample,
+    staged,
+    to_device,
+)
 from fuseformer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fuseformer.models.attention_metadata import AttentionMetadata
 from fuseformer.models.config import ModelConfig
@@ -62,10 +71,10 @@ class CacheConfig:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """``sampled_token_ids``: request id -> [token] for the requests that sampled this step;
-    ``logprobs``: request id -> [{token id: logprob}] for those that asked for logprobs."""
+    ``logprobs``: request id -> [{token id: Logprob}] for those that asked for logprobs."""
 
     sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, list[dict[int, float]]] | None = None
+    logprobs: dict[str, list[PositionLogprobs]] | None = None
 
 
 @dataclass(slots=True)
@@ -79,13 +88,34 @@ class LaunchedStep:
     output: object | None
     done: torch.cuda.Event | None
     graphed: bool
-    # On CUDA: the output's sampled ids, logprob ids and logprobs (None where absent), copied to
-    # pinned host memory before ``done``.
+    # On CUDA: the output's sampled ids, logprob ids, logprobs and sampled ranks (None where absent),
+    # copied to pinned host memory before ``done``.
     host: tuple | None = None
+    prompt: _PromptLogprobs | None = None  # the prompt logprobs it computes (before ``done``)
 
     def ready(self) -> bool:
         """The device work has finished (always, off CUDA)."""
         return self.done is None or self.done.query()
+
+
+@dataclass(slots=True)
+class _PromptLogprobs:
+    """A step's prompt logprobs (``SamplingParams.prompt_logprobs``): ``entries`` (request, positions,
+    top count) in row order; ``tensors`` ids, logprobs (R, 1 + max top count) and ranks (R,), in
+    pinned host memory on CUDA."""
+
+    entries: list[tuple]
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    def append_to_requests(self) -> None:
+        """Append each request's positions to its ``Request.prompt_logprobs`` (the step has finished)."""
+        ids, lps, ranks = (t.tolist() for t in self.tensors)
+        row = 0
+        for req, count, k in self.entries:
+            req.prompt_logprobs.extend(
+                position_logprobs(ids[r][: 1 + k], lps[r][: 1 + k], ranks[r]) for r in range(row, row + count)
+            )
+            row += count
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -478,9 +508,14 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return LaunchedStep([], [], None, None, False)
         hidden, sample_rows, graphed = self._forward(scheduler_output, prev_tokens)
+        prompt = self._prompt_logprobs(scheduler_output, hidden)
         sampling = [s.request for s in scheduler_output.scheduled if s.sample]
         if not sampling:
-            return LaunchedStep([], [], None, None, graphed)
+            done = None
+            if prompt is not None and self.device.type == "cuda":
+                done = torch.cuda.Event(enable_timing=True)
+                done.record()
+            return LaunchedStep([], [], None, done, graphed, prompt=prompt)
         if graphed and sample_rows == list(range(len(sample_rows))):
             logits = self.model.compute_logits(hidden[: len(sample_rows)])  # a decode graph's first rows
         else:
@@ -496,6 +531,8 @@ class ModelRunner:
             prompt_token_ids=[r.prompt_token_ids for r in sampling],
             output_token_ids=[r.output_token_ids for r in sampling],
             generators=generators,
+            eos_token_ids=[r.eos_token_ids for r in sampling],
+            bad_words_token_ids=[r.bad_words_token_ids for r in sampling],
         )
         out = sample(logits, md)
         done = None
@@ -505,33 +542,79 @@ class ModelRunner:
             # later waits for this step only (a .tolist() of a device tensor would wait for the whole
             # stream, a step launched ahead included).
             host = tuple(
-                None if t is None else _to_host(t) for t in (out.sampled_token_ids, out.logprob_token_ids, out.logprobs)
+                None if t is None else _to_host(t)
+                for t in (out.sampled_token_ids, out.logprob_token_ids, out.logprobs, out.sampled_ranks)
             )
             done = torch.cuda.Event(enable_timing=True)  # EngineCore.step_log times the step with it
             done.record()
-        return LaunchedStep(sampling, params, out, done, graphed, host)
+        return LaunchedStep(sampling, params, out, done, graphed, host, prompt)
 
     @staticmethod
     def collect(step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step and read its sampled tokens (and logprobs)."""
         out = step.output
-        if out is None:
-            return ModelRunnerOutput({})
         if step.done is not None:
             step.done.synchronize()  # the wait, with the GIL released
-        sampled_ids, lp_ids, lps = step.host or (out.sampled_token_ids, out.logprob_token_ids, out.logprobs)
+        if step.prompt is not None:
+            step.prompt.append_to_requests()
+        if out is None:
+            return ModelRunnerOutput({})
+        sampled_ids, lp_ids, lps, ranks = step.host or (
+            out.sampled_token_ids,
+            out.logprob_token_ids,
+            out.logprobs,
+            out.sampled_ranks,
+        )
         sampling, params = step.requests, step.params
         ids = sampled_ids.tolist()
         sampled = {r.request_id: [t] for r, t in zip(sampling, ids)}
         if lps is None:
             return ModelRunnerOutput(sampled)
-        lp_ids, lps = lp_ids.tolist(), lps.tolist()
+        lp_ids, lps, ranks = lp_ids.tolist(), lps.tolist(), ranks.tolist()
         logprobs = {}
         for i, (r, p) in enumerate(zip(sampling, params)):
             if p.logprobs is not None:
                 k = 1 + p.logprobs
-                logprobs[r.request_id] = [dict(zip(lp_ids[i][:k], lps[i][:k]))]
+                logprobs[r.request_id] = [position_logprobs(lp_ids[i][:k], lps[i][:k], ranks[i])]
         return ModelRunnerOutput(sampled, logprobs)
+
+    def _prompt_logprobs(self, scheduler_output: SchedulerOutput, hidden: torch.Tensor) -> _PromptLogprobs | None:
+        """The prompt logprobs of this step, enqueued (``SamplingParams.prompt_logprobs``): for each
+        request that asks, the prompt tokens that the positions it computes predict, except those
+        already in ``Request.prompt_logprobs`` (recomputed after a preemption). ``hidden``: the
+        forward's rows (eager or graphed: one row per scheduled token, in order). The LM head takes
+        ``max_num_seqs`` rows at a time, the (rows, V) logits a step's sampling was profiled for."""
+        scheduled = scheduler_output.scheduled
+        if all(s.request.prompt_logprobs is None for s in scheduled):  # 6 us at 256 requests
+            return None
+        rows: list[int] = []
+        targets: list[int] = []
+        entries = []
+        offset = 0
+        for s in scheduled:
+            req, start = s.request, s.start_position
+            if req.prompt_logprobs is not None:
+                first = max(start, len(req.prompt_logprobs))
+                end = min(start + len(s.token_ids), req.num_prompt_tokens - 1)  # the last predicts the output
+                if end > first:
+                    rows += range(offset + first - start, offset + end - start)
+                    targets += req.prompt_token_ids[first + 1 : end + 1]
+                    entries.append((req, end - first, req.sampling_params.prompt_logprobs))
+            offset += len(s.token_ids)
+        if not rows:
+            return None
+        k = max(e[2] for e in entries)
+        rows_t = to_device(torch.tensor(rows), self.device)
+        targets_t = to_device(torch.tensor(targets), self.device)
+        chunk = self.max_num_seqs
+        parts = [
+            prompt_logprobs(self.model.compute_logits(hidden, rows_t[i : i + chunk]), targets_t[i : i + chunk], k)
+            for i in range(0, len(rows), chunk)
+        ]
+        tensors = tuple(torch.cat(t) for t in zip(*parts))
+        if self.device.type == "cuda":
+            tensors = tuple(_to_host(t) for t in tensors)
+        return _PromptLogprobs(entries, tensors)
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         gen = self.generators.get(request_id)

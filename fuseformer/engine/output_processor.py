@@ -1,11 +1,13 @@
 """OutputProcessor: the engine's side that sees prompts and text; the core sees token ids only.
 
-In: a prompt (text or token ids) and its ``SamplingParams`` are checked, raising ``ValueError`` before
-anything is queued, and fanned out into scheduler ``Request``s, one per completion (``n > 1``: ids
-``"<id>#<i>"``, seeds ``seed + i``). Out: each step's ``RequestUpdate``s become one delta
-``RequestOutput`` per prompt: new tokens are detokenized, stop strings searched (a request that hits
-one is handed back for the core to finish), EOS and stop token ids left out of the text, and the
-completions of a prompt merged into one output. vLLM v1 splits this into an input and an output
+In: a prompt (text, token ids, or vLLM's prompt dicts ``{"prompt": text}`` / ``{"prompt_token_ids":
+ids}``) and its ``SamplingParams`` are checked, raising ``ValueError`` before anything is queued, cut to
+``truncate_prompt_tokens``, and fanned out into scheduler ``Request``s, one per completion (``n > 1``:
+ids ``"<id>#<i>"``, seeds ``seed + i``); ``bad_words`` are tokenized here. Out: each step's
+``RequestUpdate``s become one delta ``RequestOutput`` per prompt: new tokens are detokenized, stop
+strings searched (a request that hits one is handed back for the core to finish), EOS and stop token
+ids left out of the text, logprobs given their tokens' text, and the completions of a prompt merged
+into one output. vLLM v1 splits this into an input and an output
 processor; here one object holds the prompts, the tokenizer and the detokenizers.
 
 Lengths: a prompt must be shorter than ``max_model_len`` (it must leave room for one output token);
@@ -23,13 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fuseformer.engine.detokenizer import IncrementalDetokenizer
-from fuseformer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from fuseformer.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from fuseformer.engine.request import Request
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import RequestUpdate
 from fuseformer.models.tokenizer import Tokenizer
 
-Prompt = str | list[int]
+# Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
+Prompt = str | list[int] | dict[str, Any]
+# The keys of vLLM's prompt dicts that are taken here (others, e.g. multi_modal_data, are refused).
+_PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 
 
 @dataclass(slots=True)
@@ -53,6 +58,7 @@ class Group:
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[_Sequence] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # once the prompt is computed
 
     @property
     def finished(self) -> bool:
@@ -101,23 +107,46 @@ class OutputProcessor:
             kwargs["max_tokens"] = g["max_new_tokens"]
         return SamplingParams(**kwargs)
 
-    def prompt_ids(self, prompt: Any, where: str) -> tuple[str | None, list[int]]:
-        """(the text or None, the token ids) of a prompt given as text or token ids, checked."""
+    def prompt_ids(self, prompt: Any, where: str, params: SamplingParams | None = None) -> tuple[str | None, list[int]]:
+        """(the text or None, the token ids) of a prompt given as text, token ids or a vLLM prompt
+        dict, cut to ``params.truncate_prompt_tokens`` and checked."""
+        text = None
+        if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - _PROMPT_KEYS)
+            if unknown:
+                raise ValueError(
+                    f"LLM: {where} has keys this engine does not take: {unknown} (it takes prompt, prompt_token_ids)"
+                )
+            if "prompt_token_ids" in prompt:
+                text, prompt = prompt.get("prompt"), prompt["prompt_token_ids"]
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"LLM: {where}['prompt'] must be a string, got {type(text).__name__}")
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise ValueError(f"LLM: {where}['prompt'] must be a string, got {type(prompt).__name__}")
+            else:
+                raise ValueError(f"LLM: {where} is a dict without 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"LLM: {where} is text but the model has no tokenizer.json; give token ids")
             ids = self.tokenizer.encode(prompt)
-            text: str | None = prompt
+            text = prompt
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids, text = list(prompt), None
+            ids = list(prompt)
         else:
-            raise ValueError(f"LLM: {where} must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(
+                f"LLM: {where} must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}"
+            )
         if not ids:
             raise ValueError(f"LLM: {where} is empty")
         vocab = self.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"LLM: {where} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        keep = params.truncate_prompt_tokens if params is not None else None
+        if keep is not None:
+            ids = ids[-(self.max_model_len - 1 if keep == -1 else keep) :]
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"LLM: {where} has {len(ids)} tokens; max_model_len {self.max_model_len} leaves room for at most "
@@ -147,21 +176,50 @@ class OutputProcessor:
         return params
 
     def _check_params(self, params: SamplingParams) -> None:
+        """Checks that need the model: the vocabulary, the tokenizer, max_model_len. Messages start
+        with the field's name (the server names it in its 400)."""
         if params.stop and self.tokenizer is None:
             raise ValueError("LLM: stop strings need a tokenizer (the model has no tokenizer.json); use stop_token_ids")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("LLM: bad_words need a tokenizer (the model has no tokenizer.json); use logit_bias")
         vocab = self.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"LLM: stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > vocab:
-            # torch.topk would raise inside the engine's step, taking every other request with it.
-            raise ValueError(f"LLM: logprobs {params.logprobs} is more than the vocabulary size {vocab}")
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            bad = [t for t in getattr(params, name) or () if t >= vocab]
+            if bad:
+                raise ValueError(f"LLM: {name} {bad[:5]} are outside the vocabulary [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                # torch.topk would raise inside the engine's step, taking every other request with it.
+                raise ValueError(f"LLM: {name} {k} is more than the vocabulary size {vocab}")
+        keep = params.truncate_prompt_tokens
+        if keep is not None and keep >= self.max_model_len:
+            raise ValueError(
+                f"LLM: truncate_prompt_tokens {keep} leaves no room for an output token in max_model_len "
+                f"{self.max_model_len}; give at most {self.max_model_len - 1} (or -1)"
+            )
         if params.n > 1 and params.seed is not None and params.seed + params.n - 1 >= 2**64:
             # The n completions are seeded seed, seed+1, ..., seed+n-1 (see make_group).
             raise ValueError(
                 f"LLM: seed {params.seed} with n={params.n} seeds the completions up to {params.seed + params.n - 1}, "
                 f"past 2**64 - 1; give a seed at most {2**64 - params.n}"
             )
+
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """The token ids of each bad word, as vLLM tokenizes them: the word alone, and after a space
+        when that gives other tokens of the same count (a word inside the text, for tokenizers that
+        mark a space on the next word)."""
+        out: list[list[int]] = []
+        for word in words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out += [alone] if alone else []
+            if spaced and (not alone or (spaced[0] != alone[0] and len(spaced) == len(alone))):
+                out.append(spaced)
+        bad = [t for w in out for t in w if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"LLM: bad_words tokenize to ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        return out
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -172,10 +230,10 @@ class OutputProcessor:
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> Group:
-        """One prompt (text or token ids) and its parameters (None: the defaults), checked, as a group
-        not yet added."""
+        """One prompt (text, token ids or a prompt dict) and its parameters (None: the defaults),
+        checked, as a group not yet added."""
         params = self.params_list(sampling_params, 1)[0]
-        text, ids = self.prompt_ids(prompt, "prompt")
+        text, ids = self.prompt_ids(prompt, "prompt", params)
         return self.make_group(request_id, text, ids, params, arrival_time)
 
     def make_group(
@@ -187,19 +245,24 @@ class OutputProcessor:
         arrival_time: float | None = None,
     ) -> Group:
         """The prompt's group and its ``params.n`` requests, built (so checked) but not yet added;
-        ``request_id`` None: one is made."""
+        ``ids`` as ``prompt_ids`` returns them (truncated); ``request_id`` None: one is made."""
         request_id = str(next(self._counter)) if request_id is None else request_id
         if request_id in self._groups:
             raise ValueError(f"LLM: request_id {request_id!r} is already running")
         arrival = time.time() if arrival_time is None else arrival_time
+        bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
         group = Group(request_id, text, ids)
         for i in range(params.n):
             child = params
             if params.n > 1:  # fanned out: n requests of one completion each, seeds seed, seed+1, ...
-                # (dataclasses.replace: a copy that SamplingParams.__post_init__ checks again)
+                # (dataclasses.replace: a copy that SamplingParams.__post_init__ checks again). Each
+                # computes prompt_logprobs, so that whichever samples first has them for the group's
+                # first output (admitted together, they could not share prefix blocks anyway).
                 child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, ids, child, eos_token_id=self.eos_token_ids, arrival_time=arrival)
+            req = Request(
+                rid, ids, child, eos_token_id=self.eos_token_ids, arrival_time=arrival, bad_words_token_ids=bad_words
+            )
             detok = IncrementalDetokenizer(self.tokenizer, ids, child) if self.tokenizer is not None else None
             group.sequences.append(_Sequence(req, request_id, i, detok, RequestMetrics(arrival_time=arrival)))
         return group
@@ -267,9 +330,14 @@ class OutputProcessor:
                     prompt=group.prompt,
                     prompt_token_ids=group.prompt_token_ids,
                     metrics=group.sequences[0].metrics,
+                    num_cached_tokens=_cached_tokens(group),
                 )
+            if group.prompt_logprobs is None and self._take_prompt_logprobs(group):
+                out.prompt_logprobs = group.prompt_logprobs  # once, in the first delta that can have it
             req = seq.request
             lps = req.logprobs[-len(u.new_token_ids) :] if req.logprobs is not None else None
+            if lps and self.tokenizer is not None:
+                self._decode_logprobs(lps)
             out.outputs.append(
                 CompletionOutput(
                     index=seq.index,
@@ -309,12 +377,40 @@ class OutputProcessor:
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
+            prompt_logprobs=group.prompt_logprobs,
             outputs=outputs,
             finished=group.finished,
             metrics=group.sequences[0].metrics,
+            num_cached_tokens=_cached_tokens(group),
         )
+
+    def _take_prompt_logprobs(self, group: Group) -> bool:
+        """Set ``group.prompt_logprobs`` from a completion whose request has computed the prompt
+        (vLLM's list: None for the first token, then one dict per token); False before any has."""
+        complete = len(group.prompt_token_ids) - 1
+        lists = [s.request.prompt_logprobs for s in group.sequences]
+        computed = next((lp for lp in lists if lp is not None and len(lp) >= complete), None)
+        if computed is None:
+            return False
+        if self.tokenizer is not None:
+            self._decode_logprobs(computed)
+        group.prompt_logprobs = [None, *computed]
+        return True
+
+    def _decode_logprobs(self, positions: list[PositionLogprobs]) -> None:
+        """Fill each Logprob's ``decoded_token``: its token's text alone, special tokens kept."""
+        decode = self.tokenizer.decode
+        for position in positions:
+            for token, lp in position.items():
+                lp.decoded_token = decode([token], skip_special_tokens=False)
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         seq.finish_reason = reason
         seq.metrics.finished_time = time.time()
         self._sequences.pop(seq.request.request_id, None)
+
+
+def _cached_tokens(group: Group) -> int | None:
+    """The prefix-cache hit of the group's first completion, None before it was scheduled."""
+    cached = group.sequences[0].request.num_cached_tokens
+    return cached if cached >= 0 else None

@@ -13,6 +13,7 @@ import enum
 import time
 from collections.abc import Iterable, Sequence
 
+from fuseformer.engine.outputs import PositionLogprobs
 from fuseformer.engine.sampling_params import SamplingParams
 
 
@@ -50,6 +51,8 @@ class Request:
         sampling_params: how to sample and when to stop.
         eos_token_id: the model's EOS id, or several (generation_config.json may list several), or None.
         arrival_time: seconds (``time.time()``); defaults to now.
+        bad_words_token_ids: ``sampling_params.bad_words`` tokenized (``OutputProcessor``): each
+            word's token ids, banned as the sampler's ``bad_words`` rule says.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class Request:
         *,
         eos_token_id: int | Iterable[int] | None = None,
         arrival_time: float | None = None,
+        bad_words_token_ids: Sequence[Sequence[int]] = (),
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"Request {request_id!r}: prompt_token_ids is empty")
@@ -75,6 +79,7 @@ class Request:
         else:
             self.eos_token_ids = frozenset(eos_token_id)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.bad_words_token_ids: list[list[int]] = [list(w) for w in bad_words_token_ids]
 
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache
@@ -86,7 +91,13 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
         self.cumulative_logprob = 0.0
-        self.logprobs: list[dict[int, float]] | None = [] if self.sampling_params.logprobs is not None else None
+        self.logprobs: list[PositionLogprobs] | None = [] if self.sampling_params.logprobs is not None else None
+        # With prompt_logprobs: entry i is prompt token i + 1's, appended by the model runner as the
+        # prefill computes the positions before it (``ModelRunner.collect``: the core hands the
+        # scheduler sampled tokens only, and these are no sampled token's).
+        self.prompt_logprobs: list[PositionLogprobs] | None = (
+            [] if self.sampling_params.prompt_logprobs is not None else None
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +118,19 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
+
+    @property
+    def sampling_reads_output(self) -> bool:
+        """Sampling its next token reads its output so far: penalties (token counts), a bad word of
+        several tokens (the output's last tokens), or ``min_tokens`` not yet reached (the output's
+        length). A step scheduled ahead (``AsyncScheduler``) samples before the previous token is
+        appended, so it cannot sample such a request."""
+        params = self.sampling_params
+        return (
+            params.needs_penalties
+            or self.num_output_tokens < params.min_tokens
+            or any(len(w) > 1 for w in self.bad_words_token_ids)
+        )
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         if isinstance(token_ids, int):

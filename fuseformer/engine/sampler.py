@@ -3,10 +3,17 @@
 Per row, in vLLM v1's order and with its definitions:
 
 1. logprobs (if asked) from the raw logits: ``log_softmax(logits)`` (vLLM's default "raw_logprobs");
-2. penalties: repetition (tokens in prompt or output: positive logits / p, others * p), then
+2. token controls: banned tokens to -inf (outside ``allowed_token_ids``; ``bad_words``; EOS and
+   ``stop_token_ids`` below ``min_tokens``), then ``+= logit_bias``;
+3. penalties: repetition (tokens in prompt or output: positive logits / p, others * p), then
    ``logits -= frequency * count_in_output + presence * (count_in_output > 0)``;
-3. greedy rows (temperature 0): argmax;
-4. other rows: / temperature, min-p, top-k, top-p, then one draw from the softmax.
+4. greedy rows (temperature 0): argmax;
+5. other rows: / temperature, min-p, top-k, top-p, then one draw from the softmax.
+
+Token controls are decided on the host per row from short lists (a row's allowed ids, bias entries,
+the bad words whose other tokens end its output) and applied on the device as one (N, V) mask and
+one (N, V) bias, built there by a scatter of those (row, token) pairs: nothing loops over the
+vocabulary, and a batch where no row uses them pays nothing.
 
 The draw is ``argmax(probs / q)`` with ``q ~ Exponential(1)`` (the Gumbel-max trick in another form):
 the whole batch in one kernel from the global RNG, except seeded rows, whose ``q`` comes from their
@@ -16,11 +23,12 @@ batch they share. That is the only per-row Python loop, and only over seeded row
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from fuseformer.engine.outputs import Logprob, PositionLogprobs
 from fuseformer.engine.sampling_params import SamplingParams
 
 
@@ -44,6 +52,9 @@ class SamplingMetadata:
             penalties are all padding).
         generators: row -> generator of a seeded non-greedy row.
         max_num_logprobs: the largest ``logprobs`` asked by a row, or None.
+        banned: (N, V) bool, True where a row may not sample the token (outside its
+            ``allowed_token_ids``, a ``bad_words`` ban, EOS and stop ids below ``min_tokens``).
+        logit_bias: (N, V) fp32, the rows' ``logit_bias`` (0 elsewhere).
     """
 
     temperature: torch.Tensor
@@ -60,6 +71,8 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None = None
     generators: dict[int, torch.Generator] | None = None
     max_num_logprobs: int | None = None
+    banned: torch.Tensor | None = None
+    logit_bias: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -71,9 +84,14 @@ class SamplingMetadata:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
+        eos_token_ids: Sequence[Iterable[int]] | None = None,
+        bad_words_token_ids: Sequence[Sequence[Sequence[int]]] | None = None,
     ) -> SamplingMetadata:
-        """From one SamplingParams per row. Token ids are needed when a row has penalties;
-        ``generators[i]`` (from ``make_generator``) when row i is seeded."""
+        """From one SamplingParams per row. Token ids are needed when a row has penalties, and
+        output token ids when it has ``min_tokens`` or ``bad_words``; ``generators[i]`` (from
+        ``make_generator``) when row i is seeded; ``eos_token_ids[i]`` (masked below ``min_tokens``
+        unless ``ignore_eos``) and ``bad_words_token_ids[i]`` (``Request.bad_words_token_ids``) when
+        row i has those."""
         n = len(params)
 
         def col(values, dtype=torch.float32):
@@ -111,7 +129,86 @@ class SamplingMetadata:
             md.generators = {i: g for i, g in enumerate(generators) if g is not None and not greedy[i]} or None
         asked = [p.logprobs for p in params if p.logprobs is not None]
         md.max_num_logprobs = max(asked) if asked else None
+        if any(p.masks_tokens for p in params):
+            md.banned, md.logit_bias = _token_controls(
+                params, vocab_size, device, output_token_ids, eos_token_ids, bad_words_token_ids
+            )
         return md
+
+
+def _token_controls(
+    params: Sequence[SamplingParams],
+    vocab: int,
+    device: torch.device | str,
+    output_token_ids: Sequence[Sequence[int]] | None,
+    eos_token_ids: Sequence[Iterable[int]] | None,
+    bad_words_token_ids: Sequence[Sequence[Sequence[int]]] | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(banned (N, V) bool or None, bias (N, V) fp32 or None) on ``device`` for the rows' token
+    controls (see the module docstring): the (row, token) pairs are listed here, on the host, and
+    scattered there, all ids in one copy."""
+    restricted: list[int] = []  # rows with allowed_token_ids
+    allowed: tuple[list[int], list[int]] = ([], [])  # their (row, token) pairs
+    bans: tuple[list[int], list[int]] = ([], [])
+    biased: tuple[list[int], list[int]] = ([], [])
+    bias_values: list[float] = []
+    for i, p in enumerate(params):
+        if not p.masks_tokens:
+            continue
+        if p.allowed_token_ids:
+            restricted.append(i)
+            allowed[0].extend([i] * len(p.allowed_token_ids))
+            allowed[1].extend(p.allowed_token_ids)
+        if p.logit_bias:
+            biased[0].extend([i] * len(p.logit_bias))
+            biased[1].extend(p.logit_bias)
+            bias_values.extend(p.logit_bias.values())
+        if not (p.min_tokens or p.bad_words):
+            continue
+        if output_token_ids is None:
+            raise ValueError("SamplingMetadata.build: min_tokens and bad_words need output_token_ids")
+        output = output_token_ids[i]
+        banned = []
+        if len(output) < p.min_tokens:
+            if eos_token_ids is None and not p.ignore_eos:
+                raise ValueError("SamplingMetadata.build: min_tokens needs eos_token_ids")
+            banned += p.stop_token_ids if p.ignore_eos else {*p.stop_token_ids, *eos_token_ids[i]}
+        if p.bad_words:
+            if bad_words_token_ids is None:
+                raise ValueError("SamplingMetadata.build: bad_words need bad_words_token_ids")
+            banned += _bad_word_bans(bad_words_token_ids[i], output)
+        bans[0].extend([i] * len(banned))
+        bans[1].extend(banned)
+    lists = (restricted, *allowed, *bans, *biased)
+    if not any(lists):
+        return None, None
+    ids = to_device(torch.tensor([x for part in lists for x in part], dtype=torch.int64), device)
+    restricted_rows, allowed_rows, allowed_ids, ban_rows, ban_ids, bias_rows, bias_ids = ids.split(
+        [len(part) for part in lists]
+    )
+    n = len(params)
+    mask = None
+    if restricted or bans[0]:
+        mask = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+        mask[restricted_rows] = True
+        mask[allowed_rows, allowed_ids] = False
+        mask[ban_rows, ban_ids] = True
+    bias = None
+    if bias_values:
+        bias = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+        bias[bias_rows, bias_ids] = to_device(torch.tensor(bias_values, dtype=torch.float32), device)
+    return mask, bias
+
+
+def _bad_word_bans(words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The tokens ``words`` ban after ``output`` (vLLM's rule): a one-token word's token always; a
+    longer word's last token where the output ends with its other tokens."""
+    banned = []
+    for w in words:
+        k = len(w) - 1
+        if k == 0 or (k <= len(output) and list(output[len(output) - k :]) == list(w[:k])):
+            banned.append(w[-1])
+    return banned
 
 
 def staged(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -133,6 +230,16 @@ def _pad(rows: Sequence[Sequence[int]], keep: Sequence[bool], pad: int) -> torch
     for i, (r, k) in enumerate(zip(rows, keep)):
         if k and len(r):
             out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    return out
+
+
+def position_logprobs(token_ids: Sequence[int], logprobs: Sequence[float], rank: int) -> PositionLogprobs:
+    """{token id: Logprob} of one position from a row of the sampler's logprob layout: column 0 the
+    chosen token (its rank ``rank``), then the top tokens (ranks 1, 2, ...); a chosen token that is
+    also a top one keeps its first place (vLLM's dict)."""
+    out = {token_ids[0]: Logprob(logprobs[0], rank)}
+    for r, (t, lp) in enumerate(zip(token_ids[1:], logprobs[1:]), 1):
+        out[t] = Logprob(lp, r)
     return out
 
 
@@ -202,6 +309,10 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
 
+    if md.banned is not None:
+        logits = logits.masked_fill(md.banned, float("-inf"))
+    if md.logit_bias is not None:
+        logits = logits + md.logit_bias
     if md.repetition_penalty is not None:
         logits = apply_penalties(logits, md)
     greedy_ids = None if md.all_random else logits.argmax(dim=-1)
@@ -220,9 +331,37 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
 
     out = SamplerOutput(sampled_token_ids=sampled)
     if raw_logprobs is not None:
-        sampled_lp = raw_logprobs.gather(1, sampled[:, None])  # (N, 1)
-        top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1) if md.max_num_logprobs else (None, None)
-        out.logprob_token_ids = sampled[:, None] if top_ids is None else torch.cat([sampled[:, None], top_ids], 1)
-        out.logprobs = sampled_lp if top_lp is None else torch.cat([sampled_lp, top_lp], 1)
-        out.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
+        out.logprob_token_ids, out.logprobs, out.sampled_ranks = _logprobs_of(
+            raw_logprobs, sampled, md.max_num_logprobs
+        )
     return out
+
+
+def _logprobs_of(
+    logprobs: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From (R, V) logprobs and the (R,) chosen tokens: ids (R, 1 + k) int64 and their logprobs
+    (R, 1 + k), column 0 the chosen token, then the top k in order; the chosen token's rank (R,)."""
+    chosen_lp = logprobs.gather(1, chosen[:, None])  # (R, 1)
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    if not k:
+        return chosen[:, None], chosen_lp, ranks
+    top_lp, top_ids = logprobs.topk(k, dim=-1)
+    return torch.cat([chosen[:, None], top_ids], 1), torch.cat([chosen_lp, top_lp], 1), ranks
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of prompt tokens (``SamplingParams.prompt_logprobs``), from the raw logits as the
+    sampled tokens' are.
+
+    Args:
+        logits: (R, V) logits of the positions before the tokens, any float dtype.
+        token_ids: (R,) int64, the prompt token each row predicts.
+        k: top tokens per row.
+
+    Returns: ids (R, 1 + k) int64 and logprobs (R, 1 + k) fp32, column 0 the prompt token, then the
+    top k; the prompt token's rank (R,) int64.
+    """
+    return _logprobs_of(logits.float().log_softmax(dim=-1), token_ids, k)

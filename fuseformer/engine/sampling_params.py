@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 # under 1e32, and below it every such value already acts as its limit (greedy, top token only).
 MIN_SAMPLING_VALUE = 1e-6
 MAX_REPETITION_PENALTY = 1e6  # above fp32's max it is inf, and a logit of 0 times inf is NaN
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values, [-100, 100]
 
 
 def _is_int(x: object) -> bool:
@@ -51,6 +52,25 @@ class SamplingParams:
             token's (0 returns only the sampled token's).
         skip_special_tokens: leave special tokens out of the output text.
         include_stop_str_in_output: keep the stop string at the end of the output text.
+        min_tokens: output tokens before the request may stop: until then EOS and ``stop_token_ids``
+            are masked out of the sampling and stop strings are not looked for (vLLM's); at most
+            ``max_tokens``.
+        logit_bias: token id -> a bias in [-100, 100] added to that token's logit before sampling
+            (OpenAI's; -100 in effect bans the token, 100 all but forces it). String keys that are
+            integers ("42", as JSON has them) are taken as ids.
+        bad_words: words never generated (vLLM's): each is tokenized alone and after a space; a
+            word of one token is banned at every step, a longer one has its last token banned
+            where the output so far ends with its other tokens.
+        allowed_token_ids: every sampled token is one of these (non-empty).
+        prompt_logprobs: None, or how many top log-probabilities to return per prompt token besides
+            that token's own (``RequestOutput.prompt_logprobs``). The prompt is then computed whole,
+            not read from the prefix cache (its logits are needed), as vLLM does.
+        truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1), or -1: as many as
+            leave room for one output token (``max_model_len - 1``); None keeps the whole prompt.
+
+    Not here (a ``TypeError`` naming it): vLLM's ``best_of`` (removed from vLLM's v1 engine as well),
+    ``use_beam_search``, ``logits_processors``, ``guided_decoding`` / ``structured_outputs``,
+    ``spaces_between_special_tokens``, ``output_kind``, ``detokenize``, ``extra_args``.
     """
 
     n: int = 1
@@ -69,11 +89,18 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def _bad(self, name: str, why: str) -> ValueError:
+        return ValueError(f"SamplingParams: {name} {why}, got {getattr(self, name)!r}")
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams: {name} {why}, got {getattr(self, name)!r}")
-
+        bad = self._bad
         for name in ("n", "max_tokens", "top_k"):
             if not _is_int(getattr(self, name)):
                 raise TypeError(f"SamplingParams: {name} must be an int, got {getattr(self, name)!r}")
@@ -128,6 +155,45 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of token ids >= 0")
+        self._check_token_controls()
+
+    def _check_token_controls(self) -> None:
+        """min_tokens, logit_bias, bad_words, allowed_token_ids, prompt_logprobs, truncate_prompt_tokens:
+        checked and normalised (lists, int keys). Ids are checked against the vocabulary where it is
+        known (``OutputProcessor``)."""
+        bad = self._bad
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an int >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be at most max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict of token id -> bias")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+                if not _is_int(token) or token < 0:
+                    raise bad("logit_bias", f"keys must be token ids >= 0 (key {key!r})")
+                if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise bad("logit_bias", f"values must be numbers in [-100, 100] (token {key!r}: {value!r})")
+                bias[token] = float(value)
+            self.logit_bias = bias or None
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            if not all(isinstance(w, str) and w.strip() for w in words):
+                raise bad("bad_words", "must be a list of non-blank strings")
+            self.bad_words = words or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "must not be empty (None allows every token)")
+            if not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must be a list of token ids >= 0")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be None or an int >= 0")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise bad("truncate_prompt_tokens", "must be None, -1 (as many as fit) or an int >= 1")
 
     @property
     def is_greedy(self) -> bool:
@@ -137,3 +203,9 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Some tokens' logits are changed before sampling: logit_bias, bad_words, allowed_token_ids
+        or min_tokens (``sampler.SamplingMetadata``)."""
+        return bool(self.logit_bias or self.bad_words or self.allowed_token_ids or self.min_tokens)

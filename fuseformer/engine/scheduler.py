@@ -24,7 +24,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from fuseformer.engine.kv_cache import KVCacheManager
+from fuseformer.engine.kv_cache import NO_HIT, KVCacheManager
+from fuseformer.engine.outputs import PositionLogprobs
 from fuseformer.engine.request import Request, RequestStatus
 
 AHEAD_TOKEN = -1  # the input token of a step scheduled ahead, until the runner takes the real one
@@ -247,7 +248,8 @@ class Scheduler:
         # Then waiting ones in order, unless this step had to preempt (then blocks are short anyway).
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not out.preempted_request_ids:
             req = self.waiting[0]
-            computed = self.kv.get_computed_blocks(req)
+            # A request that wants its prompt's logprobs computes its whole prompt (vLLM's rule).
+            computed = self.kv.get_computed_blocks(req) if req.prompt_logprobs is None else NO_HIT
             num_new = req.num_tokens - computed.num_tokens
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
@@ -275,7 +277,7 @@ class Scheduler:
         self,
         scheduler_output: SchedulerOutput,
         sampled_token_ids: dict[str, list[int]],
-        logprobs: dict[str, list[dict[int, float]]] | None = None,
+        logprobs: dict[str, list[PositionLogprobs]] | None = None,
     ) -> list[RequestUpdate]:
         """Advance the step's requests by their computed tokens; append the sampled tokens of those
         whose last token was reached (``sample``); finish those that hit a stop condition.
@@ -283,7 +285,7 @@ class Scheduler:
         Args:
             sampled_token_ids: request id -> tokens sampled this step (one, without speculative
                 decoding); entries for requests that did not sample are ignored.
-            logprobs: request id -> per sampled token, {token id: logprob}, holding at least the
+            logprobs: request id -> per sampled token, {token id: Logprob}, holding at least the
                 sampled token (for requests that asked for logprobs).
 
         Returns: an update for every request that appended tokens or finished.
@@ -307,7 +309,7 @@ class Scheduler:
                 req.all_token_ids.append(tok)
                 if lps is not None and req.logprobs is not None:
                     req.logprobs.append(lps[j])
-                    req.cumulative_logprob += lps[j][tok]
+                    req.cumulative_logprob += lps[j][tok].logprob
                 status = self._check_stop(req, tok)
                 if status is not None:
                     new_tokens = new_tokens[: j + 1]
@@ -347,13 +349,15 @@ class Scheduler:
         self._finished_ids.append(req.request_id)
 
     def _check_stop(self, req: Request, last: int) -> RequestStatus | None:
-        """The status ``req`` finishes with now that ``last`` was appended, or None."""
+        """The status ``req`` finishes with now that ``last`` was appended, or None. Below
+        ``min_tokens`` only the length limits stop it (vLLM's; the sampler masks EOS and stop ids there)."""
         params = req.sampling_params
-        if last in params.stop_token_ids:
-            req.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
-        if not params.ignore_eos and last in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.min_tokens:
+            if last in params.stop_token_ids:
+                req.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and last in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

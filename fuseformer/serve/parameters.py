@@ -7,8 +7,8 @@ body lands in the model's extras (``extra="allow"``), and ``check_extras`` looks
 ``REFUSED``:
 
 - a name there, with a value that asks for nothing (null, or a value listed as neutral: the
-  server's behaviour anyway, e.g. ``logit_bias: {}``, ``response_format: {"type": "text"}``,
-  ``best_of`` equal to ``n``), is accepted: it has its effect, since the server does what it asks;
+  server's behaviour anyway, e.g. ``response_format: {"type": "text"}``, ``best_of`` equal to ``n``),
+  is accepted: it has its effect, since the server does what it asks;
 - a name there with any other value: 400 "``name`` is not supported", ``code`` "unsupported_parameter";
 - a name not there: 400 "Unrecognized request argument supplied: ``name``" (OpenAI's own message),
   ``code`` "unrecognized_parameter".
@@ -73,19 +73,18 @@ class Refused:
 
 _STRUCTURED = Refused(why="is not supported by this server: structured outputs are not implemented yet")
 _TOOLS = "is not supported by this server: tool calling is not implemented yet"
-_SAMPLER = "is not supported by this server: the sampler does not implement it yet"
+_COMPLETIONS_ONLY = "is not supported for chat completions by this server (POST /v1/completions takes it)"
 _OPENAI_ONLY = "is an OpenAI platform option that this server does not implement"
 
 # Every name a body may hold besides the request model's fields. Chat and completions share the
 # table: a name of the other endpoint is refused here in the same words.
 REFUSED: dict[str, Refused] = {
-    # Sampling controls the engine does not have yet (issue 29, item 2).
-    "logit_bias": Refused(_empty, _SAMPLER),
-    "min_tokens": Refused(_equals(0), _SAMPLER),
-    "bad_words": Refused(_empty, _SAMPLER),
-    "allowed_token_ids": Refused(why=_SAMPLER),
-    "prompt_logprobs": Refused(why="is not supported by this server: the engine returns no prompt logprobs"),
-    "truncate_prompt_tokens": Refused(why="is not supported by this server"),
+    # Fields of completions that chat does not have (vLLM's chat echoes the last message and
+    # returns prompt logprobs at the top level; here neither).
+    "echo": Refused(_equals(False), _COMPLETIONS_ONLY),
+    "prompt_logprobs": Refused(why=_COMPLETIONS_ONLY),
+    # best_of (n sampled, the best kept by cumulative logprob) is not implemented: vLLM's v1 engine
+    # dropped it too. best_of = n asks for nothing more than n.
     "best_of": Refused(_best_of, "is not supported by this server unless it equals n"),
     "use_beam_search": Refused(_equals(False), "is not supported by this server: there is no beam search"),
     "length_penalty": Refused(_equals(1, 1.0), "is not supported by this server: there is no beam search"),
@@ -95,8 +94,7 @@ REFUSED: dict[str, Refused] = {
     "logits_processors": Refused(_empty),
     "priority": Refused(_equals(0), "is not supported by this server: requests are scheduled first come, first served"),
     "return_tokens_as_token_ids": Refused(_equals(False)),
-    # Completions: echoing the prompt and insertion.
-    "echo": Refused(_equals(False)),
+    # Completions: insertion.
     "suffix": Refused(_empty),
     # Structured outputs (issue 29, item 3).
     "response_format": Refused(lambda v, r: v == {"type": "text"}, _STRUCTURED.why),

@@ -1,6 +1,6 @@
 """Request and response bodies of the OpenAI API subset that ``fuseformer serve`` speaks (pydantic 2),
-with vLLM's extras (``top_k``, ``stop_token_ids``, ``skip_special_tokens``, the chat-template options,
-``/tokenize``, ...).
+with vLLM's extras (``top_k``, ``stop_token_ids``, ``skip_special_tokens``, ``min_tokens``,
+``bad_words``, ``allowed_token_ids``, ``prompt_logprobs``, the chat-template options, ``/tokenize``, ...).
 
 A request model's fields are the parameters the server implements; their types are checked here and
 their ranges by ``SamplingParams`` (one place for them: the engine's), ``to_sampling_params`` naming
@@ -36,6 +36,11 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+# Token ids in logit_bias and in allowed_token_ids, and bad words: every step of the request lists them
+# on the host for the sampler's mask (~0.1 us an id, ~0.3 us a bad word, 2 CPU cores; the probe of
+# 2026-12-05): these bounds keep a request under ~0.1 ms a step.
+MAX_TOKEN_ID_LIST = 1024
+MAX_BAD_WORDS = 64
 
 
 class _Checked(BaseModel):
@@ -90,12 +95,19 @@ class _SamplingRequest(_Checked):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # the end user, written to the server's log with the request id
     request_id: str | None = None  # the response id's suffix (an X-Request-Id header wins)
 
-    def _sampling_params(self, defaults: SamplingParams, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, defaults: SamplingParams, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """SamplingParams for this request: the model's defaults, then the fields given. Raises APIError
         naming the request field that is out of range."""
         kwargs: dict[str, Any] = {
@@ -116,7 +128,26 @@ class _SamplingRequest(_Checked):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias,
+            bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
+        for name in ("logit_bias", "allowed_token_ids"):
+            if len(getattr(self, name) or ()) > MAX_TOKEN_ID_LIST:
+                raise APIError(
+                    f"{name} takes at most {MAX_TOKEN_ID_LIST} token ids, got {len(getattr(self, name))}", name
+                )
+        words = self.bad_words or []
+        if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_STOP_STRING_CHARS for w in words):
+            raise APIError(
+                f"bad_words takes at most {MAX_BAD_WORDS} words of at most {MAX_STOP_STRING_CHARS} characters",
+                "bad_words",
+            )
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise APIError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}", "prompt_logprobs")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOP_STRINGS:
             raise APIError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
@@ -151,15 +182,24 @@ def _param_error(exc: Exception) -> APIError:
 
 
 class CompletionRequest(_SamplingRequest):
-    """``POST /v1/completions``: a prompt (text or token ids; a list of them completes each)."""
+    """``POST /v1/completions``: a prompt (text or token ids; a list of them completes each).
+    ``echo`` puts the prompt before each choice's text (with ``logprobs``, its tokens before the
+    choice's, the first one's logprob null, as OpenAI); ``prompt_logprobs`` (vLLM's) gives each
+    choice its prompt's logprobs."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    echo: bool = False
+    prompt_logprobs: int | None = None
     add_special_tokens: bool = True  # text prompts: the tokenizer's BOS/EOS rule
 
     def to_sampling_params(self, defaults: SamplingParams, max_tokens: int) -> SamplingParams:
-        return self._sampling_params(defaults, max_tokens, self.logprobs)
+        # Echo with logprobs needs the prompt's (vLLM: as many top ones as logprobs asks).
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs
+        return self._sampling_params(defaults, max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ChatCompletionRequest(_ChatTemplateOptions, _SamplingRequest):

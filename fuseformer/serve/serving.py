@@ -6,9 +6,11 @@ thread for a large body), adding a request's prompts to the engine, and recordin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
+import re
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -151,8 +153,9 @@ class Serving:
 
     def check_fields(self, req: Any, asked: int | None) -> None:
         """Raise the APIError of a sampling field out of range, before any prompt is tokenized (and so
-        before a length error). ``asked``: the max tokens the request gave, else None."""
-        req.to_sampling_params(self.default_params(), 1 if asked is None else asked)
+        before a length error). ``asked``: the max tokens the request gave, else None (then as many
+        as ``min_tokens`` stand in for it: what fits is known once the prompt is)."""
+        req.to_sampling_params(self.default_params(), max(1, req.min_tokens) if asked is None else asked)
 
     def check_prompt_length(self, num_tokens: int, where: str) -> None:
         if num_tokens >= self.max_model_len:
@@ -183,9 +186,20 @@ class Serving:
             )
         return asked
 
+    def truncated(self, ids: list[int], req: Any) -> list[int]:
+        """``ids`` cut to the request's ``truncate_prompt_tokens`` (the last k; -1: as many as leave
+        room for one output token), as the engine cuts them."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        return ids[-(self.max_model_len - 1 if keep == -1 else keep) :]
+
     def sampling_params(self, req: Any, prompts: list[list[int]], where: str, field: str) -> SamplingParams:
         """The request's SamplingParams, max_tokens as ``check_lengths`` gives it (its fields' ranges
-        were checked by ``check_fields``)."""
+        were checked by ``check_fields``). The prompts are first cut to ``truncate_prompt_tokens`` in
+        place, so that the handler sends and counts (usage) the prompts the engine runs."""
+        for ids in prompts:
+            ids[:] = self.truncated(ids, req)
         return req.to_sampling_params(self.default_params(), self.check_lengths(prompts, req, where, field))
 
     # ---- prompts -----------------------------------------------------------------------------------
@@ -218,15 +232,32 @@ class Serving:
                 raise APIError("prompt must be a string, a list of token ids, or a list of either", "prompt")
             if not item:
                 raise APIError("prompt must not be empty", "prompt")
-            self.check_prompt_length(len(item), "prompt")
+            self.check_prompt_length(len(self.truncated(item, req)), "prompt")
         out = []
         for item in items:
             ids = self.encode(item, "prompt", req.add_special_tokens) if isinstance(item, str) else list(item)
             if not ids:
                 raise APIError("prompt must not be empty", "prompt")
+            ids = self.truncated(ids, req)
             self.check_prompt_length(len(ids), "prompt")
             out.append(ids)
         return out
+
+    def echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """The text ``echo`` puts before each prompt's choices: the prompt as given, or its tokens
+        decoded (special tokens kept) when it was token ids or was truncated."""
+        given = (
+            [req.prompt] if isinstance(req.prompt, str) or not isinstance(req.prompt[0], (str, list)) else req.prompt
+        )
+        texts = []
+        for item, ids in zip(given, prompts):
+            if isinstance(item, str) and req.truncate_prompt_tokens is None:
+                texts.append(item)
+            else:
+                texts.append(
+                    self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
+                )
+        return texts
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -249,7 +280,7 @@ class Serving:
         except ValueError as exc:
             for s in streams:
                 s.close()
-            raise APIError(str(exc).removeprefix("LLM: "), where) from exc
+            raise _engine_error(exc, where) from exc
         except BaseException:
             for s in streams:
                 s.close()
@@ -263,8 +294,11 @@ class Serving:
         return run
 
     def note(self, run: Running, batch: list[tuple[int, RequestOutput]]) -> None:
-        """Read what a prompt's first output reports: its prefix-cache hit and its queue time."""
+        """Read what a prompt's first output reports: its prefix-cache hit and its queue time; and its
+        prompt logprobs, in whichever output brings them."""
         for i, out in batch:
+            if out.prompt_logprobs is not None:
+                run.prompt_logprobs[i] = out.prompt_logprobs
             if i not in run.seen:
                 run.seen.add(i)
                 cached, queued = first_output_stats(out)
@@ -295,3 +329,14 @@ class Serving:
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
             self.metrics.count_finished(c.finish_reason, now - arrival, len(choice.token_ids))
         return choice
+
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _engine_error(exc: ValueError, where: str) -> APIError:
+    """The engine's refusal of a request ("LLM: logit_bias [900] are outside the vocabulary ...") as a
+    400 naming the SamplingParams field its message starts with, else ``where`` (the prompt)."""
+    message = str(exc).removeprefix("LLM: ")
+    m = re.match(r"(\w+)", message)
+    return APIError(message, m.group(1) if m and m.group(1) in _SAMPLING_FIELDS else where)

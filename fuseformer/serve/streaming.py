@@ -2,7 +2,8 @@
 
 ``merged`` reads every stream of a request (one per prompt) as batches of deltas, aborting them when
 the client disconnects or leaves; ``by_choice`` joins a batch's deltas per choice; ``Events`` writes
-server-sent events; ``usage``, ``completion_logprobs`` and ``chat_logprobs`` are the response's parts.
+server-sent events; ``usage``, ``completion_logprobs``, ``chat_logprobs`` and ``prompt_logprobs_json``
+are the response's parts.
 
 Per-token cost is kept off the hot path, because the engine's step loop is host-bound and shares the
 GIL with this event loop: every Python microsecond spent here per request per step comes off the
@@ -22,19 +23,21 @@ from typing import Any
 from fastapi import Request
 
 from fuseformer.engine.async_engine import RequestStream
-from fuseformer.engine.outputs import CompletionOutput, RequestOutput
+from fuseformer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from fuseformer.serve.errors import shutdown_error, stream_error
 
 
 @dataclass(slots=True, eq=False)
 class Running:
     """The streams of one request being answered (one per prompt); ``cut`` once the shutdown timeout
-    ended it unfinished; per prompt, the prompt tokens the engine found in the prefix cache."""
+    ended it unfinished; per prompt, the prompt tokens the engine found in the prefix cache, and the
+    prompt's logprobs (with ``prompt_logprobs``, once the engine gave them)."""
 
     streams: list[RequestStream]
     cut: bool = False
     cached_tokens: dict[int, int] = field(default_factory=dict)
     seen: set[int] = field(default_factory=set)  # prompts whose first output was read
+    prompt_logprobs: dict[int, list[PositionLogprobs | None]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -43,7 +46,7 @@ class Choice:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     last_token_time: float | None = None
@@ -52,8 +55,8 @@ class Choice:
 def first_output_stats(out: RequestOutput) -> tuple[int | None, float | None]:
     """(prompt tokens served from the prefix cache, seconds from arrival to first scheduling) of a
     prompt's first output; None where the engine does not report it. The engine's fields are vLLM's
-    names, ``RequestOutput.num_cached_tokens`` and ``RequestMetrics.first_scheduled_time``: until the
-    engine sets them, usage has no ``prompt_tokens_details`` and the queue-time histogram stays empty."""
+    names, ``RequestOutput.num_cached_tokens`` and ``RequestMetrics.first_scheduled_time`` (not set by
+    the engine yet: until it is, the queue-time histogram stays empty)."""
     cached = getattr(out, "num_cached_tokens", None)
     metrics = out.metrics
     scheduled = getattr(metrics, "first_scheduled_time", None) if metrics is not None else None
@@ -220,26 +223,33 @@ def usage(prompt_tokens: int, choices: list[Choice], run: Running, num_prompts: 
 
 
 def completion_logprobs(
-    token_text: Callable[[int], str], token_ids: list[int], logprobs: list[dict[int, float]], offset: int
+    token_text: Callable[[int], str],
+    token_ids: list[int],
+    logprobs: list[PositionLogprobs | None],
+    offset: int,
 ) -> dict[str, Any]:
-    """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset. A
+    position without logprobs (None: an echoed prompt's first token) has null ones, as OpenAI's."""
     tokens = [token_text(t) for t in token_ids]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    tops = []
+    tops: list[dict[str, float] | None] = []
     for lp in logprobs:
+        if lp is None:
+            tops.append(None)
+            continue
         top: dict[str, float] = {}
-        for k, v in sorted(lp.items(), key=lambda kv: -kv[1]):
-            top.setdefault(token_text(k), v)  # tokens that decode alike (partial characters): the best
+        for k, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob):
+            top.setdefault(token_text(k), v.logprob)  # tokens that decode alike (partial characters): the best
         tops.append(top)
-    token_logprobs = [lp[t] for t, lp in zip(token_ids, logprobs)]
+    token_logprobs = [None if lp is None else lp[t].logprob for t, lp in zip(token_ids, logprobs)]
     return dict(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets)
 
 
 def chat_logprobs(
-    token_text: Callable[[int], str], token_ids: list[int], logprobs: list[dict[int, float]], top: int
+    token_text: Callable[[int], str], token_ids: list[int], logprobs: list[PositionLogprobs], top: int
 ) -> dict[str, Any]:
     """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the ``top`` best."""
 
@@ -249,6 +259,21 @@ def chat_logprobs(
 
     content = []
     for t, lp in zip(token_ids, logprobs):
-        best = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
-        content.append(entry(t, lp[t]) | dict(top_logprobs=[entry(k, v) for k, v in best]))
+        best = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:top]
+        content.append(entry(t, lp[t].logprob) | dict(top_logprobs=[entry(k, v.logprob) for k, v in best]))
     return dict(content=content)
+
+
+def prompt_logprobs_json(prompt_logprobs: list[PositionLogprobs | None] | None) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs`` of a choice: per prompt token None (the first) or {token id (a
+    string, as JSON keys are): {"logprob", "rank", "decoded_token"}}."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(t): dict(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token) for t, lp in position.items()
+        }
+        for position in prompt_logprobs
+    ]

@@ -70,7 +70,11 @@ def test_outputs_equal_those_of_synchronous_steps(padded):
         for ca, cb in zip(a, b):
             if ca is not None:
                 assert [list(d) for d in ca] == [list(d) for d in cb]
-                assert all(abs(x - y) < 1e-5 for da, db in zip(ca, cb) for x, y in zip(da.values(), db.values()))
+                assert all(
+                    abs(x.logprob - y.logprob) < 1e-5 and x.rank == y.rank
+                    for da, db in zip(ca, cb)
+                    for x, y in zip(da.values(), db.values())
+                )
     assert llm.core.num_steps_ahead > 0 and sync_llm.core.num_steps_ahead == 0
     assert llm.core.scheduler.num_preemptions > 0 and llm.core.scheduler.kv.pool.prefix_stats.hits > 0
     assert llm.core.scheduler.kv.pool.num_free_blocks == 39 and llm.core.step_in_flight is None

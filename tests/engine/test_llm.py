@@ -18,7 +18,7 @@ import transformers
 
 import fuseformer
 from fuseformer.engine.llm import LLM
-from fuseformer.engine.outputs import RequestOutput
+from fuseformer.engine.outputs import Logprob, RequestOutput
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.testing import save_tiny_tokenizer
 
@@ -232,9 +232,10 @@ def test_logprobs(checkpoint):
         assert list(lp)[0] == tok
         top = expected[i].topk(2).indices.tolist()
         assert set(top) <= set(lp)
-        for t, v in lp.items():
-            assert abs(v - expected[i, t].item()) < 1e-3
-    assert abs(c.cumulative_logprob - sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs))) < 1e-9
+        for t, v in lp.items():  # vLLM's Logprob: the raw logprob and the rank (no tokenizer: no text)
+            assert abs(v.logprob - expected[i, t].item()) < 1e-3 and v.decoded_token is None
+            assert v.rank == 1 + int((expected[i] > expected[i, t]).sum())
+    assert abs(c.cumulative_logprob - sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs))) < 1e-9
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -303,6 +304,51 @@ def test_default_sampling_params_from_generation_config(text_checkpoint):
         (out,) = llm.generate("Hello", use_tqdm=False)
         greedy = SamplingParams(temperature=0, max_tokens=5)
         assert out.outputs[0].token_ids == llm.generate("Hello", greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_vllm_style_prompts_logprobs_and_tokenizer(text_checkpoint):
+    """As vLLM's: prompt dicts (they generated from the literal text 'prompt'), Logprob objects with
+    their token's text, get_tokenizer(), num_cached_tokens after a prefix-cache hit."""
+    text = "The quick brown fox jumps"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    with fuseformer.use_backend("reference"):
+        llm = _llm(text_checkpoint)
+        assert llm.get_tokenizer() is llm.tokenizer
+        ids = llm.tokenizer.encode(text)
+        plain, as_text, as_ids = (
+            llm.generate(p, params, use_tqdm=False)[0] for p in (text, {"prompt": text}, {"prompt_token_ids": ids})
+        )
+        batch = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}, ids], params, use_tqdm=False)
+    tokens = plain.outputs[0].token_ids
+    assert as_text.outputs[0].token_ids == as_ids.outputs[0].token_ids == tokens
+    assert [o.outputs[0].token_ids for o in batch] == [tokens] * 3
+    assert (as_text.prompt, as_ids.prompt, as_ids.prompt_token_ids) == (text, None, ids)
+    assert plain.num_cached_tokens == 0 and as_text.num_cached_tokens >= 4  # one block of 4, at least
+    for t, lp in zip(tokens, plain.outputs[0].logprobs):
+        assert isinstance(lp[t], Logprob) and lp[t].decoded_token == llm.tokenizer.decode([t])
+        assert all(v.decoded_token == llm.tokenizer.decode([k], skip_special_tokens=False) for k, v in lp.items())
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": text, "multi_modal_data": {"image": None}}, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(tensor_parallel_size=2), ValueError, "tensor_parallel_size=2 is not supported"),
+        (dict(trust_remote_code=True), ValueError, "trust_remote_code"),
+        (dict(quantization="awq"), ValueError, "quantization"),
+        (dict(enable_chunked_prefill=False), ValueError, "enable_chunked_prefill"),
+        (dict(swap_space=4), ValueError, "swap_space"),
+        (dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype"),
+        (dict(max_num_partial_prefills=2), TypeError, "max_num_partial_prefills"),
+    ],
+)
+def test_vllm_arguments_refused_unless_they_ask_for_this_engine(kwargs, error, match, checkpoint):
+    path, _ = checkpoint("llama")
+    with pytest.raises(error, match=match):
+        _llm(path, **kwargs)
+    vllm_defaults = dict(tensor_parallel_size=1, trust_remote_code=False, quantization=None, swap_space=0)
+    _llm(path, enable_chunked_prefill=True, kv_cache_dtype="auto", **vllm_defaults)
 
 
 @pytest.mark.parametrize(
@@ -466,7 +512,10 @@ def test_generate_cli_streams_the_text_of_llm_generate(text_checkpoint):
         (["hi", "--model", "{ckpt}", "--top-p", "2"], "top_p"),
         (["hi", "--model", "{ckpt}", "--temperature", "x"], "invalid float value"),
         (["hi", "--model", "{ckpt}", "--device", "cpu", "--cuda-graphs"], "--cuda-graphs needs a CUDA device"),
-        (["hi", "--model", "{ckpt}", "--enforce-eager", "--cuda-graphs"], "--enforce-eager and --cuda-graphs contradict"),
+        (
+            ["hi", "--model", "{ckpt}", "--enforce-eager", "--cuda-graphs"],
+            "--enforce-eager and --cuda-graphs contradict",
+        ),
     ],
 )
 def test_generate_cli_bad_arguments_exit_2(args, match, text_checkpoint, capsys):
@@ -535,38 +584,6 @@ def test_built_in_model_is_the_default_and_writes_python():
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout == text + "\n"
-
-
-def test_bench_engine_code_paths_on_cpu():
-    """bench_engine's case at a tiny shape: ours and both transformers peers run; ours holds HF's
-    weights exactly (same logits), so the peers compute the same model."""
-    from fuseformer.bench.engine import build_models, format_table, run_case
-    from fuseformer.models.attention_metadata import AttentionMetadata
-
-    shape = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        tie_word_embeddings=False,
-    )
-    with fuseformer.use_backend("reference"):
-        records = run_case(shape, 4, 8, 3, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4)
-        hf, ours = build_models(shape, "cpu", torch.float32)
-        ids = torch.randint(0, 128, (9,))
-        with torch.no_grad():
-            expected = hf(ids[None]).logits[0]
-            got = ours.compute_logits(ours(ids, torch.arange(9), AttentionMetadata.varlen([9])))
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    assert [r["impl"] for r in records] == ["fuseformer LLM", "HF generate_batch", "HF generate bs 64"]
-    ours_record = records[0]
-    assert "error" not in ours_record and ours_record["output_tokens"] == 12, ours_record
-    assert ours_record["mean_ttft_ms"] > 0 and ours_record["mean_tpot_ms"] > 0
-    for r in records[1:]:
-        assert "error" in r or r["output_tokens"] == 12, r
-    assert "fuseformer LLM" in format_table(records)
 
 
 @pytest.mark.gpu

@@ -145,8 +145,8 @@ def test_logprobs_per_request():
         ref = model.compute_logits(hidden[-1:]).double().log_softmax(-1)[0]
     top2 = ref.topk(2).indices.tolist()
     assert list(lp) == top2
-    for t, v in lp.items():
-        assert abs(v - ref[t].item()) < 1e-4
+    for rank, (t, v) in enumerate(lp.items(), 1):
+        assert abs(v.logprob - ref[t].item()) < 1e-4 and v.rank == rank
     assert list(result.logprobs["zero"][0]) == result.sampled_token_ids["zero"]
 
 

@@ -175,3 +175,44 @@ def test_bad_prompts_and_params_raise_before_anything_is_added(tokenizer):
     text = OutputProcessor(tokenizer, [], VOCAB, max_model_len=64)
     assert text.prompt_ids("Hello", "p") == ("Hello", tokenizer.encode("Hello"))
     assert text.default_sampling_params() == SamplingParams()
+
+
+def test_prompt_dicts_truncation_and_token_control_checks(tokenizer):
+    """vLLM's prompt dicts; truncate_prompt_tokens keeps the last k (the length checked after it);
+    ids of logit_bias / allowed_token_ids / bad words checked against the vocabulary, naming the field."""
+    plain = OutputProcessor(None, [], vocab_size=50, max_model_len=8)
+    assert plain.prompt_ids({"prompt_token_ids": [1, 2]}, "p") == (None, [1, 2])
+    assert plain.prompt_ids({"prompt_token_ids": [1, 2], "prompt": "ab"}, "p") == ("ab", [1, 2])
+    keep3 = SamplingParams(truncate_prompt_tokens=3)
+    assert plain.prompt_ids(list(range(20)), "p", keep3) == (None, [17, 18, 19])  # 20 tokens fit once cut
+    assert plain.prompt_ids(list(range(20)), "p", SamplingParams(truncate_prompt_tokens=-1))[1] == list(range(13, 20))
+    group = plain.make_request(None, list(range(10)), keep3)
+    assert group.prompt_token_ids == group.requests[0].prompt_token_ids == [7, 8, 9]
+    text = OutputProcessor(tokenizer, [], VOCAB, max_model_len=64)
+    assert text.prompt_ids({"prompt": "Hello"}, "p") == ("Hello", tokenizer.encode("Hello"))
+    cases = [
+        (lambda: plain.prompt_ids({"prompt_token_ids": [1], "multi_modal_data": {}}, "p"), "multi_modal_data"),
+        (lambda: plain.prompt_ids({}, "p"), "without 'prompt'"),
+        (lambda: plain.prompt_ids({"prompt": [1]}, "p"), r"\['prompt'\] must be a string"),
+        (lambda: plain.make_request(None, [1], SamplingParams(logit_bias={50: 1})), "logit_bias"),
+        (lambda: plain.make_request(None, [1], SamplingParams(allowed_token_ids=[3, 60])), "allowed_token_ids"),
+        (lambda: plain.make_request(None, [1], SamplingParams(prompt_logprobs=51)), "prompt_logprobs 51"),
+        (lambda: plain.make_request(None, [1], SamplingParams(truncate_prompt_tokens=8)), "truncate_prompt_tokens 8"),
+        (lambda: plain.make_request(None, [1], SamplingParams(bad_words=["x"])), "bad_words need a tokenizer"),
+    ]
+    for make, match in cases:
+        with pytest.raises(ValueError, match=match):
+            make()
+
+
+def test_bad_words_tokenized_alone_and_after_a_space(tokenizer):
+    """vLLM's rule: the word, and " word" when that is other tokens of the same count."""
+    text = OutputProcessor(tokenizer, [], VOCAB, max_model_len=64)
+    ids = text.bad_words_token_ids(["fox", " hello"])
+    alone = tokenizer.encode("fox", add_special_tokens=False)
+    spaced = tokenizer.encode(" fox", add_special_tokens=False)
+    expected = [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+    assert ids[: len(expected)] == expected and tokenizer.encode("hello", add_special_tokens=False) in ids
+    group = text.make_request(None, "Say", SamplingParams(n=2, bad_words=["fox"], prompt_logprobs=1))
+    assert all(r.bad_words_token_ids == ids[: len(expected)] for r in group.requests)
+    assert all(r.prompt_logprobs == [] for r in group.requests)  # each completion computes them

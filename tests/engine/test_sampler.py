@@ -1,16 +1,25 @@
 """Sampler: greedy, temperature, top-k/top-p/min-p, penalties (vLLM's definitions), per-request
-seeds independent of the batch, logprobs."""
+seeds independent of the batch, logprobs (and prompt logprobs); the token controls (logit_bias,
+allowed_token_ids, min_tokens, bad_words) in greedy and random rows beside rows without them."""
 
 import pytest
 import torch
 
-from fuseformer.engine.sampler import SamplingMetadata, apply_penalties, make_generator, sample
+from fuseformer.engine.outputs import Logprob
+from fuseformer.engine.sampler import (
+    SamplingMetadata,
+    apply_penalties,
+    make_generator,
+    position_logprobs,
+    prompt_logprobs,
+    sample,
+)
 from fuseformer.engine.sampling_params import SamplingParams
 
 V = 50
 
 
-def _md(params, device="cpu", prompts=None, outputs=None, generators=None, vocab=V):
+def _md(params, device="cpu", prompts=None, outputs=None, generators=None, vocab=V, eos=None, bad_words=None):
     n = len(params)
     return SamplingMetadata.build(
         params,
@@ -19,6 +28,8 @@ def _md(params, device="cpu", prompts=None, outputs=None, generators=None, vocab
         prompt_token_ids=prompts if prompts is not None else [[] for _ in range(n)],
         output_token_ids=outputs if outputs is not None else [[] for _ in range(n)],
         generators=generators,
+        eos_token_ids=eos if eos is not None else [() for _ in range(n)],
+        bad_words_token_ids=bad_words if bad_words is not None else [[] for _ in range(n)],
     )
 
 
@@ -181,6 +192,107 @@ def test_logprobs_are_log_softmax_of_raw_logits(num_logprobs):
         assert torch.equal(out.logprob_token_ids[:, 1:], ref.topk(num_logprobs, -1).indices)
     ranks = (ref > ref.gather(1, ids[:, None])).sum(-1) + 1
     assert torch.equal(out.sampled_ranks, ranks)
+
+
+# ---- token controls ----------------------------------------------------------------------------
+
+# Each row kind twice: greedy (temperature 0) and random (temperature 2: every token likely enough).
+KINDS = [0.0, 2.0]
+
+
+def test_logit_bias_moves_greedy_and_random_rows_and_leaves_the_others():
+    logits = _logits(6)
+    best = logits.argmax(-1)
+    params = []
+    for i in range(6):
+        t = KINDS[i % 2]
+        if i < 2:  # -100 on the row's argmax: never chosen
+            params.append(SamplingParams(temperature=t, logit_bias={int(best[i]): -100}))
+        elif i < 4:  # +100 on token 7: always chosen
+            params.append(SamplingParams(temperature=t, logit_bias={"7": 100}))
+        else:
+            params.append(SamplingParams(temperature=t))
+    for _ in range(20):
+        ids = sample(logits, _md(params)).sampled_token_ids
+        assert (ids[:2] != best[:2]).all() and (ids[2:4] == 7).all()
+        assert ids[4] == best[4]
+    masked = logits.clone()
+    masked[0, best[0]] -= 100
+    assert sample(logits[:1], _md(params[:1])).sampled_token_ids[0] == masked[0].argmax()  # the next best
+
+
+def test_allowed_token_ids_restrict_every_draw():
+    logits = _logits(64)
+    allowed = [3, 17, 41]
+    params = [SamplingParams(temperature=KINDS[i % 2], allowed_token_ids=allowed) for i in range(32)]
+    params += [SamplingParams(temperature=KINDS[i % 2]) for i in range(32)]
+    ids = sample(logits, _md(params)).sampled_token_ids
+    assert set(ids[:32].tolist()) <= set(allowed) and len(set(ids[1:32:2].tolist())) > 1
+    best_allowed = torch.tensor(allowed)[logits[:32, allowed].argmax(-1)]
+    assert torch.equal(ids[:32:2], best_allowed[::2])  # greedy: the best of the allowed
+    assert torch.equal(ids[32::2], logits[32::2].argmax(-1))  # untouched rows
+    assert not set(ids[33::2].tolist()) <= set(allowed)
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = _logits(4)
+    logits[:, 5] = 50.0  # EOS would win every row
+    logits[:, 6] = 40.0  # then the stop token id
+    eos = [(5,)] * 4
+    params = [
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[6]),
+        SamplingParams(temperature=2.0, min_tokens=3, stop_token_ids=[6]),
+        SamplingParams(temperature=0, min_tokens=3, ignore_eos=True, stop_token_ids=[6]),  # EOS not a stop
+        SamplingParams(temperature=0),
+    ]
+    before = sample(logits, _md(params, outputs=[[1, 2]] * 4, eos=eos)).sampled_token_ids.tolist()
+    assert before[0] not in (5, 6) and before[1] not in (5, 6) and before[2] == 5 and before[3] == 5
+    after = sample(logits, _md(params, outputs=[[1, 2, 3]] * 4, eos=eos)).sampled_token_ids.tolist()
+    assert after == [5, 5, 5, 5]
+
+
+def test_bad_words_one_token_always_longer_after_their_prefix():
+    logits = _logits(4)
+    logits[[0, 1, 3], 9] = 50.0  # each row's banned token is its best by far
+    logits[2, 8] = 50.0
+    words = [[[9]], [[4, 9]], [[2, 3, 8]], []]
+    params = [SamplingParams(temperature=t, bad_words=["w"] if w else None) for t, w in zip([0, 2.0, 0, 0], words)]
+
+    def after(output):
+        return sample(logits, _md(params, outputs=[output] * 4, bad_words=words)).sampled_token_ids.tolist()
+
+    for _ in range(5):
+        ids = after([1, 4])
+        assert ids[0] != 9 and ids[1] != 9 and ids[2] == 8 and ids[3] == 9
+        ids = after([1, 2, 3])
+        assert ids[0] != 9 and ids[1] == 9 and ids[2] != 8 and ids[3] == 9
+        assert after([])[1:3] == [9, 8]  # the output does not end with the word's other tokens
+
+
+def test_token_controls_leave_logprobs_raw_and_cost_nothing_unused():
+    """logprobs are of the raw logits (vLLM's default), whatever the bias; a batch without controls
+    builds no mask."""
+    logits = _logits(2)
+    params = [SamplingParams(temperature=0, logprobs=1, logit_bias={0: -100, 1: 100})] * 2
+    out = sample(logits, _md(params))
+    assert out.sampled_token_ids.tolist() == [1, 1]
+    torch.testing.assert_close(out.logprobs[:, 0], logits.log_softmax(-1)[:, 1])
+    assert _md([SamplingParams()] * 2).banned is None and _md(params).banned is None
+    assert _md(params).logit_bias is not None
+
+
+def test_prompt_logprobs_and_position_dicts():
+    logits = _logits(5)
+    targets = torch.tensor([3, 0, 49, 7, 7])
+    ids, lps, ranks = prompt_logprobs(logits, targets, 2)
+    ref = logits.double().log_softmax(-1)
+    assert torch.equal(ids[:, 0], targets) and torch.equal(ids[:, 1:], ref.topk(2, -1).indices)
+    torch.testing.assert_close(lps.double(), ref.gather(1, ids), atol=1e-6, rtol=1e-6)
+    assert torch.equal(ranks, (ref > ref.gather(1, targets[:, None])).sum(-1) + 1)
+    d = position_logprobs([7, 7, 2], [-0.5, -0.5, -1.0], 1)  # the chosen token is also the top one
+    assert list(d) == [7, 2] and d[7] == Logprob(-0.5, 1) and d[2] == Logprob(-1.0, 2)
+    d = position_logprobs([9, 7, 2], [-3.0, -0.5, -1.0], 12)
+    assert list(d) == [9, 7, 2] and d[9].rank == 12 and d[7].rank == 1
 
 
 def test_bad_logits_shape():

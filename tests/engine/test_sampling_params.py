@@ -92,3 +92,43 @@ def test_fp32_bounds_are_inclusive():
 
     SamplingParams(temperature=MIN_SAMPLING_VALUE, top_p=MIN_SAMPLING_VALUE, repetition_penalty=MIN_SAMPLING_VALUE)
     SamplingParams(repetition_penalty=MAX_REPETITION_PENALTY)
+
+
+def test_token_controls_normalised():
+    p = SamplingParams(logit_bias={"5": -100, 7: 2.5}, bad_words="fox", allowed_token_ids=(1, 2), min_tokens=3)
+    assert p.logit_bias == {5: -100.0, 7: 2.5} and p.bad_words == ["fox"] and p.allowed_token_ids == [1, 2]
+    assert p.masks_tokens and not SamplingParams().masks_tokens
+    assert SamplingParams(logit_bias={}).logit_bias is None and SamplingParams(bad_words=[]).bad_words is None
+    SamplingParams(min_tokens=16, max_tokens=16, prompt_logprobs=0, truncate_prompt_tokens=-1)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # above max_tokens (16)
+        ("min_tokens", 1.5),
+        ("logit_bias", {5: 101}),
+        ("logit_bias", {5: -100.5}),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", {-3: 1}),
+        ("logit_bias", {5: "big"}),
+        ("logit_bias", [5, 1]),
+        ("bad_words", ["ok", " "]),
+        ("bad_words", [3]),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [1, -2]),
+        ("prompt_logprobs", -1),
+        ("truncate_prompt_tokens", 0),
+        ("truncate_prompt_tokens", -2),
+    ],
+)
+def test_bad_token_control_names_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams: {field}"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("name", ["best_of", "use_beam_search", "logits_processors", "spaces_between_special_tokens"])
+def test_vllm_fields_not_here_raise_naming_them(name):
+    with pytest.raises(TypeError, match=name):
+        SamplingParams(**{name: 2})

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from fuseformer.engine.outputs import Logprob
 from fuseformer.engine.request import Request, RequestStatus
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import Scheduler, SchedulerConfig
@@ -307,8 +308,9 @@ def test_logprobs_accumulate():
     sched.add_request(req)
     for lp in (-0.5, -1.25):
         out = sched.schedule()
-        sched.update_from_output(out, {"a": [7]}, logprobs={"a": [{7: lp, 9: -0.1}]})
-    assert req.cumulative_logprob == pytest.approx(-1.75) and req.logprobs == [{7: -0.5, 9: -0.1}, {7: -1.25, 9: -0.1}]
+        sched.update_from_output(out, {"a": [7]}, logprobs={"a": [{7: Logprob(lp, 2), 9: Logprob(-0.1, 1)}]})
+    assert req.cumulative_logprob == pytest.approx(-1.75)
+    assert req.logprobs == [{7: Logprob(-0.5, 2), 9: Logprob(-0.1, 1)}, {7: Logprob(-1.25, 2), 9: Logprob(-0.1, 1)}]
     assert req.is_finished
 
 

@@ -129,7 +129,7 @@ def test_x_request_id_is_echoed_and_names_the_response(server, client):
         ids = {chunk.id for chunk in stream.parse()}
     assert ids == {"chatcmpl-trace-123"}
     # Errors, wrong routes and probes echo it too; the header wins over the body's request_id.
-    r = httpx.post(f"{url}/v1/completions", json=dict(prompt="hi", min_tokens=3), headers=headers)
+    r = httpx.post(f"{url}/v1/completions", json=dict(prompt="hi", best_of=3), headers=headers)
     assert r.status_code == 400 and r.headers["x-request-id"] == "trace-123"
     assert httpx.get(f"{url}/v1/nothing", headers=headers).headers["x-request-id"] == "trace-123"
     assert httpx.get(f"{url}/health", headers=headers).headers["x-request-id"] == "trace-123"

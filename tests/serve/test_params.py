@@ -129,6 +129,196 @@ def test_stop_reason_is_the_stop_token_id_and_null_at_the_length_limit(client, o
     assert (r.choices[0].finish_reason, r.choices[0].stop_reason) == ("length", None)
 
 
+# ---- the sampling controls (issue 29 item 2): each as the offline engine does it ---------------------
+
+
+def _completion(client, stream, **kwargs):
+    """(text, finish_reason, stop_reason, completion tokens) of a completion, streamed or not."""
+    if not stream:
+        r = client.completions.create(**kwargs)
+        c = r.choices[0]
+        return c.text, c.finish_reason, c.stop_reason, r.usage.completion_tokens
+    text, finish, stop_reason, tokens = "", None, None, None
+    for chunk in client.completions.create(**kwargs, stream=True, stream_options=dict(include_usage=True)):
+        for c in chunk.choices:
+            text += c.text
+            if c.finish_reason is not None:
+                finish, stop_reason = c.finish_reason, c.stop_reason
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return text, finish, stop_reason, tokens
+
+
+def _offline_run(offline, prompt, **kwargs):
+    with fuseformer.use_backend("reference"):
+        return offline.generate(prompt, SamplingParams(**kwargs), use_tqdm=False)[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logit_bias_allowed_token_ids_and_bad_words(client, offline, stream):
+    """-100 removes greedy's first token; allowed_token_ids restricts a seeded random completion to
+    four tokens; bad_words bans greedy's first token as a word: each the offline engine's output."""
+    greedy = _greedy(offline, "Hello")
+    first = greedy.token_ids[0]
+    word = offline.tokenizer.decode([first])
+    assert [first] in offline.output_processor.bad_words_token_ids([word])
+    allowed = sorted(set(greedy.token_ids[1:5]))
+    base = dict(max_tokens=12, ignore_eos=True)
+    cases = [
+        (dict(temperature=0, logit_bias={first: -100}), dict(logit_bias={str(first): -100})),
+        (dict(temperature=1.5, seed=4, allowed_token_ids=allowed), dict(allowed_token_ids=allowed)),
+        (dict(temperature=0, bad_words=[word]), dict(bad_words=[word])),
+    ]
+    for offline_kwargs, body in cases:
+        expected = _offline_run(offline, "Hello", **base, **offline_kwargs).outputs[0]
+        kwargs = {k: v for k, v in offline_kwargs.items() if k in ("temperature", "seed")}
+        text, finish, _, _ = _completion(
+            client,
+            stream,
+            model=MODEL,
+            prompt="Hello",
+            **kwargs,
+            max_tokens=12,
+            extra_body=dict(ignore_eos=True) | body,
+        )
+        assert (text, finish) == (expected.text, "length"), body
+        assert text != greedy.text[: len(text)] or not text
+    assert first not in _offline_run(offline, "Hello", **base, **cases[0][0]).outputs[0].token_ids
+    assert set(_offline_run(offline, "Hello", **base, **cases[1][0]).outputs[0].token_ids) <= set(allowed)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=8, temperature=0, extra_body=dict(ignore_eos=True)
+    )
+    biased = client.chat.completions.create(
+        model=MODEL,
+        messages=HI,
+        max_tokens=8,
+        temperature=0,
+        logit_bias={str(t): -100 for t in offline.tokenizer.encode(chat.choices[0].message.content)[:1]},
+        extra_body=dict(ignore_eos=True),
+    )
+    assert biased.choices[0].message.content != chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_off_a_stop_token(client, offline, stream):
+    """A stop token id that greedy samples first ends the completion at once; min_tokens 5 holds it off
+    five tokens (and then stop_reason names it if it comes)."""
+    first = _greedy(offline, "Hello").token_ids[0]
+    base = dict(model=MODEL, prompt="Hello", max_tokens=12, temperature=0)
+    text, finish, stop_reason, tokens = _completion(client, stream, **base, extra_body=dict(stop_token_ids=[first]))
+    assert (text, finish, stop_reason, tokens) == ("", "stop", first, 1)
+    extra = dict(stop_token_ids=[first], min_tokens=5, ignore_eos=True)
+    expected = _offline_run(offline, "Hello", max_tokens=12, temperature=0, **extra).outputs[0]
+    text, finish, stop_reason, tokens = _completion(client, stream, **base, extra_body=extra)
+    assert (text, finish, stop_reason, tokens) == (
+        expected.text,
+        expected.finish_reason,
+        expected.stop_reason,
+        len(expected.token_ids),
+    )
+    assert tokens > 5 and text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_truncate_prompt_tokens(client, offline, stream):
+    """The last 3 prompt tokens only: usage counts 3, the text is that of the cut prompt; a prompt past
+    the context length is served once cut (completions)."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = offline.tokenizer.encode(prompt)
+    expected = _offline_run(offline, ids[-3:], max_tokens=6, temperature=0, ignore_eos=True).outputs[0]
+    base = dict(model=MODEL, max_tokens=6, temperature=0, extra_body=dict(ignore_eos=True, truncate_prompt_tokens=3))
+    text, _, _, _ = _completion(client, stream, prompt=prompt, **base)
+    assert text == expected.text
+    r = client.completions.create(prompt=[7] * 100, **base)
+    assert r.usage.prompt_tokens == 3 and r.choices[0].finish_reason == "length"
+    r = client.chat.completions.create(messages=HI, **base)
+    assert r.usage.prompt_tokens == 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_and_prompt_logprobs(client, offline, stream):
+    """echo: the prompt's text before the output, and with logprobs its tokens before the output's,
+    the first one's null (OpenAI's shape); prompt_logprobs: vLLM's list, None then per token
+    {id: {logprob, rank, decoded_token}}, equal to the offline engine's."""
+    ids = offline.tokenizer.encode("Hello world")
+    expected = _offline_run(
+        offline, "Hello world", max_tokens=4, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1
+    )
+    base = dict(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0, logprobs=1)
+    body = dict(ignore_eos=True, prompt_logprobs=1)
+    if stream:
+        chunks = [
+            c
+            for chunk in client.completions.create(**base, echo=True, extra_body=body, stream=True)
+            for c in chunk.choices
+        ]
+        text = "".join(c.text for c in chunks)
+        tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+        token_logprobs = [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs]
+        prompt_logprobs = chunks[0].prompt_logprobs
+        assert all(getattr(c, "prompt_logprobs", None) is None for c in chunks[1:])
+    else:
+        c = client.completions.create(**base, echo=True, extra_body=body).choices[0]
+        text, tokens, token_logprobs, prompt_logprobs = (
+            c.text,
+            c.logprobs.tokens,
+            c.logprobs.token_logprobs,
+            c.prompt_logprobs,
+        )
+        assert c.logprobs.text_offset[0] == 0 and c.logprobs.top_logprobs[0] is None
+    out = expected.outputs[0]
+    assert text == "Hello world" + out.text
+    assert tokens == [offline.tokenizer.decode([t], skip_special_tokens=False) for t in ids + out.token_ids]
+    assert token_logprobs[0] is None and len(token_logprobs) == len(ids) + len(out.token_ids)
+    assert token_logprobs[1:] == pytest.approx(
+        [expected.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
+        + [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)],
+        abs=1e-5,
+    )
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(ids)
+    for position, want in zip(prompt_logprobs[1:], expected.prompt_logprobs[1:]):
+        assert list(position) == [str(t) for t in want]
+        for t, lp in want.items():
+            got = position[str(t)]
+            assert got["logprob"] == pytest.approx(lp.logprob, abs=1e-5) and got["rank"] == lp.rank
+            assert got["decoded_token"] == lp.decoded_token
+    plain = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0, echo=True)
+    assert (
+        plain.choices[0].text
+        == "Hello world" + _greedy(offline, "Hello world", 4).text[: len(plain.choices[0].text) - 11]
+    )
+    assert plain.choices[0].text.startswith("Hello world")
+
+
+# (endpoint, body fields, the param named): values out of range, as clients might send them.
+BAD_VALUES = [
+    ("completions", dict(logit_bias={"5": 200}), "logit_bias"),
+    ("chat", dict(logit_bias={"abc": 1}), "logit_bias"),
+    ("completions", dict(logit_bias={"900": 1}), "logit_bias"),  # past the vocabulary (320)
+    ("completions", dict(allowed_token_ids=[]), "allowed_token_ids"),
+    ("completions", dict(allowed_token_ids=[5, 900]), "allowed_token_ids"),
+    ("completions", dict(allowed_token_ids=list(range(1025))), "allowed_token_ids"),
+    ("completions", dict(min_tokens=5), "min_tokens"),  # max_tokens is 2
+    ("chat", dict(min_tokens=-1), "min_tokens"),
+    ("completions", dict(bad_words=["ok", " "]), "bad_words"),
+    ("completions", dict(bad_words=["w"] * 65), "bad_words"),
+    ("completions", dict(prompt_logprobs=21), "prompt_logprobs"),
+    ("completions", dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    ("completions", dict(truncate_prompt_tokens=64), "truncate_prompt_tokens"),  # leaves no room (64)
+]
+
+
+@pytest.mark.parametrize(
+    "endpoint, fields, param", BAD_VALUES, ids=[f"{p}-{i}" for i, (_, _, p) in enumerate(BAD_VALUES)]
+)
+def test_bad_sampling_control_values_are_400_naming_them(server, client, endpoint, fields, param):
+    url, engine = server
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    r = httpx.post(f"{url}{path}", json=_body(endpoint, fields))
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    _assert_serving(client, engine)
+
+
 @pytest.fixture(scope="module")
 def builtin_server(start_server):
     """The built-in model: it writes EOS (<|endoftext|>, a special token) at the end of a file."""
@@ -201,30 +391,22 @@ def test_request_id_field_names_the_response(client):
 
 # (endpoint, body fields, the param named): realistic values, as clients send them.
 REFUSALS = [
-    ("completions", dict(logit_bias={"5": -100}), "logit_bias"),
-    ("chat", dict(logit_bias={"5": -100}), "logit_bias"),
     ("chat", dict(response_format={"type": "json_object"}), "response_format"),
     ("chat", dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
      "response_format"),
     ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
     ("chat", dict(tool_choice="required"), "tool_choice"),
     ("chat", dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
-    ("completions", dict(min_tokens=4), "min_tokens"),
-    ("chat", dict(min_tokens=4), "min_tokens"),
     ("completions", dict(best_of=3), "best_of"),
     ("completions", dict(best_of=2, n=1), "best_of"),
-    ("completions", dict(bad_words=["fox"]), "bad_words"),
-    ("completions", dict(allowed_token_ids=[5, 6]), "allowed_token_ids"),
-    ("completions", dict(prompt_logprobs=1), "prompt_logprobs"),
     ("chat", dict(prompt_logprobs=0), "prompt_logprobs"),
-    ("completions", dict(truncate_prompt_tokens=4), "truncate_prompt_tokens"),
+    ("chat", dict(echo=True), "echo"),
     ("chat", dict(structured_outputs={"choice": ["a", "b"]}), "structured_outputs"),
     ("completions", dict(guided_json={"type": "object"}), "guided_json"),
     ("chat", dict(guided_choice=["a", "b"]), "guided_choice"),
     ("chat", dict(guided_regex="a+"), "guided_regex"),
     ("completions", dict(stream_options={"include_usage": True, "continuous_usage_stats": True}),
      "stream_options.continuous_usage_stats"),
-    ("completions", dict(echo=True), "echo"),
     ("completions", dict(suffix="end"), "suffix"),
     ("completions", dict(use_beam_search=True), "use_beam_search"),
     ("completions", dict(spaces_between_special_tokens=True, skip_special_tokens=False),
@@ -284,6 +466,7 @@ NEUTRAL = [
     ("chat", dict(tools=[], tool_choice="none", parallel_tool_calls=False)),
     ("chat", dict(tool_choice="auto")),
     ("completions", dict(min_tokens=0, best_of=1, echo=False, use_beam_search=False, length_penalty=1.0)),
+    ("chat", dict(echo=False, min_tokens=0, bad_words=[], truncate_prompt_tokens=None)),
     ("completions", dict(n=2, best_of=2)),
     ("chat", dict(stream_options={"include_usage": True, "continuous_usage_stats": False}, stream=True)),
     ("chat", dict(logit_bias=None, response_format=None, tools=None, structured_outputs=None, prompt_logprobs=None)),
