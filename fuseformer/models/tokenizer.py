@@ -216,6 +216,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """The added tokens marked special (text -> id): the ones ``decode`` skips, and that a grammar
+        must name as tokens rather than spell as text (structured outputs, tool-call formats)."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    def to_str(self) -> str:
+        """tokenizer.json's text, as the tokenizers library writes it: for libraries that build their own
+        view of the vocabulary (the grammar library of structured outputs)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. With special tokens: the tokenizer's post-processor runs, and a BOS
         (EOS) is added when tokenizer_config.json asks for it and the post-processor did not."""

@@ -7,10 +7,18 @@ templates (``serve --trust-request-chat-template``); ``add_generation_prompt`` (
 assistant's turn; ``continue_final_message`` instead leaves the last message's turn open for the model
 to continue (then ``add_generation_prompt`` defaults to false: both true is a 400);
 ``chat_template_kwargs`` are more template variables. Content parts must be text.
+
+Tools reach the template as transformers passes them: ``tools`` (the request's list, OpenAI's shape),
+and ``tool_choice`` / ``parallel_tool_calls`` when the request gives them (templates that do not read
+them ignore them). Messages go in as sent (``role: tool`` with ``tool_call_id``, an assistant's
+``tool_calls``), except that a tool call's ``function.arguments``, a JSON string in OpenAI's API, is
+given to the template as the object it encodes (vLLM does the same: templates write
+``tool_call.arguments | tojson``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,11 +31,76 @@ from fuseformer.serve.errors import APIError, shutdown_error
 from fuseformer.serve.protocol import ChatCompletionRequest, TokenizeRequest
 from fuseformer.serve.serving import Serving
 from fuseformer.serve.streaming import Choice, Events, by_choice, chat_logprobs, merged, sse_stream, usage
+from fuseformer.serve.tool_parsers import ToolCallError, check_tools
 
 # Template variables that requests set through their own fields: not through chat_template_kwargs.
-_OWN_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize")
-# Variables for features the server refuses (tools and documents: parameters.REFUSED).
-_REFUSED_VARIABLES = ("tools", "documents")
+_OWN_FIELDS = (
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "tokenize",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+)
+# Variables for features the server refuses (documents: parameters.REFUSED).
+_REFUSED_VARIABLES = ("documents",)
+
+
+def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """The request's messages (``ChatMessage``s) as the template reads them: text content parts joined,
+    tool calls' ``arguments`` decoded (see the module docstring). APIError naming ``messages``."""
+    out = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):  # content parts: only text ones
+            parts = [p.get("text") for p in m.content if p.get("type") == "text"]
+            if len(parts) != len(m.content) or not all(isinstance(t, str) for t in parts):
+                raise APIError("messages: only text content parts are supported", "messages")
+            d["content"] = "".join(parts)
+        if "tool_calls" in d:
+            d["tool_calls"] = _template_tool_calls(d["tool_calls"], f"messages[{i}].tool_calls")
+        out.append(d)
+    return out
+
+
+def _template_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise APIError(f"{where} must be a list of tool calls", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(
+                f'{where}[{j}] must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', "messages"
+            )
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                raise APIError(f"{where}[{j}].function.arguments is not valid JSON: {exc}", "messages") from exc
+        out.append(call | {"function": fn | {"arguments": arguments}})
+    return out
+
+
+def tool_template_variables(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> dict[str, Any]:
+    """The template variables of a request's tool fields (those it gives), checked: APIError naming the
+    field at fault."""
+    if tools is None or tools == []:  # (an empty list asks for nothing: parameters.REFUSED)
+        if tool_choice not in (None, "none", "auto"):  # "required" or a function: there must be tools
+            raise APIError("tool_choice needs tools", "tool_choice")
+        return {}
+    try:
+        variables: dict[str, Any] = {"tools": check_tools(tools, tool_choice, parallel_tool_calls)}
+    except ToolCallError as exc:
+        raise APIError(str(exc), exc.param) from exc
+    if tool_choice is not None:
+        variables["tool_choice"] = tool_choice
+    if parallel_tool_calls is not None:
+        variables["parallel_tool_calls"] = parallel_tool_calls
+    return variables
 
 
 def render_chat(server: Serving, req: ChatCompletionRequest | TokenizeRequest) -> str:
@@ -56,15 +129,12 @@ def render_chat(server: Serving, req: ChatCompletionRequest | TokenizeRequest) -
                 "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
             )
         add_generation_prompt = False
-    messages = []
-    for m in req.messages:
-        d = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):  # content parts: only text ones
-            parts = [p.get("text") for p in m.content if p.get("type") == "text"]
-            if len(parts) != len(m.content) or not all(isinstance(t, str) for t in parts):
-                raise APIError("messages: only text content parts are supported", "messages")
-            d["content"] = "".join(parts)
-        messages.append(d)
+    messages = template_messages(req.messages)
+    # The tool fields: request fields once protocol.py declares them; until then a body's extras (which
+    # parameters.REFUSED lets through only when they ask for nothing), read the same way.
+    tools = tool_template_variables(
+        getattr(req, "tools", None), getattr(req, "tool_choice", None), getattr(req, "parallel_tool_calls", None)
+    )
     try:
         text = server.tokenizer.apply_chat_template(
             messages,
@@ -72,6 +142,7 @@ def render_chat(server: Serving, req: ChatCompletionRequest | TokenizeRequest) -
             chat_template=template,
             continue_final_message=req.continue_final_message,
             **kwargs,
+            **tools,
         )
     except ChatTemplateError as exc:  # the template's failure on these messages, or a request's template
         message = str(exc)
