@@ -103,7 +103,7 @@ def add_enforce_eager(p: argparse.ArgumentParser) -> None:
         "--enforce-eager",
         action="store_true",
         help="no CUDA graphs and no scheduling ahead, unless asked for by their own flags (vLLM's name; "
-        "default: off, so both are on with a CUDA device)",
+        "without it both are on with a CUDA device) (default: off)",
     )
 
 
