@@ -32,6 +32,7 @@ from fuseformer.engine.outputs import RequestOutput
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import Scheduler
 from fuseformer.engine.step_log import StepLog
+from fuseformer.engine.structured_outputs import StructuredOutputsError
 from fuseformer.models.config import ModelConfig
 from fuseformer.models.loader import load_model
 from fuseformer.models.registry import model_class
@@ -306,7 +307,9 @@ class LLM:
         arrival_time: float | None = None,
     ) -> str:
         """Queue a prompt (text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``) for
-        ``step``; returns its request id (made when None)."""
+        ``step``; returns its request id (made when None). With ``structured_outputs`` it runs once
+        its grammar has compiled (in the background; others run meanwhile); one that does not
+        compile finishes with "abort", the error in its ``stop_reason``."""
         group = self.output_processor.make_request(request_id, prompt, sampling_params, arrival_time)
         self._queue(group)
         return group.request_id
@@ -411,6 +414,11 @@ class LLM:
         # Every group is built (each request made, so checked) before any is queued: an error in the
         # batch leaves nothing behind to run, unseen, in the next call.
         groups = [processor.make_group(None, text, ids, p) for (text, ids), p in zip(checked, params)]
+        for group in groups:  # a constraint that does not compile raises here, before anything runs
+            for req in group.requests:
+                error = req.grammar.wait() if req.grammar is not None else None
+                if error is not None:
+                    raise StructuredOutputsError(f"LLM: structured_outputs: {error}", "structured_outputs")
         for group in groups:
             self._queue(group)
         from tqdm.auto import tqdm

@@ -534,6 +534,7 @@ class ModelRunner:
             eos_token_ids=[r.eos_token_ids for r in sampling],
             bad_words_token_ids=[r.bad_words_token_ids for r in sampling],
         )
+        md.bitmask, md.bitmask_rows = self._grammar_bitmask(sampling)
         out = sample(logits, md)
         done = None
         host = None
@@ -615,6 +616,20 @@ class ModelRunner:
         if self.device.type == "cuda":
             tensors = tuple(_to_host(t) for t in tensors)
         return _PromptLogprobs(entries, tensors)
+
+    def _grammar_bitmask(self, sampling: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The bitmask of the sampling rows with a grammar ((R, W) int32) and their rows ((R,) int64, None
+        when every row has one), on the device; (None, None) when none has. Called after the forward
+        and the logits are queued: filling it on the host (~0.3 ms at 64 rows) overlaps them, and the
+        copy from pinned memory does not wait for them. A free row is not touched."""
+        rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
+        if not rows:
+            return None, None
+        matchers = [sampling[i].grammar for i in rows]
+        bitmask = to_device(matchers[0].compiler.fill_bitmask(matchers), self.device)
+        if len(rows) == len(sampling):
+            return bitmask, None
+        return bitmask, to_device(torch.tensor(rows, dtype=torch.int64), self.device)
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         gen = self.generators.get(request_id)

@@ -7,7 +7,9 @@ ids ``"<id>#<i>"``, seeds ``seed + i``); ``bad_words`` are tokenized here. Out: 
 ``RequestUpdate``s become one delta ``RequestOutput`` per prompt: new tokens are detokenized, stop
 strings searched (a request that hits one is handed back for the core to finish), EOS and stop token
 ids left out of the text, logprobs given their tokens' text, and the completions of a prompt merged
-into one output. vLLM v1 splits this into an input and an output
+into one output. Structured outputs: the one ``GrammarCompiler`` of the engine is made here (it needs
+the tokenizer) at the first request that has a constraint, and each request gets its own matcher.
+vLLM v1 splits this into an input and an output
 processor; here one object holds the prompts, the tokenizer and the detokenizers.
 
 Lengths: a prompt must be shorter than ``max_model_len`` (it must leave room for one output token);
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +32,7 @@ from fuseformer.engine.outputs import CompletionOutput, PositionLogprobs, Reques
 from fuseformer.engine.request import Request
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import RequestUpdate
+from fuseformer.engine.structured_outputs import GrammarCompiler
 from fuseformer.models.tokenizer import Tokenizer
 
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
@@ -90,6 +94,20 @@ class OutputProcessor:
         self._groups: dict[str, Group] = {}  # unfinished prompts by request id
         self._sequences: dict[str, _Sequence] = {}  # unfinished completions by scheduler request id
         self._counter = itertools.count()
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()  # the server compiles from its event loop's thread too
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's compiler of structured-output constraints, made at first use (its compile
+        thread and the grammar library's view of the vocabulary come with it)."""
+        if self.tokenizer is None:
+            raise ValueError("LLM: structured_outputs need a tokenizer (the model has no tokenizer.json)")
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                vocab = max(self.vocab_size, self.tokenizer.vocab_size)
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab)
+            return self._grammar_compiler
 
     # ---- defaults and checks -----------------------------------------------------------------
 
@@ -180,6 +198,8 @@ class OutputProcessor:
         with the field's name (the server names it in its 400)."""
         if params.stop and self.tokenizer is None:
             raise ValueError("LLM: stop strings need a tokenizer (the model has no tokenizer.json); use stop_token_ids")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("LLM: structured_outputs need a tokenizer (the model has no tokenizer.json)")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("LLM: bad_words need a tokenizer (the model has no tokenizer.json); use logit_bias")
         vocab = self.vocab_size
@@ -260,8 +280,16 @@ class OutputProcessor:
                 # first output (admitted together, they could not share prefix blocks anyway).
                 child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            spec = child.structured_outputs
+            grammar = self.grammar_compiler.matcher(spec) if spec is not None else None  # one per completion
             req = Request(
-                rid, ids, child, eos_token_id=self.eos_token_ids, arrival_time=arrival, bad_words_token_ids=bad_words
+                rid,
+                ids,
+                child,
+                eos_token_id=self.eos_token_ids,
+                arrival_time=arrival,
+                bad_words_token_ids=bad_words,
+                grammar=grammar,
             )
             detok = IncrementalDetokenizer(self.tokenizer, ids, child) if self.tokenizer is not None else None
             group.sequences.append(_Sequence(req, request_id, i, detok, RequestMetrics(arrival_time=arrival)))

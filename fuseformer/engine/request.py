@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from fuseformer.engine.outputs import PositionLogprobs
 from fuseformer.engine.sampling_params import SamplingParams
+from fuseformer.engine.structured_outputs import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +54,10 @@ class Request:
         arrival_time: seconds (``time.time()``); defaults to now.
         bad_words_token_ids: ``sampling_params.bad_words`` tokenized (``OutputProcessor``): each
             word's token ids, banned as the sampler's ``bad_words`` rule says.
+        grammar: the matcher of ``sampling_params.structured_outputs`` (``OutputProcessor``: one per
+            request, so each of ``n`` completions has its own). The scheduler admits the request once it
+            is ``ready``; the runner masks each step's logits with it; ``update_from_output`` advances it
+            by the tokens sampled. A preempted request keeps it as it is (its output tokens are kept).
     """
 
     def __init__(
@@ -64,6 +69,7 @@ class Request:
         eos_token_id: int | Iterable[int] | None = None,
         arrival_time: float | None = None,
         bad_words_token_ids: Sequence[Sequence[int]] = (),
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"Request {request_id!r}: prompt_token_ids is empty")
@@ -80,6 +86,7 @@ class Request:
             self.eos_token_ids = frozenset(eos_token_id)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.bad_words_token_ids: list[list[int]] = [list(w) for w in bad_words_token_ids]
+        self.grammar = grammar
 
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache
@@ -122,12 +129,14 @@ class Request:
     @property
     def sampling_reads_output(self) -> bool:
         """Sampling its next token reads its output so far: penalties (token counts), a bad word of
-        several tokens (the output's last tokens), or ``min_tokens`` not yet reached (the output's
-        length). A step scheduled ahead (``AsyncScheduler``) samples before the previous token is
-        appended, so it cannot sample such a request."""
+        several tokens (the output's last tokens), ``min_tokens`` not yet reached (the output's
+        length), or a grammar (its mask follows the previous token). A step scheduled ahead
+        (``AsyncScheduler``) samples before the previous token is appended, so it cannot sample such
+        a request."""
         params = self.sampling_params
         return (
-            params.needs_penalties
+            self.grammar is not None
+            or params.needs_penalties
             or self.num_output_tokens < params.min_tokens
             or any(len(w) > 1 for w in self.bad_words_token_ids)
         )

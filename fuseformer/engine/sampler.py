@@ -2,6 +2,8 @@
 
 Per row, in vLLM v1's order and with its definitions:
 
+0. structured outputs: the tokens a constrained row's grammar disallows to -inf (vLLM applies its
+   grammar bitmask before the sampler too, so logprobs are of the masked logits);
 1. logprobs (if asked) from the raw logits: ``log_softmax(logits)`` (vLLM's default "raw_logprobs");
 2. token controls: banned tokens to -inf (outside ``allowed_token_ids``; ``bad_words``; EOS and
    ``stop_token_ids`` below ``min_tokens``), then ``+= logit_bias``;
@@ -30,6 +32,7 @@ import torch
 
 from fuseformer.engine.outputs import Logprob, PositionLogprobs
 from fuseformer.engine.sampling_params import SamplingParams
+from fuseformer.engine.structured_outputs import apply_token_bitmask_
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -55,6 +58,9 @@ class SamplingMetadata:
         banned: (N, V) bool, True where a row may not sample the token (outside its
             ``allowed_token_ids``, a ``bad_words`` ban, EOS and stop ids below ``min_tokens``).
         logit_bias: (N, V) fp32, the rows' ``logit_bias`` (0 elsewhere).
+        bitmask: (R, ceil(V / 32)) int32 on the device, the tokens each constrained row's grammar
+            allows (``GrammarCompiler.fill_bitmask``; ``structured_outputs.apply_token_bitmask_``).
+        bitmask_rows: (R,) int64 on the device, the row of each bitmask row; None when R == N.
     """
 
     temperature: torch.Tensor
@@ -73,6 +79,8 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None
     banned: torch.Tensor | None = None
     logit_bias: torch.Tensor | None = None
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -306,7 +314,9 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
             f"sample: logits must be (num_seqs, vocab_size) = ({md.temperature.shape[0]}, {md.vocab_size}), "
             f"got {tuple(logits.shape)}"
         )
-    logits = logits.float()
+    logits = logits.float()  # (in place from here on when the logits are fp32 already)
+    if md.bitmask is not None:
+        apply_token_bitmask_(logits, md.bitmask, md.bitmask_rows)
     raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
 
     if md.banned is not None:

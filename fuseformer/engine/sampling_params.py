@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fuseformer.engine.structured_outputs import StructuredOutputsParams
+
 # The sampler computes in fp32 (engine/sampler.py), where 1e-40 is subnormal and 1e-50 is 0: a
 # temperature of 1e-50 became 0 there and sampled as if it were 1, 1e-40 overflowed logits / T to inf
 # (NaN probabilities, empty completions), and so did a top_p or repetition_penalty that rounds to 0.
@@ -67,10 +69,14 @@ class SamplingParams:
             not read from the prefix cache (its logits are needed), as vLLM does.
         truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1), or -1: as many as
             leave room for one output token (``max_model_len - 1``); None keeps the whole prompt.
+        structured_outputs: None, or the constraint the output is held to (a JSON schema, a regex,
+            choices, a grammar: ``StructuredOutputsParams``, vLLM's field). Each step's logits are
+            masked to the tokens it allows, before everything else; once it is complete only EOS is
+            allowed (so the request ends, unless ``ignore_eos``).
 
     Not here (a ``TypeError`` naming it): vLLM's ``best_of`` (removed from vLLM's v1 engine as well),
-    ``use_beam_search``, ``logits_processors``, ``guided_decoding`` / ``structured_outputs``,
-    ``spaces_between_special_tokens``, ``output_kind``, ``detokenize``, ``extra_args``.
+    ``use_beam_search``, ``logits_processors``, ``guided_decoding`` (vLLM's older name of
+    ``structured_outputs``), ``spaces_between_special_tokens``, ``output_kind``, ``detokenize``, ``extra_args``.
     """
 
     n: int = 1
@@ -95,6 +101,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def _bad(self, name: str, why: str) -> ValueError:
         return ValueError(f"SamplingParams: {name} {why}, got {getattr(self, name)!r}")
@@ -194,6 +201,11 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
             raise bad("truncate_prompt_tokens", "must be None, -1 (as many as fit) or an int >= 1")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(
+                "SamplingParams: structured_outputs must be a StructuredOutputsParams or None, "
+                f"got {type(self.structured_outputs).__name__}"
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -161,6 +161,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self._finished_ids: list[str] = []
+        self._grammar_errors: list[RequestUpdate] = []  # requests finished because their grammar failed
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------
@@ -246,8 +247,25 @@ class Scheduler:
                 i += 1
 
         # Then waiting ones in order, unless this step had to preempt (then blocks are short anyway).
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not out.preempted_request_ids:
-            req = self.waiting[0]
+        # A request whose grammar is still compiling is passed over (it keeps its place); one whose
+        # grammar failed is finished ("abort", the error in its stop_reason).
+        k = 0  # waiting requests passed over
+        while (
+            len(self.waiting) > k
+            and budget > 0
+            and len(self.running) < cfg.max_num_seqs
+            and not out.preempted_request_ids
+        ):
+            req = self.waiting[k]
+            if req.grammar is not None and not req.grammar.ready:
+                k += 1
+                continue
+            if req.grammar is not None and req.grammar.error is not None and not req.output_token_ids:
+                del self.waiting[k]
+                req.stop_reason = f"structured_outputs: {req.grammar.error}"
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                self._grammar_errors.append(RequestUpdate(req.request_id, [], True, "abort", req.stop_reason))
+                continue
             # A request that wants its prompt's logprobs computes its whole prompt (vLLM's rule).
             computed = self.kv.get_computed_blocks(req) if req.prompt_logprobs is None else NO_HIT
             num_new = req.num_tokens - computed.num_tokens
@@ -256,7 +274,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(req, num_new, computed) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[k]
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = computed.num_tokens
@@ -288,9 +306,11 @@ class Scheduler:
             logprobs: request id -> per sampled token, {token id: Logprob}, holding at least the
                 sampled token (for requests that asked for logprobs).
 
-        Returns: an update for every request that appended tokens or finished.
+        Returns: an update for every request that appended tokens or finished (those whose grammar
+        failed to compile since the last call first). A request with a grammar has it advanced by
+        its tokens.
         """
-        updates = []
+        updates, self._grammar_errors = self._grammar_errors, []
         running = RequestStatus.RUNNING
         for s in scheduler_output.scheduled:
             req = s.request
@@ -304,6 +324,8 @@ class Scheduler:
                 raise ValueError(f"update_from_output: no sampled token for request {req.request_id!r}")
             lps = logprobs.get(req.request_id) if logprobs else None
             status = None
+            if req.grammar is not None:
+                req.grammar.accept_tokens(new_tokens)  # a rejected token: only EOS is allowed next
             for j, tok in enumerate(new_tokens):
                 req.output_token_ids.append(tok)
                 req.all_token_ids.append(tok)

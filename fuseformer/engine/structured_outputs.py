@@ -31,6 +31,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as _wait_futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,7 +291,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A new request's matcher for ``spec`` (its grammar compiling in the background if not cached)."""
-        return GrammarMatcher(self.compile(spec), self.tokenizer.eos_token_ids)
+        return GrammarMatcher(self.compile(spec), self.tokenizer.eos_token_ids, self)
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """A (num_rows, ceil(vocab_size / 32)) int32 CPU bitmask, every token allowed; pinned when CUDA
@@ -351,10 +352,11 @@ class GrammarMatcher:
     preempted and recomputes keeps its matcher as it is).
     """
 
-    __slots__ = ("_future", "_matcher", "_eos", "_error")
+    __slots__ = ("_future", "_matcher", "_eos", "_error", "compiler")
 
-    def __init__(self, compiled: Future, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, compiled: Future, eos_token_ids: Sequence[int], compiler: GrammarCompiler | None = None) -> None:
         self._future = compiled
+        self.compiler = compiler  # the compiler it came from: it fills a batch's rows in parallel
         self._matcher = None  # the request's copy of the compiled grammar, made when first needed
         self._eos = tuple(eos_token_ids)
         self._error: str | None = None
@@ -362,6 +364,12 @@ class GrammarMatcher:
     @property
     def ready(self) -> bool:
         return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> str | None:
+        """Block until ``ready`` (at most ``timeout`` seconds: TimeoutError past it); returns ``error``."""
+        if _wait_futures([self._future], timeout).not_done:
+            raise TimeoutError(f"GrammarMatcher: the grammar did not compile in {timeout} s")
+        return self.error
 
     @property
     def error(self) -> str | None:

@@ -173,6 +173,7 @@ async def create_chat_completion(server: Serving, req: ChatCompletionRequest, ht
     params = server.sampling_params(req, [ids], "messages", field_name)
     top = req.top_logprobs or 0
     response_id, engine_id = server.request_ids(http_request, req, "chatcmpl")
+    await server.compile_structured_outputs(params, req.structured_param)
     run = await server.add(engine_id, [ids], params, "messages", req.user)
     created = int(time.time())
     choices = [Choice() for _ in range(params.n)]

@@ -37,6 +37,7 @@ async def create_completion(server: Serving, req: CompletionRequest, http_reques
     prompts = await server.prepare(http_request, server.completion_prompts, req)
     params = server.sampling_params(req, prompts, "prompt", "max_tokens")
     response_id, engine_id = server.request_ids(http_request, req, "cmpl")
+    await server.compile_structured_outputs(params, req.structured_param)
     run = await server.add(engine_id, prompts, params, "prompt", req.user)
     created = int(time.time())
     n = params.n

@@ -71,7 +71,10 @@ class Refused:
     why: str = "is not supported by this server"
 
 
-_STRUCTURED = Refused(why="is not supported by this server: structured outputs are not implemented yet")
+_STRUCTURED = Refused(
+    why="is not supported by this server: its structured outputs use llguidance, with JSON whitespace bounded "
+    "(structured_outputs.disable_any_whitespace turns it off)"
+)
 _TOOLS = "is not supported by this server: tool calling is not implemented yet"
 _COMPLETIONS_ONLY = "is not supported for chat completions by this server (POST /v1/completions takes it)"
 _OPENAI_ONLY = "is an OpenAI platform option that this server does not implement"
@@ -96,13 +99,8 @@ REFUSED: dict[str, Refused] = {
     "return_tokens_as_token_ids": Refused(_equals(False)),
     # Completions: insertion.
     "suffix": Refused(_empty),
-    # Structured outputs (issue 29, item 3).
-    "response_format": Refused(lambda v, r: v == {"type": "text"}, _STRUCTURED.why),
-    "structured_outputs": _STRUCTURED,
-    "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED,
-    "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED,
+    # Structured outputs: response_format, structured_outputs and guided_json/regex/choice/grammar are
+    # fields (protocol.py); the grammar library and the JSON whitespace are the server's.
     "guided_decoding_backend": _STRUCTURED,
     "guided_whitespace_pattern": _STRUCTURED,
     # Tool calling (issue 29, item 4).

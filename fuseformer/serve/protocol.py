@@ -17,9 +17,10 @@ import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from fuseformer.engine.sampling_params import SamplingParams
+from fuseformer.engine.structured_outputs import StructuredOutputsError, structured_outputs_from_request
 from fuseformer.serve.errors import APIError
 from fuseformer.serve.parameters import check_extras
 
@@ -104,6 +105,16 @@ class _SamplingRequest(_Checked):
     stream_options: StreamOptions | None = None
     user: str | None = None  # the end user, written to the server's log with the request id
     request_id: str | None = None  # the response id's suffix (an X-Request-Id header wins)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (at most one;
+    # engine/structured_outputs.py reads them, and its errors name the field).
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    # The field that asked for the request's constraint (the 400 of a constraint that does not compile names it).
+    _structured_param: str | None = PrivateAttr(None)
 
     def _sampling_params(
         self, defaults: SamplingParams, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
@@ -164,10 +175,34 @@ class _SamplingRequest(_Checked):
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             name = "logprobs" if isinstance(self, CompletionRequest) else "top_logprobs"
             raise APIError(f"{name} must be in [0, {MAX_LOGPROBS}], got {logprobs}", name)
+        kwargs["structured_outputs"] = self._structured_outputs()
         try:
             return SamplingParams(**kwargs)
         except (TypeError, ValueError) as exc:
             raise _param_error(exc) from exc
+
+    def _structured_outputs(self) -> Any:
+        """The ``StructuredOutputsParams`` the request's fields ask for (None: none); APIError naming the field."""
+        try:
+            found = structured_outputs_from_request(
+                response_format=self.response_format,
+                structured_outputs=self.structured_outputs,
+                guided_json=self.guided_json,
+                guided_regex=self.guided_regex,
+                guided_choice=self.guided_choice,
+                guided_grammar=self.guided_grammar,
+            )
+        except StructuredOutputsError as exc:
+            raise APIError(str(exc), exc.param) from exc
+        if found is None:
+            return None
+        spec, self._structured_param = found
+        return spec
+
+    @property
+    def structured_param(self) -> str | None:
+        """The field that asked for the request's constraint (after ``to_sampling_params``)."""
+        return self._structured_param
 
     @property
     def include_usage(self) -> bool:

@@ -266,6 +266,24 @@ class Serving:
 
     # ---- running requests ------------------------------------------------------------------------
 
+    async def compile_structured_outputs(self, params: SamplingParams, param: str | None) -> None:
+        """Compile the request's constraint (``params.structured_outputs``) before it is added, on the
+        engine's compile thread, without holding the event loop: one that does not compile is a 400
+        naming ``param`` (the field that asked for it), and the engine's request starts with its grammar
+        ready (it is cached). Nothing to do without a constraint."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        param = param or "structured_outputs"
+        try:
+            future = self.engine.output_processor.grammar_compiler.compile(spec)
+            await asyncio.wrap_future(future)
+        except ImportError as exc:
+            raise APIError(f"{param}: {exc}", param) from exc
+        except ValueError as exc:  # StructuredOutputsError, or no tokenizer
+            message = str(exc).removeprefix("LLM: ")
+            raise APIError(message if message.startswith(param) else f"{param}: {message}", param) from exc
+
     async def add(
         self, engine_id: str, prompts: list[list[int]], params: SamplingParams, where: str, user: str | None = None
     ) -> Running:

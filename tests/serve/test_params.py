@@ -391,9 +391,6 @@ def test_request_id_field_names_the_response(client):
 
 # (endpoint, body fields, the param named): realistic values, as clients send them.
 REFUSALS = [
-    ("chat", dict(response_format={"type": "json_object"}), "response_format"),
-    ("chat", dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-     "response_format"),
     ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
     ("chat", dict(tool_choice="required"), "tool_choice"),
     ("chat", dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
@@ -401,10 +398,6 @@ REFUSALS = [
     ("completions", dict(best_of=2, n=1), "best_of"),
     ("chat", dict(prompt_logprobs=0), "prompt_logprobs"),
     ("chat", dict(echo=True), "echo"),
-    ("chat", dict(structured_outputs={"choice": ["a", "b"]}), "structured_outputs"),
-    ("completions", dict(guided_json={"type": "object"}), "guided_json"),
-    ("chat", dict(guided_choice=["a", "b"]), "guided_choice"),
-    ("chat", dict(guided_regex="a+"), "guided_regex"),
     ("completions", dict(stream_options={"include_usage": True, "continuous_usage_stats": True}),
      "stream_options.continuous_usage_stats"),
     ("completions", dict(suffix="end"), "suffix"),
@@ -415,6 +408,7 @@ REFUSALS = [
     ("chat", dict(store=True), "store"),
     ("chat", dict(reasoning_effort="low"), "reasoning_effort"),
     ("completions", dict(priority=1), "priority"),
+    ("chat", dict(guided_decoding_backend="xgrammar"), "guided_decoding_backend"),
     ("completions", dict(no_such_parameter=1), "no_such_parameter"),
     ("chat", dict(stream_options={"what": 1}), "stream_options.what"),
     ("chat", dict(prompt="a completions field"), "prompt"),
