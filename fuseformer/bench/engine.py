@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from fuseformer.engine.step_log import totals_since
+
 Record = dict[str, Any]
 WORKLOADS = ("batch1", "fixed", "mix", "prefix")
 
@@ -158,12 +160,14 @@ def _run_ours(
     try:
         replays_before = sum(graphs.replays.values()) if graphs is not None else 0
         steps_before, ahead_before = core.runner.num_steps, core.num_steps_ahead
+        kinds_before = core.step_log.totals()
         _sync(device)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         _sync(device)
         seconds = time.perf_counter() - start
         extra["steps"] = core.runner.num_steps - steps_before
+        extra["step_kinds"] = totals_since(core.step_log.totals(), kinds_before)  # where the time went
         if core.async_scheduling:
             extra["steps_ahead"] = core.num_steps_ahead - ahead_before
         if graphs is not None:

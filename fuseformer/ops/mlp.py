@@ -59,7 +59,7 @@ from fuseformer.ops._utils import (
     next_pow2,
     rows_2d,
 )
-from fuseformer.ops.activations import ACTIVATIONS, _act_ref, glu_bwd
+from fuseformer.ops.activations import ACTIVATIONS, _act_ref, glu_bwd, glu_fwd
 from fuseformer.ops.mlp_decode import decode_supported, mlp_decode_fwd
 from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend
@@ -313,6 +313,13 @@ def mlp_gate_up_fwd(
     return y, pre
 
 
+# Token counts (exclusive, inclusive) where inference's MLP runs unfused on CUDA: cuBLAS's gate-up GEMM
+# and glu_fwd are level with or ahead of the fused gate-up there (H200, 8B shape, under CUDA graphs, run
+# 115 in docs/perf-notes.md: T 192 137 against 161 us; the fused one wins at T <= 64 and T >= 1024).
+_UNFUSED_TOKENS = (64, 512)
+UNFUSED_DEVICE_TYPES = frozenset({"cuda"})  # (the CPU tests add "cpu" to take the path)
+
+
 def fused_mlp_fwd(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -321,11 +328,18 @@ def fused_mlp_fwd(
     save_pre: bool = False,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """x (T, H) -> out (T, H), pre (T, 2I) or None, y (T, I): the fused gate-up GEMM, then cuBLAS; or,
-    for inference at T <= 64 (``decode_supported``, no ``config``), the two decode GEMMs."""
-    if not save_pre and config is None and decode_supported(x, w_gate_up, w_down):
-        out, y = mlp_decode_fwd(x, w_gate_up, w_down, activation)
-        return out, None, y
+    """x (T, H) -> out (T, H), pre (T, 2I) or None, y (T, I): the fused gate-up GEMM, then cuBLAS. For
+    inference (no ``save_pre``, no ``config``): at T <= 64 (``decode_supported``) the two decode GEMMs;
+    on CUDA at 64 < T <= 512, cuBLAS's gate-up GEMM and the GLU kernel (``_UNFUSED_TOKENS``)."""
+    if not save_pre and config is None:
+        if decode_supported(x, w_gate_up, w_down):
+            out, y = mlp_decode_fwd(x, w_gate_up, w_down, activation)
+            return out, None, y
+        if x.device.type in UNFUSED_DEVICE_TYPES and _UNFUSED_TOKENS[0] < x.shape[0] <= _UNFUSED_TOKENS[1]:
+            i = w_down.shape[1]
+            pre = torch.matmul(x, w_gate_up.T)
+            y = glu_fwd(pre[:, :i], pre[:, i:], activation)
+            return torch.matmul(y, w_down.T), None, y
     y, pre = mlp_gate_up_fwd(x, w_gate_up, activation, save_pre, config)
     return torch.matmul(y, w_down.T), pre, y
 

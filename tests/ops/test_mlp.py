@@ -184,7 +184,7 @@ def test_no_grad_public_call_runs_the_h200_table_config_on_every_tile(device, mo
     real_fwd = M.mlp_gate_up_fwd
     monkeypatch.setattr(M, "mlp_gate_up_fwd", lambda *a, **k: saved.append((a[3], a[4])) or real_fwd(*a, **k))
 
-    t, h, i = 300, 136, 200  # 3 x 2 tiles of 128 x 128; rows 16-byte aligned, so descriptors stay on
+    t, h, i = 600, 136, 200  # 5 x 2 tiles of 128 x 128 (above the unfused window); rows 16-byte aligned
     x = torch.randn(t, h, device=device).half()
     wgu, wd = _weights(h, i, torch.float16, device)
     out = F.fused_mlp(x, wgu, wd)
@@ -381,7 +381,32 @@ def test_fused_mlp_takes_decode_path_for_inference(device, monkeypatch):
     assert run(5, 96, 200, grad=True) == [("_mlp_gate_up_kernel", None)]
     assert run(5, 33, 200) == [("_mlp_gate_up_kernel", None)]  # 66-byte rows: no descriptors
     assert run(5, 96, 204) == [("_mlp_gate_up_kernel", None)]  # y's 408-byte rows: no descriptors
+    monkeypatch.setattr(M, "UNFUSED_DEVICE_TYPES", frozenset())
     assert run(65, 96, 200) == [("_mlp_gate_up_kernel", None)]
+
+
+@pytest.mark.parametrize("t, fused", [(64, "decode"), (65, False), (512, False), (513, True)])
+def test_fused_mlp_inference_takes_cublas_and_glu_from_65_to_512_tokens(device, monkeypatch, t, fused):
+    """Inference at 64 < T <= 512 on CUDA (here the CPU too): cuBLAS's gate-up GEMM, glu_fwd, cuBLAS's
+    down (run 115: faster there); T 513 the fused gate-up; with grad always the fused one."""
+    monkeypatch.setattr(M, "UNFUSED_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(MD, "DECODE_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    calls = []
+    for name in ("mlp_gate_up_fwd", "mlp_decode_fwd", "glu_fwd"):
+        real = getattr(M, name)
+        monkeypatch.setattr(M, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    x = torch.randn(t, 32, device=device).half()
+    wgu, wd = _weights(32, 48, torch.float16, device)
+    with fuseformer.use_backend("triton"), torch.no_grad():
+        out = F.fused_mlp(x, wgu, wd)
+    ref = M.fused_mlp_ref(x.double(), wgu.double(), wd.double())
+    assert_close("out", out, ref, M.fused_mlp_ref(x, wgu, wd, upcast=False))
+    expected = {"decode": ["mlp_decode_fwd"], False: ["glu_fwd"], True: ["mlp_gate_up_fwd"]}[fused]
+    assert calls == expected
+    calls.clear()
+    with fuseformer.use_backend("triton"):
+        F.fused_mlp(x.requires_grad_(), wgu, wd)
+    assert calls == ["mlp_gate_up_fwd"]
 
 
 def test_decode_rule_fills_an_h200():

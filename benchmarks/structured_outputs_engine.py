@@ -1,0 +1,145 @@
+"""The cost of structured outputs in the engine (issue 29 item 3's criterion): output tok/s of 256 ×
+(256 in, 256 out) with half the requests held to a JSON schema, against all of them free, in one run.
+
+The model: the Llama-3-8B shape with random bf16 weights (``fuseformer.bench.engine``), or ``--model``
+(a directory: the CPU smoke run uses the built-in model). The tokenizer for the random model: a 128,000-
+token byte-level BPE trained here on the standard library's sources (``structured_outputs.py``'s
+``trained_tokenizer_dir``: nothing is downloaded), so the grammar library's work per mask is that of a
+real vocabulary of the model's size. Every request samples (temperature 1, its own seed) with
+``ignore_eos`` and ``max_tokens`` 256, so both runs produce the same number of tokens: a constrained
+request whose JSON is complete samples EOS (the only token its grammar allows) until its 256th.
+
+Order: free, half constrained, free again (the first run of a process is slower: perf-notes run 115).
+Every constrained output must parse and validate (``jsonschema``, when installed).
+
+    python benchmarks/structured_outputs_engine.py [--out FILE] [--model DIR] [--scale 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+    },
+    "required": ["name", "age", "role", "tags"],
+    "additionalProperties": False,
+}
+
+
+def run(llm, prompts: list[list[int]], out_len: int, constrained: set[int]) -> dict:
+    from fuseformer.engine.sampling_params import SamplingParams
+    from fuseformer.engine.structured_outputs import StructuredOutputsParams
+
+    spec = StructuredOutputsParams(json=SCHEMA)
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=out_len,
+            ignore_eos=True,
+            structured_outputs=spec if i in constrained else None,
+        )
+        for i in range(len(prompts))
+    ]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    bad = []
+    try:
+        import jsonschema
+    except ImportError:
+        jsonschema = None
+    for i in sorted(constrained):
+        text = outs[i].outputs[0].text
+        try:
+            value = json.loads(text)
+            if jsonschema is not None:
+                jsonschema.validate(value, SCHEMA)
+        except Exception as exc:  # recorded: the criterion is that every one parses
+            bad.append(f"{i}: {type(exc).__name__}: {text[:120]!r}")
+    return dict(
+        constrained=len(constrained),
+        seconds=seconds,
+        output_tokens=tokens,
+        output_tok_s=tokens / seconds,
+        invalid=bad,
+        sample=outs[min(constrained)].outputs[0].text[:200] if constrained else None,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--model", default=None, help="a model directory (default: the 8B shape, random)")
+    parser.add_argument("--scale", type=float, default=1.0, help="shrinks requests and lengths (smoke runs)")
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fuseformer.engine.llm import LLM
+
+    n = max(2, round(256 * args.scale))
+    length = max(4, round(256 * args.scale))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    start = time.perf_counter()
+    if args.model is None:
+        from structured_outputs import trained_tokenizer_dir
+
+        from fuseformer.bench.engine import SHAPES, build_models
+
+        tok_dir = trained_tokenizer_dir(128000, Path(tempfile.mkdtemp()))
+        hf, model = build_models(SHAPES["llama3-8b"], device, torch.bfloat16)
+        del hf
+        gc.collect()
+        llm = LLM(model, tokenizer=tok_dir, device=device, max_model_len=2 * length + 8)
+    else:
+        llm = LLM(args.model, device=device, max_model_len=2 * length + 8)
+    setup_s = time.perf_counter() - start
+    vocab = min(llm.get_tokenizer().vocab_size, llm.core.runner.model.config.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+    half = set(range(0, n, 2))
+    runs = [("free", set()), ("half json_schema", half), ("free again", set())]
+    records = []
+    for name, constrained in runs:
+        r = run(llm, prompts, length, constrained)
+        r["run"] = name
+        records.append(r)
+        print(f"{name:<18} {r['output_tok_s']:>9.0f} out tok/s  {r['seconds']:.2f} s  invalid {len(r['invalid'])}")
+    free = (records[0]["output_tok_s"] + records[2]["output_tok_s"]) / 2
+    cost = 1 - records[1]["output_tok_s"] / free
+    print(f"cost of structured outputs: {100 * cost:.1f}% of the free runs' mean (goal <= 5%)")
+    result = dict(
+        bench="structured_outputs_engine",
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        torch=torch.__version__,
+        requests=n,
+        length=length,
+        setup_s=setup_s,
+        runs=records,
+        cost_pct=100 * cost,
+        step_kinds=llm.step_log.totals(),
+    )
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
