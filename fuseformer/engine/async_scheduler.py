@@ -39,12 +39,11 @@ class AsyncScheduler(Scheduler):
         of ``prev`` that cannot finish by length in it computes one token at its next position, the
         token ``prev`` samples for it (``ahead_rows``). None when the next step must be scheduled
         normally, after ``prev``'s update: fewer than ``min_seqs`` requests run, ``prev`` is not a
-        decode step of all running requests, it preempted, requests wait to be admitted, a request's
-        sampling reads its output (``Request.sampling_reads_output``: penalties, a bad word of several
-        tokens, ``min_tokens`` not reached; the sampler reads the output at launch, one token short
-        in a step scheduled ahead), every request finishes by length in ``prev``, or the blocks are
-        short. Token controls that do not read the output (``logit_bias``, ``allowed_token_ids``,
-        one-token bad words) are scheduled ahead."""
+        decode step of all running requests, it preempted, requests wait to be admitted, every request
+        finishes by length in ``prev``, or the blocks are short. When a request's sampling reads its
+        output (``Request.sampling_reads_output``: a grammar, penalties, a bad word of several tokens,
+        ``min_tokens`` not reached) the step is ``deferred_sampling``: its forward runs ahead, its
+        sampler is launched after ``prev``'s update (one token short before it)."""
         if len(self.running) < self.min_seqs:
             return None
         running = RequestStatus.RUNNING
@@ -60,7 +59,6 @@ class AsyncScheduler(Scheduler):
                 len(s.token_ids) != 1
                 or not s.sample
                 or req.num_computed_tokens != s.start_position
-                or req.sampling_reads_output
             ):
                 return None
             # After prev's token: at max_tokens or max_model_len it finishes whatever it samples.
@@ -72,6 +70,7 @@ class AsyncScheduler(Scheduler):
                 ScheduledRequest(req, [AHEAD_TOKEN], req.num_tokens, tuple(req.block_ids), sample=True)
             )
             rows.append(row)
+            out.deferred_sampling = out.deferred_sampling or req.sampling_reads_output
         if not rows:
             return None
         out.ahead_rows = rows

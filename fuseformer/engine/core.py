@@ -291,6 +291,13 @@ class EngineCore:
 
     def _finish_with_ahead(self, handle: StepHandle, output_processor: OutputProcessor) -> list[RequestOutput]:
         outputs = self.finish_step(handle, output_processor)
+        ahead = self._ahead
+        if ahead is not None and ahead.launched.logits is not None:
+            # Its sampling reads the outputs (deferred_sampling): they hold handle's tokens now, and its
+            # forward is still on the device, so this host work (a grammar's mask) overlaps it.
+            start = time.perf_counter()
+            self.runner.launch_sampling(ahead.launched)
+            ahead.launch_ms += 1e3 * (time.perf_counter() - start)
         if self._ahead is not None and not self.scheduler.has_unfinished_requests():
             # Every request of the step ahead finished: it has nothing to report.
             self.finish_step(self._take_ahead(), output_processor)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from fuseformer.engine.outputs import PositionLogprobs
+from fuseformer.engine.request import RequestStatus
 from fuseformer.engine.sampler import (
     SamplingMetadata,
     make_generator,
@@ -92,6 +93,9 @@ class LaunchedStep:
     # copied to pinned host memory before ``done``.
     host: tuple | None = None
     prompt: _PromptLogprobs | None = None  # the prompt logprobs it computes (before ``done``)
+    # A step whose sampling is deferred (``SchedulerOutput.deferred_sampling``): its logits on the
+    # device, waiting for ``ModelRunner.launch_sampling``; None once sampled (and for other steps).
+    logits: torch.Tensor | None = None
 
     def ready(self) -> bool:
         """The device work has finished (always, off CUDA)."""
@@ -502,7 +506,9 @@ class ModelRunner:
         (``collect`` waits and reads the sampled tokens; no copy in between waits for the device).
         Between the two, the host is free: the engine can launch a new request's prefill behind a
         decode step in flight (``AsyncEngine``), or the next decode step, scheduled ahead, whose input
-        tokens are rows of ``prev_tokens`` (the step in flight's ``LaunchedStep.output.sampled_token_ids``)."""
+        tokens are rows of ``prev_tokens`` (the step in flight's ``LaunchedStep.output.sampled_token_ids``).
+        A step with ``deferred_sampling`` enqueues its forward and logits only: ``launch_sampling``
+        enqueues its sampler once the requests' outputs hold the previous step's tokens."""
         for rid in scheduler_output.finished_request_ids:
             self.generators.pop(rid, None)
         if scheduler_output.is_empty:
@@ -521,6 +527,21 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden, to_device(torch.tensor(sample_rows), self.device))
         params = [r.sampling_params for r in sampling]
+        step = LaunchedStep(sampling, params, None, None, graphed, prompt=prompt, logits=logits)
+        if not scheduler_output.deferred_sampling:
+            self.launch_sampling(step)
+        return step
+
+    @torch.inference_mode()
+    def launch_sampling(self, step: LaunchedStep) -> None:
+        """Enqueue the sampler of a launched step whose sampling was deferred (``LaunchedStep.logits``),
+        reading the requests' outputs as they are now; ``launch`` calls it at once for other steps. A
+        request no longer running (it finished in the previous step: its row is ignored) is sampled
+        without its grammar."""
+        logits, step.logits = step.logits, None
+        if logits is None:
+            raise RuntimeError("launch_sampling: the step has no logits waiting (sampled already?)")
+        sampling, params = step.requests, step.params
         generators = [
             self._generator(r.request_id, p.seed) if p.seed is not None else None for r, p in zip(sampling, params)
         ]
@@ -535,24 +556,23 @@ class ModelRunner:
             bad_words_token_ids=[r.bad_words_token_ids for r in sampling],
         )
         md.bitmask, md.bitmask_rows = self._grammar_bitmask(sampling)
-        out = sample(logits, md)
-        done = None
-        host = None
+        step.output = out = sample(logits, md)
         if self.device.type == "cuda":
             # The results come to pinned host memory in the stream, before the event: reading them
             # later waits for this step only (a .tolist() of a device tensor would wait for the whole
             # stream, a step launched ahead included).
-            host = tuple(
+            step.host = tuple(
                 None if t is None else _to_host(t)
                 for t in (out.sampled_token_ids, out.logprob_token_ids, out.logprobs, out.sampled_ranks)
             )
-            done = torch.cuda.Event(enable_timing=True)  # EngineCore.step_log times the step with it
-            done.record()
-        return LaunchedStep(sampling, params, out, done, graphed, host, prompt)
+            step.done = torch.cuda.Event(enable_timing=True)  # EngineCore.step_log times the step with it
+            step.done.record()
 
     @staticmethod
     def collect(step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step and read its sampled tokens (and logprobs)."""
+        if step.logits is not None:
+            raise RuntimeError("collect: the step's sampling is deferred and not launched yet (launch_sampling)")
         out = step.output
         if step.done is not None:
             step.done.synchronize()  # the wait, with the GIL released
@@ -622,7 +642,8 @@ class ModelRunner:
         when every row has one), on the device; (None, None) when none has. Called after the forward
         and the logits are queued: filling it on the host (~0.3 ms at 64 rows) overlaps them, and the
         copy from pinned memory does not wait for them. A free row is not touched."""
-        rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
+        running = RequestStatus.RUNNING
+        rows = [i for i, r in enumerate(sampling) if r.grammar is not None and r.status is running]
         if not rows:
             return None, None
         matchers = [sampling[i].grammar for i in rows]

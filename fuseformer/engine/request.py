@@ -131,8 +131,8 @@ class Request:
         """Sampling its next token reads its output so far: penalties (token counts), a bad word of
         several tokens (the output's last tokens), ``min_tokens`` not yet reached (the output's
         length), or a grammar (its mask follows the previous token). A step scheduled ahead
-        (``AsyncScheduler``) samples before the previous token is appended, so it cannot sample such
-        a request."""
+        (``AsyncScheduler``) with such a request defers its sampler until the previous token is
+        appended (``SchedulerOutput.deferred_sampling``)."""
         params = self.sampling_params
         return (
             self.grammar is not None

@@ -123,6 +123,10 @@ class SchedulerOutput:
     # ``ahead_rows[i]`` of the previous step's sampled tokens, on the device (its token_ids hold
     # AHEAD_TOKEN, a placeholder no model accepts).
     ahead_rows: list[int] | None = None
+    # A step scheduled ahead whose sampling reads the output so far (``Request.sampling_reads_output``:
+    # a grammar, penalties, ...): its forward is launched ahead, its sampler only after the previous
+    # step's update (``ModelRunner.launch_sampling``), when the output it reads is complete.
+    deferred_sampling: bool = False
 
     @property
     def is_empty(self) -> bool:

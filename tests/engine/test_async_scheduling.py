@@ -36,7 +36,7 @@ def _workload(num, seed=0):
         elif kind == 2:
             p |= dict(temperature=0, stop_token_ids=[int(torch.randint(0, vocab, (1,), generator=gen))])
         else:
-            # penalties keep a step from being scheduled ahead: short, so that most steps are
+            # penalties defer the sampling of the steps scheduled ahead
             penalized = dict(temperature=0.7, seed=200 + i, presence_penalty=0.5, max_tokens=3)
             p |= penalized if i == 3 else dict(temperature=0)
         params.append(SamplingParams(**p))
@@ -127,10 +127,11 @@ def test_abort_while_a_step_is_scheduled_ahead():
 
 
 def test_schedule_ahead_only_for_decodes_of_every_running_request():
-    """AsyncScheduler.schedule_ahead: None for a prefill, with requests waiting, or for a request with
-    penalties; else the next position of each request, its input the placeholder, a row per request,
-    and the slot of that position allocated; a request that finishes by length is left out. The plain
-    Scheduler never schedules ahead."""
+    """AsyncScheduler.schedule_ahead: None for a prefill or with requests waiting; a request with
+    penalties is scheduled ahead with its sampling deferred. A step ahead holds the next position of
+    each request, its input the placeholder, a row per request, and the slot of that position
+    allocated; a request that finishes by length is left out. The plain Scheduler never schedules
+    ahead."""
     cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32)
     plain = Scheduler(cfg)
     plain.add_request(Request("a", list(range(1, 5)), SamplingParams(max_tokens=8)))
@@ -158,7 +159,9 @@ def test_schedule_ahead_only_for_decodes_of_every_running_request():
     pen.add_request(Request("p", [1, 2, 3], SamplingParams(max_tokens=8, frequency_penalty=0.5)))
     out = pen.schedule()
     pen.update_from_output(out, {"p": [4]})
-    assert pen.schedule_ahead(pen.schedule()) is None
+    pen_ahead = pen.schedule_ahead(pen.schedule())  # its sampling reads the output: deferred
+    assert pen_ahead.ahead_rows == [0] and pen_ahead.deferred_sampling
+    assert not ahead.deferred_sampling
     last = AsyncScheduler(cfg)
     r = Request("r", [1, 2, 3], SamplingParams(max_tokens=2))
     last.add_request(r)

@@ -178,17 +178,24 @@ def test_n_completions_each_have_their_own_matcher(llm):
     assert len(out.outputs) == 6 and all(c.text in CHOICES for c in out.outputs)
 
 
-def test_async_scheduling_does_not_schedule_a_constrained_request_ahead():
+def test_async_scheduling_runs_constrained_requests_ahead_with_the_synchronous_outputs():
+    """A constrained request is scheduled ahead with its sampling deferred until the previous token has
+    advanced its grammar: the same tokens as synchronous steps (greedy and seeded sampling, beside
+    free requests), and the steps are scheduled ahead."""
     spec = StructuredOutputsParams(json=SCHEMA)
+    params = [_params(spec, temperature=0), _params(spec, temperature=1.0, seed=3)]
+    params += [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(FREE_PROMPTS)
+    prompts = [PROMPT, PROMPT, *FREE_PROMPTS]
+    outs = {}
     with fuseformer.use_backend("reference"):
-        llm = LLM(DEFAULT_MODEL, device="cpu", num_kv_blocks=200, async_scheduling=True)
-        free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        llm.generate(FREE_PROMPTS, free, use_tqdm=False)
-        ahead = llm.num_steps_ahead
-        assert ahead > 0  # free requests are scheduled ahead
-        (out,) = llm.generate(PROMPT, _params(spec, temperature=0), use_tqdm=False)
-    assert llm.num_steps_ahead == ahead
-    jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+        for a in (False, True):
+            llm = LLM(DEFAULT_MODEL, device="cpu", num_kv_blocks=200, async_scheduling=a)
+            outs[a] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            if a:
+                assert llm.num_steps_ahead > 10
+    assert outs[True] == outs[False]
+    for tokens in outs[True][:2]:
+        jsonschema.validate(json.loads(llm.tokenizer.decode(tokens)), SCHEMA)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

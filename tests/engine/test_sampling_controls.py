@@ -1,8 +1,8 @@
 """The sampling controls end to end through LLM.generate (issue 29 item 2): logit_bias, allowed_token_ids,
 min_tokens, bad_words, prompt_logprobs, truncate_prompt_tokens. Each has its effect in greedy and
 random rows batched with rows that do not use it, and with async scheduling the outputs are those of
-synchronous steps (steps whose sampling reads the output so far are not scheduled ahead; the others
-are). A tiny Llama with a byte-level BPE tokenizer trained here; ops on their PyTorch references."""
+synchronous steps (those whose sampling reads the output so far are scheduled ahead with their sampling
+deferred). A tiny Llama with a byte-level BPE tokenizer trained here; ops on their PyTorch references."""
 
 import math
 
@@ -137,8 +137,8 @@ def test_min_tokens_holds_off_eos_stop_ids_and_stop_strings(llms):
 
 def test_bad_words_single_and_multi_token(llms):
     """A one-token word is never generated; a word of two tokens never appears as those two tokens in a
-    row (its first token may). The multi-token word reads the output: its steps are not scheduled ahead,
-    and the outputs still equal the synchronous ones."""
+    row (its first token may). The multi-token word reads the output: its steps scheduled ahead defer
+    their sampling, and the outputs still equal the synchronous ones."""
     llm = llms[False]
     greedy = _greedy(llms, n=16).token_ids
     pair = None
