@@ -55,11 +55,7 @@ class AsyncScheduler(Scheduler):
         rows = []
         for row, s in live:
             req = s.request
-            if (
-                len(s.token_ids) != 1
-                or not s.sample
-                or req.num_computed_tokens != s.start_position
-            ):
+            if len(s.token_ids) != 1 or not s.sample or req.num_computed_tokens != s.start_position:
                 return None
             # After prev's token: at max_tokens or max_model_len it finishes whatever it samples.
             if req.num_output_tokens + 1 >= req.sampling_params.max_tokens or req.num_tokens + 1 >= cfg.max_model_len:
