@@ -85,6 +85,19 @@ def _eos_ids_of(path: Path | None, tokenizer: Tokenizer | None) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
+def batch_limits(device: torch.device, server: bool = False) -> tuple[int, int]:
+    """The default (``max_num_seqs``, ``max_num_batched_tokens``) on ``device``, vLLM's: on a CUDA GPU of
+    at least 70 GiB that is not an A100, 1024 requests and 16,384 tokens a step (8,192 for the server);
+    elsewhere 256 and 8,192 (2,048 for the server is vLLM's; ours keeps 8,192). On an H200 the mix of
+    512 requests is admitted in a few steps instead of a few prompts beside each step of 256 decodes
+    (docs/perf-notes.md, runs 116-117)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
+            return 1024, 8192 if server else 16384
+    return 256, 8192
+
+
 def _check_model(model: nn.Module) -> ModelConfig:
     """The config of an already built model, which must be the registry's class for its architecture."""
     config = getattr(model, "config", None)
@@ -114,8 +127,10 @@ class LLM:
             max_position_embeddings, lowered to what the KV cache holds when that is less.
         gpu_memory_utilization: on CUDA, the share of GPU memory for weights, activations and KV cache.
         enable_prefix_caching: share the KV blocks of equal prompt prefixes.
-        max_num_seqs: requests running at once at most.
-        max_num_batched_tokens: tokens computed per step at most (prefills are chunked to fit).
+        max_num_seqs: requests running at once at most; default (None) 1024 on a CUDA GPU of
+            >= 70 GiB but an A100, else 256 (``batch_limits``: vLLM's defaults).
+        max_num_batched_tokens: tokens computed per step at most (prefills are chunked to fit); default
+            (None) 16,384 where ``max_num_seqs`` defaults to 1024, else 8,192.
         num_kv_blocks: KV blocks to allocate, overriding the memory-based sizing.
         block_size: tokens per KV block.
         device: default "cuda" when available, else "cpu".
@@ -131,9 +146,10 @@ class LLM:
             ``async_scheduling``): the host's per-step work (reading tokens, detokenizing, outputs,
             scheduling) overlaps the device's next step instead of leaving the device idle. Outputs
             are the same; a request that finishes has one step of device work done for nothing.
-            Steps of requests whose sampling reads their output so far (penalties, ``min_tokens``
-            not yet reached, bad words of several tokens), or with requests waiting, are not
-            scheduled ahead.
+            A step ahead with requests whose sampling reads their output so far (a grammar,
+            penalties, ``min_tokens`` not yet reached, bad words of several tokens) launches its
+            sampler after the previous step's tokens are applied; with requests waiting, the next step
+            is not scheduled ahead.
             Default (None): on when the model runs on CUDA, unless ``enforce_eager``.
         enforce_eager: vLLM's name for the slow, simple path: no CUDA graphs and no scheduling ahead
             (unless ``async_scheduling=True`` is given too). ``cuda_graphs=True`` with it raises ValueError.
@@ -158,8 +174,8 @@ class LLM:
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         num_kv_blocks: int | None = None,
         block_size: int = 16,
         device: str | torch.device | None = None,
@@ -196,6 +212,9 @@ class LLM:
         if device is None and isinstance(model, nn.Module):
             device = next(model.parameters()).device  # a built model runs where it is
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        seqs, tokens = batch_limits(device)
+        max_num_seqs = seqs if max_num_seqs is None else max_num_seqs
+        max_num_batched_tokens = tokens if max_num_batched_tokens is None else max_num_batched_tokens
         fast = device.type == "cuda" and not enforce_eager
         cuda_graphs = fast if cuda_graphs is None else cuda_graphs
         async_scheduling = fast if async_scheduling is None else async_scheduling

@@ -129,6 +129,9 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+MAX_GRAPH_BATCH = 512  # the largest decode step captured as a CUDA graph
+
+
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """The decode batch sizes captured as CUDA graphs, vLLM's pattern: 1, 2, 4, every multiple of 8
     up to 256, then every multiple of 16, and ``max_batch`` itself. A step of n decodes replays the
@@ -315,7 +318,9 @@ class ModelRunner:
             )
         self.cuda_graphs = cuda_graphs
         # A decode step of n requests computes n tokens: both scheduler limits bound the graph sizes.
-        self.graph_sizes = graph_batch_sizes(min(max_num_seqs, max_num_batched_tokens)) if cuda_graphs else []
+        # Decode steps of up to 512 requests replay graphs (vLLM's capture limit); larger ones run eagerly.
+        graphed = min(max_num_seqs, max_num_batched_tokens, MAX_GRAPH_BATCH)
+        self.graph_sizes = graph_batch_sizes(graphed) if cuda_graphs else []
         self.num_blocks = cache_config.num_kv_blocks or self._blocks_from_memory()
         shape = config.kv_cache_shape(self.num_blocks, self.block_size)
         kw = dict(dtype=self.dtype, device=self.device)

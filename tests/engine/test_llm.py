@@ -659,3 +659,26 @@ def test_generate_cli_reader_going_away_is_no_error(text_checkpoint):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err.decode()
     assert b"BrokenPipe" not in err, err.decode()
+
+
+def test_batch_limits_are_vllms_defaults(monkeypatch, checkpoint):
+    """1024 requests and 16,384 tokens a step (8,192 served) on a CUDA GPU of >= 70 GiB but an A100;
+    256 and 8,192 elsewhere (the CPU included); an LLM on the CPU takes them when none is given."""
+    from types import SimpleNamespace
+
+    from fuseformer.engine.llm import batch_limits
+
+    gpus = {"NVIDIA H200": 141 * 2**30, "NVIDIA A100-SXM4-80GB": 80 * 2**30, "NVIDIA L4": 23 * 2**30}
+    name = {}
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(name=name["v"], total_memory=gpus[name["v"]])
+    )
+    cuda = torch.device("cuda")
+    expected = {"NVIDIA H200": (1024, 16384, 8192), "NVIDIA A100-SXM4-80GB": (256, 8192, 8192),
+                "NVIDIA L4": (256, 8192, 8192)}  # fmt: skip
+    for gpu, (seqs, tokens, served) in expected.items():
+        name["v"] = gpu
+        assert batch_limits(cuda) == (seqs, tokens) and batch_limits(cuda, server=True) == (seqs, served)
+    assert batch_limits(torch.device("cpu")) == (256, 8192)
+    config = _llm(checkpoint("llama")[0], device="cpu").core.scheduler.config
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 8192)
