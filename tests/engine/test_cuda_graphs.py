@@ -78,6 +78,7 @@ def test_llm_fast_by_default_on_cuda_only(monkeypatch):
             self.max_model_len = 16
 
     monkeypatch.setattr(llm_module, "EngineCore", Core)
+    monkeypatch.setattr(llm_module, "batch_limits", lambda device: (256, 8192))  # (reads the GPU's properties)
     for kwargs, expected in [
         ({}, (True, True)),
         ({"enforce_eager": True}, (False, False)),
