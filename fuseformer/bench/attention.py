@@ -8,6 +8,10 @@ H 32, S 512..16384, head dim 64/128/256, causal and not (quick: the three goal c
 TFLOP/s as flash-attn counts them: forward 4 * B * S^2 * H * D (half of it when causal), backward
 2.5x the forward, forward + backward 3.5x; also as a percentage of the bf16 GEMM ceiling measured in
 the same run. Each figure is a do_bench median; the backward is autograd.grad on a kept graph.
+
+Paged decode attention (``bench_paged_decode``): one query per sequence over a paged KV cache, GQA
+32/8, head dim 128, in TB/s of the K/V read (and % of the copy ceiling), against SDPA on the same K/V
+laid out contiguously.
 """
 
 from __future__ import annotations
@@ -122,8 +126,104 @@ def _bench_case(head_dim: int, seqlen: int, causal: bool) -> list[Record]:
     return records
 
 
+# Paged decode attention (issue 28 item 5): (sequences, context) with GQA 32/8, head dim 128, blocks of 16.
+PAGED_DECODE_CASES = [(64, 4096), (256, 1024)]
+PAGED_HEADS, PAGED_KV_HEADS, PAGED_HEAD_DIM, PAGED_BLOCK = 32, 8, 128, 16
+
+
+def paged_decode_inputs(batch: int, context: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0):
+    """A decode step's paged attention inputs: q (B, Hq, D); a cache of B * ceil(context / block) blocks
+    (+1 free) handed out in a random order, as a busy engine's pool does; the same K/V contiguous as
+    (B, Hkv, context, D) for the peers. Returns (q, k_cache, v_cache, cu_seqlens_q, context_lens,
+    block_tables, k, v)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = -(-context // PAGED_BLOCK)
+    num_blocks = batch * per_seq + 1
+    shape = (num_blocks, PAGED_BLOCK, PAGED_KV_HEADS, PAGED_HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    tables = (1 + torch.randperm(num_blocks - 1, generator=gen)).view(batch, per_seq).to(torch.int32)
+    q = torch.randn(batch, PAGED_HEADS, PAGED_HEAD_DIM, generator=gen).to(device=device, dtype=dtype)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    tables = tables.to(device)
+
+    def contiguous(cache):  # (B, Hkv, context, D)
+        return cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+
+    return q, k_cache, v_cache, cu, lens, tables, contiguous(k_cache), contiguous(v_cache)
+
+
+def paged_decode_bytes(batch: int, context: int, element_size: int = 2) -> int:
+    """Bytes a decode step's attention must move: each sequence's K and V once, q read, out written."""
+    kv = 2 * batch * context * PAGED_KV_HEADS * PAGED_HEAD_DIM * element_size
+    return kv + 2 * batch * PAGED_HEADS * PAGED_HEAD_DIM * element_size
+
+
+def _paged_decode_impls(inputs) -> dict[str, Callable[[], torch.Tensor]]:
+    """name -> fn() returning (B, Hq, D): ours on the paged cache; SDPA's backends on the same K/V laid
+    out contiguously (what a non-paged engine reads: the same bytes, no block table)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k_cache, v_cache, cu, lens, tables, k, v = inputs
+
+    def ours():
+        return F.paged_attention(q, k_cache, v_cache, cu, lens, tables, causal=True, max_seqlen_q=1)
+
+    def sdpa(backend):
+        def fn():
+            with sdpa_kernel(backend):
+                out = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True)
+            return out.squeeze(2)
+
+        return fn
+
+    return {
+        "fuseformer paged": ours,
+        "sdpa_flash contiguous": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn contiguous": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa_efficient contiguous": sdpa(SDPBackend.EFFICIENT_ATTENTION),
+    }
+
+
+def bench_paged_decode(cases=PAGED_DECODE_CASES) -> list[Record]:
+    """One record per (case, impl): do_bench ms (L2 flushed; the K/V are ~1 GB, far past L2) and the
+    CUDA-graph ms (no host overhead, as the engine replays it), TB/s of ``paged_decode_bytes`` and % of
+    the copy ceiling measured here; ``max_err`` against SDPA's math backend in fp32."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fuseformer.bench._timing import bench_graph_ms, copy_ceiling_tb_s, tb_per_s
+
+    copy = copy_ceiling_tb_s()
+    records = []
+    for batch, context in cases:
+        case = dict(op="paged_decode_attention", batch=batch, context=context, heads=PAGED_HEADS,
+                    kv_heads=PAGED_KV_HEADS, head_dim=PAGED_HEAD_DIM, block_size=PAGED_BLOCK, dtype="bfloat16")  # fmt: skip
+        inputs = paged_decode_inputs(batch, context)
+        nbytes = paged_decode_bytes(batch, context)
+        q, k, v = inputs[0], inputs[6], inputs[7]
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q.float().unsqueeze(2), k.float(), v.float(), enable_gqa=True
+            ).squeeze(2)
+        for impl, fn in _paged_decode_impls(inputs).items():
+            rec: Record = dict(case, impl=impl, bytes=nbytes, copy_tb_s=copy)
+            try:
+                rec["max_err"] = float((fn().float() - ref).abs().max())
+                ms, graph_ms = bench_ms(fn), bench_graph_ms(fn)
+                rec.update(ms=ms, tb_s=tb_per_s(nbytes, ms), graph_ms=graph_ms, graph_tb_s=tb_per_s(nbytes, graph_ms))
+                rec.update(pct_copy=100 * rec["tb_s"] / copy, graph_pct_copy=100 * rec["graph_tb_s"] / copy)
+            except Exception as exc:  # one failing peer must not kill the run
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            records.append(rec)
+        del inputs, q, k, v, ref
+        torch.cuda.empty_cache()
+    return records
+
+
 def bench_attention(quick: bool = False) -> list[Record]:
-    """One record per (case, impl, pass): ms, TFLOP/s and % of the bf16 GEMM ceiling, or an error."""
+    """One record per (case, impl, pass): ms, TFLOP/s and % of the bf16 GEMM ceiling, or an error; then
+    the paged decode cases (``bench_paged_decode``: ms, TB/s, % of copy)."""
     if quick:
         cases = GOAL_CASES
     else:
@@ -132,4 +232,4 @@ def bench_attention(quick: bool = False) -> list[Record]:
     for d, s, c in cases:
         records += _bench_case(d, s, c)
         torch.cuda.empty_cache()
-    return records
+    return records + bench_paged_decode()
