@@ -13,6 +13,11 @@
 #
 # serve (not part of all): the serving GPU tests and `fuseformer bench serve`, in one device call.
 #
+# engine (not part of all): one device call (~6 min) for issues 28-29: the engine's GPU tests (one process),
+# the structured-outputs cost (benchmarks/structured_outputs_engine.py; needs llguidance: carry its wheel
+# in .whl/, installed from there when present), and the mix, prefix and fixed workloads with the defaults
+# and enforce_eager (benchmarks/engine_workloads.py), JSON in OUT_DIR.
+#
 # attention (not part of all): the attention GPU tests at head dim 128 (the Gluon kernels and the cases
 # they take), the attention layer's and the Llama model's, then `fuseformer bench attention --quick`, in one
 # device call (~5 min; run 83 ran the tests in 158 s).
@@ -60,6 +65,16 @@ if [[ "$stage" == gluon ]]; then
     python3 benchmarks/sweeps.py attention_gluon attention_gluon_bwd mlp_gluon --out "$out" \
         > "$out/sweep-gluon.log" 2>&1 || status=1
     tail -n 3 "$out/sweep-gluon.log"
+fi
+if [[ "$stage" == engine ]]; then
+    if ls .whl/*.whl > /dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    fi
+    python3 -m pytest -q -m gpu -p no:randomly tests/engine 2>&1 | tee "$out/gpu-tests-engine.log" | tail -n 5
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    python3 benchmarks/structured_outputs_engine.py --out "$out/structured_outputs_engine.json" 2>&1 | tail -n 5 || status=1
+    OUT="$out" python3 benchmarks/engine_workloads.py "${WORKLOADS:-mix,prefix,fixed}" 2>&1 | grep -v Warn | tail -n 8 || status=1
 fi
 if [[ "$stage" == serve ]]; then
     # The serving checks in one device call (~7 min): the GPU tests of the engine and the serving
