@@ -213,6 +213,8 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     chat_template: str | None = None,
     trust_request_chat_template: bool = False,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ):
     """The FastAPI app serving ``engine`` as ``model_name``.
 
@@ -228,6 +230,10 @@ def create_app(
         chat_template: the chat template (jinja2 source) for chat requests instead of the model's;
             ValueError (a ChatTemplateError) when it does not compile.
         trust_request_chat_template: accept a request's own ``chat_template`` (else a 400 naming it).
+        tool_call_parser: the format tool calls are parsed from (``serve --tool-call-parser``:
+            ``tool_parsers.TOOL_PARSERS``' names; ValueError for another).
+        enable_auto_tool_choice: parse tool calls from outputs the model wrote freely (``tool_choice``
+            "auto"); ValueError without ``tool_call_parser``.
     """
     from fuseformer import __version__
 
@@ -236,7 +242,9 @@ def create_app(
         raise ValueError(f"create_app: max_body_bytes must be a positive int, got {max_body_bytes!r}")
     if chat_template is not None:
         compile_chat_template(chat_template)
-    server = Serving(engine, model_name, chat_template, trust_request_chat_template)
+    server = Serving(
+        engine, model_name, chat_template, trust_request_chat_template, tool_call_parser, enable_auto_tool_choice
+    )
 
     # Handlers reach the engine through ``server`` only, never as a closure variable: after shutdown the
     # app lets go of it (FastAPI keeps the endpoint functions of every app it built in a cache, so an

@@ -14,6 +14,16 @@ them ignore them). Messages go in as sent (``role: tool`` with ``tool_call_id``,
 ``tool_calls``), except that a tool call's ``function.arguments``, a JSON string in OpenAI's API, is
 given to the template as the object it encodes (vLLM does the same: templates write
 ``tool_call.arguments | tojson``).
+
+Tool calls in the output (``tool_use``, vLLM's rules): with tools, ``tool_choice`` "auto" (the default)
+parses each choice's text with the server's ``--tool-call-parser`` and needs ``--enable-auto-tool-choice``
+too; "required" and a named function hold the output to calls in that format (structured outputs; the
+server's parser, else ``serving.FORCED_TOOL_CALL_FORMAT``) and parse it back; "none" parses nothing. The
+calls become ``message.tool_calls`` (``content``: the text outside them, null when there is none), or
+streamed, ``delta.tool_calls`` entries (a call's first one with its id, type and name, then fragments
+of its arguments); ``finish_reason`` is "tool_calls" for a choice that called a tool and ended on its
+own, except for a named function ("stop", as OpenAI and vLLM answer). ``parallel_tool_calls`` false
+keeps the first call only.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -31,7 +42,7 @@ from fuseformer.serve.errors import APIError, shutdown_error
 from fuseformer.serve.protocol import ChatCompletionRequest, TokenizeRequest
 from fuseformer.serve.serving import Serving
 from fuseformer.serve.streaming import Choice, Events, by_choice, chat_logprobs, merged, sse_stream, usage
-from fuseformer.serve.tool_parsers import ToolCallError, check_tools
+from fuseformer.serve.tool_parsers import ToolCallError, ToolCallStream, ToolParser, check_tools
 
 # Template variables that requests set through their own fields: not through chat_template_kwargs.
 _OWN_FIELDS = (
@@ -88,19 +99,92 @@ def _template_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 def tool_template_variables(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> dict[str, Any]:
     """The template variables of a request's tool fields (those it gives), checked: APIError naming the
     field at fault."""
-    if tools is None or tools == []:  # (an empty list asks for nothing: parameters.REFUSED)
-        if tool_choice not in (None, "none", "auto"):  # "required" or a function: there must be tools
+    if tools is None or tools == []:  # (an empty list asks for nothing)
+        # "required" or a function needs tools; "required" of an empty list is "none" (vLLM's, OpenAI's).
+        if tool_choice not in (None, "none", "auto") and not (tools == [] and tool_choice == "required"):
             raise APIError("tool_choice needs tools", "tool_choice")
         return {}
-    try:
-        variables: dict[str, Any] = {"tools": check_tools(tools, tool_choice, parallel_tool_calls)}
-    except ToolCallError as exc:
-        raise APIError(str(exc), exc.param) from exc
+    variables: dict[str, Any] = {"tools": _checked_tools(tools, tool_choice, parallel_tool_calls)}
     if tool_choice is not None:
         variables["tool_choice"] = tool_choice
     if parallel_tool_calls is not None:
         variables["parallel_tool_calls"] = parallel_tool_calls
     return variables
+
+
+def _checked_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> list[dict[str, Any]]:
+    try:
+        return check_tools(tools, tool_choice, parallel_tool_calls)
+    except ToolCallError as exc:
+        raise APIError(str(exc), exc.param) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """How a chat request's outputs are read for tool calls (``tool_use``): with ``parser``; ``named``:
+    ``tool_choice`` names the function; ``first_only``: ``parallel_tool_calls`` false (or named)."""
+
+    parser: ToolParser
+    named: bool
+    first_only: bool
+
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """A choice's finish_reason: "tool_calls" when it called a tool and ended on its own (EOS, a stop;
+        at the length limit it stays "length": the output was cut), except for a named function, whose
+        call ends with "stop" (OpenAI's answer, and vLLM's)."""
+        return "tool_calls" if called and reason == "stop" and not self.named else reason
+
+    def calls_delta(self, delta: dict[str, Any]) -> bool:
+        """Whether a ``ToolCallStream`` delta goes out: all of them, but a second call's (and later ones')
+        with ``first_only``."""
+        return not (self.first_only and "tool_calls" in delta and delta["tool_calls"][0]["index"] > 0)
+
+
+def tool_use(server: Serving, req: ChatCompletionRequest) -> ToolUse | None:
+    """How ``req``'s outputs are read for tool calls (see the module docstring); None: as text. For a
+    forcing ``tool_choice``, the request is held to its constraint (``hold_to_tool_calls``). Where the
+    format's markers are special tokens of the tokenizer, the output text keeps special tokens (vLLM's
+    ``adjust_request``): a request's explicit ``skip_special_tokens: true`` is then a 400. APIError naming
+    the field at fault."""
+    tools, choice = req.tools, req.tool_choice
+    if not tools:
+        tool_template_variables(tools, choice, req.parallel_tool_calls)  # the checks of tool fields alone
+        return None
+    checked = _checked_tools(tools, choice, req.parallel_tool_calls)
+    choice = "auto" if choice is None else choice  # vLLM's default with tools, as OpenAI's
+    if choice == "none":
+        return None
+    if choice == "auto":
+        missing = [
+            flag
+            for flag, given in (
+                ("--enable-auto-tool-choice", server.enable_auto_tool_choice),
+                ("--tool-call-parser", server.tool_parser is not None),
+            )
+            if not given
+        ]
+        if missing:
+            raise APIError(
+                'tool_choice "auto" (the default when tools are given) needs the server started with '
+                f'{" and ".join(missing)}; this one takes tool_choice "none", "required" or a named function',
+                "tool_choice",
+            )
+        parser = server.tool_parser
+    else:
+        parser = server.forced_tool_parser
+        spec = parser.tool_choice_structured_outputs(checked, choice, req.parallel_tool_calls, server.special_tokens)
+        req.hold_to_tool_calls(spec)
+    special = [m for m in parser.markers if m in server.special_tokens]
+    if special:
+        if req.skip_special_tokens and "skip_special_tokens" in req.model_fields_set:
+            raise APIError(
+                f"skip_special_tokens: true would leave the tool-call marker {special[0]!r}, a special token of "
+                "this model, out of the text that tool calls are parsed from",
+                "skip_special_tokens",
+            )
+        req.skip_special_tokens = False
+    named = isinstance(choice, dict)
+    return ToolUse(parser, named, named or req.parallel_tool_calls is False)
 
 
 def render_chat(server: Serving, req: ChatCompletionRequest | TokenizeRequest) -> str:
@@ -130,10 +214,9 @@ def render_chat(server: Serving, req: ChatCompletionRequest | TokenizeRequest) -
             )
         add_generation_prompt = False
     messages = template_messages(req.messages)
-    # The tool fields: request fields once protocol.py declares them; until then a body's extras (which
-    # parameters.REFUSED lets through only when they ask for nothing), read the same way.
+    # /tokenize's requests have tools, not tool_choice and parallel_tool_calls (vLLM's).
     tools = tool_template_variables(
-        getattr(req, "tools", None), getattr(req, "tool_choice", None), getattr(req, "parallel_tool_calls", None)
+        req.tools, getattr(req, "tool_choice", None), getattr(req, "parallel_tool_calls", None)
     )
     try:
         text = server.tokenizer.apply_chat_template(
@@ -167,6 +250,7 @@ def chat_prompt(server: Serving, req: ChatCompletionRequest | TokenizeRequest, a
 async def create_chat_completion(server: Serving, req: ChatCompletionRequest, http_request: Request) -> Any:
     arrival = time.monotonic()
     server.check_model(req.model)
+    tools = tool_use(server, req)  # before the fields' checks: a forcing tool_choice sets the constraint
     asked, field_name = req.requested_max_tokens
     server.check_fields(req, asked)
     ids = await server.prepare(http_request, chat_prompt, server, req, req.add_special_tokens)
@@ -187,11 +271,19 @@ async def create_chat_completion(server: Serving, req: ChatCompletionRequest, ht
             for index in range(params.n):
                 delta = dict(role="assistant", content="")
                 yield events.choice(dict(index=index, delta=delta, logprobs=None, finish_reason=None, stop_reason=None))
+            # With tool calls read: a parser per choice, and the logprobs it has not sent yet.
+            parsers = None if tools is None else [tools.parser.stream() for _ in range(params.n)]
+            held: list[list[dict[str, Any]]] = [[] for _ in range(params.n)]
             async for batch in merged(http_request, server.running, run):
                 server.note(run, batch)
                 chunks = []
                 for _, c in by_choice(batch, params.n):
                     server.record(choices[c.index], c, arrival)
+                    if parsers is not None:
+                        if req.logprobs and c.logprobs:
+                            held[c.index] += chat_logprobs(server.token_text, c.token_ids, c.logprobs, top)["content"]
+                        chunks += _tool_call_chunks(events, c, parsers[c.index], tools, held[c.index])
+                        continue
                     if not req.logprobs and c.finish_reason is None:
                         if c.text or not text_only:  # else held back: a partial character, a stop string
                             chunks.append(events.content(c.index, c.text))
@@ -231,8 +323,42 @@ async def create_chat_completion(server: Serving, req: ChatCompletionRequest, ht
     body_choices = []
     for index, ch in enumerate(choices):
         lps = chat_logprobs(server.token_text, ch.token_ids, ch.logprobs, top) if req.logprobs else None
-        message = dict(role="assistant", content=ch.text)
+        message: dict[str, Any] = dict(role="assistant", content=ch.text)
+        finish = ch.finish_reason
+        if tools is not None:
+            content, calls = tools.parser.extract(ch.text)
+            if calls:
+                calls = calls[:1] if tools.first_only else calls
+                message = dict(role="assistant", content=content, tool_calls=[call.to_openai() for call in calls])
+                finish = tools.finish_reason(finish, True)
         body_choices.append(
-            dict(index=index, message=message, logprobs=lps, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
+            dict(index=index, message=message, logprobs=lps, finish_reason=finish, stop_reason=ch.stop_reason)
         )
     return head | dict(object="chat.completion", choices=body_choices, usage=usage(len(ids), choices, run, 1))
+
+
+def _tool_call_chunks(
+    events: Events, c: Any, stream: ToolCallStream, tools: ToolUse, logprobs: list[dict[str, Any]]
+) -> list[str]:
+    """The chunks of engine delta ``c`` of a choice whose output is read for tool calls: its text parsed
+    into content and tool-call deltas (text that may begin a call is held back until it is known); the
+    choice's ``logprobs`` not sent yet (emptied in place) go on the first chunk out, and its finish_reason
+    on the last (a chunk of its own when nothing else is left)."""
+    deltas = stream.feed(c.text) if c.finish_reason is None else stream.finish(c.text)
+    deltas = [d for d in deltas if tools.calls_delta(d)]
+    if c.finish_reason is not None and not deltas:
+        deltas = [{}]
+    out = []
+    for j, delta in enumerate(deltas):
+        lps = None
+        if logprobs:
+            lps = dict(content=list(logprobs))
+            logprobs.clear()
+        finish = stop_reason = None
+        if c.finish_reason is not None and j == len(deltas) - 1:
+            finish = tools.finish_reason(c.finish_reason, stream.num_streamed_calls > 0)
+            stop_reason = c.stop_reason
+        out.append(
+            events.choice(dict(index=c.index, delta=delta, logprobs=lps, finish_reason=finish, stop_reason=stop_reason))
+        )
+    return out

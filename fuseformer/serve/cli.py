@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fuseformer.engine.cli import add_enforce_eager
+from fuseformer.serve.tool_parsers import TOOL_PARSERS
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --async-scheduling schedules ahead steps of this many requests or more: below, the host work hidden
@@ -61,8 +62,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--dtype", default="auto", choices=_DTYPES, help="weights' dtype (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per request at most")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens computed per step at most")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="requests running at once at most (default: 1024 on a CUDA GPU of >= 70 GiB but an A100, else 256)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens computed per step at most (default: 8192)"
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides the memory-based sizing)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -110,6 +118,20 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         action="store_true",
         help="accept a request's own chat_template (sandboxed, but a template may loop for as long as it likes; "
         "default: a 400 naming chat_template, as vLLM)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the format of tool calls in the model's output, parsed into tool_calls: hermes (Hermes 2 Pro, "
+        'Qwen 2.5 / 3: <tool_call> JSON), llama3_json (Llama 3.1 / 3.2 JSON); also the format a "required" '
+        "or named tool_choice holds the output to (default: none; those then write llama3_json's plain JSON)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse tool calls from outputs the model writes freely: tool_choice "auto", the default when a '
+        "request gives tools (needs --tool-call-parser; default: such a request gets a 400, as vLLM)",
     )
     p.add_argument(
         "--max-stream-overhead",
@@ -321,6 +343,8 @@ def run_serve(args: argparse.Namespace) -> int:
     for flag in ("shutdown_timeout", "header_timeout", "timeout_keep_alive"):
         if not getattr(args, flag) > 0:
             return _error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}", 2)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        return _error("--enable-auto-tool-choice needs --tool-call-parser", 2)
     chat_template = None
     if args.chat_template is not None:
         try:
@@ -328,18 +352,24 @@ def run_serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             return _error(f"--chat-template: {exc}", 2)
 
+    import torch
+
     from fuseformer.engine.async_engine import AsyncEngine
-    from fuseformer.engine.llm import LLM
+    from fuseformer.engine.llm import LLM, batch_limits
     from fuseformer.serve.app import create_app
 
+    try:
+        seqs, tokens = batch_limits(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), True)
+    except (RuntimeError, AssertionError):  # a device that is not there: LLM's error names it below
+        seqs, tokens = 256, 8192
     llm_kwargs = dict(
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=seqs if args.max_num_seqs is None else args.max_num_seqs,
+        max_num_batched_tokens=tokens if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size,
         seed=args.seed,
@@ -368,6 +398,8 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
         **body,
     )
     server = make_uvicorn_server(

@@ -46,10 +46,15 @@ def _empty(value: Any, req: Any) -> bool:
     return value in ([], {}) or value == ""
 
 
-def _no_tools(value: Any, req: Any) -> bool:
-    """tool_choice / parallel_tool_calls without tools: there is nothing to call, and nothing is called."""
-    tools = (req.model_extra or {}).get("tools") or (req.model_extra or {}).get("functions")
-    return not tools and (value in ("none", "auto") or isinstance(value, bool))
+def _nothing_to_call(tools: str) -> Callable[[Any, Any], bool]:
+    """Neutral without ``tools`` (a list the body gives): ``"none"``, ``"auto"`` or a bool (the choice or
+    parallel_tool_calls of no tools): there is nothing to call, and nothing is called."""
+
+    def neutral(value: Any, req: Any) -> bool:
+        given = getattr(req, tools, None) or (req.model_extra or {}).get(tools)
+        return not given and (value in ("none", "auto") or isinstance(value, bool))
+
+    return neutral
 
 
 def _best_of(value: Any, req: Any) -> bool:
@@ -75,7 +80,8 @@ _STRUCTURED = Refused(
     why="is not supported by this server: its structured outputs use llguidance, with JSON whitespace bounded "
     "(structured_outputs.disable_any_whitespace turns it off)"
 )
-_TOOLS = "is not supported by this server: tool calling is not implemented yet"
+_CHAT_TOOLS = "is not supported here by this server (tool calling: POST /v1/chat/completions takes it)"
+_LEGACY_FUNCTIONS = "is not supported by this server: OpenAI's deprecated function calling (use tools and tool_choice)"
 _COMPLETIONS_ONLY = "is not supported for chat completions by this server (POST /v1/completions takes it)"
 _OPENAI_ONLY = "is an OpenAI platform option that this server does not implement"
 
@@ -103,12 +109,14 @@ REFUSED: dict[str, Refused] = {
     # fields (protocol.py); the grammar library and the JSON whitespace are the server's.
     "guided_decoding_backend": _STRUCTURED,
     "guided_whitespace_pattern": _STRUCTURED,
-    # Tool calling (issue 29, item 4).
-    "tools": Refused(_empty, _TOOLS),
-    "tool_choice": Refused(_no_tools, _TOOLS),
-    "parallel_tool_calls": Refused(_no_tools, _TOOLS),
-    "functions": Refused(_empty, _TOOLS),
-    "function_call": Refused(_no_tools, _TOOLS),
+    # Tool calling: tools, tool_choice and parallel_tool_calls are chat's fields (and tools /tokenize's);
+    # on completions refused. functions / function_call, OpenAI's deprecated form, are not implemented
+    # (vLLM has neither).
+    "tools": Refused(_empty, _CHAT_TOOLS),
+    "tool_choice": Refused(_nothing_to_call("tools"), _CHAT_TOOLS),
+    "parallel_tool_calls": Refused(_nothing_to_call("tools"), _CHAT_TOOLS),
+    "functions": Refused(_empty, _LEGACY_FUNCTIONS),
+    "function_call": Refused(_nothing_to_call("functions"), _LEGACY_FUNCTIONS),
     # Streaming.
     "stream_options.continuous_usage_stats": Refused(
         _equals(False), "is not supported by this server: usage comes in the last chunk (include_usage)"

@@ -13,6 +13,7 @@ the models here document them.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Any, Literal
@@ -76,6 +77,7 @@ class _ChatTemplateOptions(BaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # OpenAI's; checked by tool_parsers.check_tools (its errors name "tools")
 
 
 class _SamplingRequest(_Checked):
@@ -246,6 +248,30 @@ class ChatCompletionRequest(_ChatTemplateOptions, _SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_special_tokens: bool = False  # the template writes the special tokens
+    # Tool calling (``tools`` is a template option): "none", "auto", "required" or a named function
+    # (checked by tool_parsers.check_tools), and whether more than one call may be made.
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # The constraint of a forcing tool_choice ("required", a named function): chat.tool_use sets it.
+    _tool_calls_constraint: Any = PrivateAttr(None)
+
+    def hold_to_tool_calls(self, spec: Any) -> None:
+        """Hold the output to ``spec``, the ``StructuredOutputsParams`` of a forcing ``tool_choice``, in
+        place of the structured-outputs fields (a request that sets one too: a 400 naming tool_choice)."""
+        self._tool_calls_constraint = spec
+
+    def _structured_outputs(self) -> Any:
+        spec = super()._structured_outputs()
+        if self._tool_calls_constraint is None:
+            return spec
+        if spec is not None:
+            raise APIError(
+                f"tool_choice {json.dumps(self.tool_choice)} holds the output to tool calls: it cannot be "
+                f"combined with {self._structured_param}",
+                "tool_choice",
+            )
+        self._structured_param = "tools"  # a constraint that does not compile: a tool's parameters schema
+        return self._tool_calls_constraint
 
     def to_sampling_params(self, defaults: SamplingParams, max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

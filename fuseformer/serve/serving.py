@@ -1,7 +1,7 @@
-"""``Serving``: what every handler of one app shares: the engine, the tokenizer and the chat template,
-the checks of a request against the model (its name, the context length), tokenization (on a worker
-thread for a large body), adding a request's prompts to the engine, and recording its outputs
-(text, tokens, logprobs, finish) and their metrics."""
+"""``Serving``: what every handler of one app shares: the engine, the tokenizer, the chat template and
+the tool-call parser, the checks of a request against the model (its name, the context length),
+tokenization (on a worker thread for a large body), adding a request's prompts to the engine, and
+recording its outputs (text, tokens, logprobs, finish) and their metrics."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from fuseformer.serve.errors import APIError, model_not_found
 from fuseformer.serve.metrics import ServerMetrics
 from fuseformer.serve.protocol import ChatCompletionRequest, CompletionRequest
 from fuseformer.serve.streaming import Choice, Running, first_output_stats
+from fuseformer.serve.tool_parsers import tool_parser
 
 logger = logging.getLogger("fuseformer.serve")
 
@@ -34,6 +35,11 @@ logger = logging.getLogger("fuseformer.serve")
 # thread holds the GIL) would cost more than it saves.
 _INLINE_BODY_BYTES = 4096
 _PREPARE_THREADS = 4  # large prompts tokenized at once, at most; the others queue
+# The format a forcing tool_choice ("required", a named function) holds the output to when the server has
+# no --tool-call-parser: llama3_json's is plain JSON, {"name": ..., "parameters": {...}}, the keys of
+# vLLM's own forcing schema (vLLM holds "required" to a JSON array of such objects, and a named function
+# to its arguments alone; the response's tool_calls are the same).
+FORCED_TOOL_CALL_FORMAT = "llama3_json"
 # The ASGI scope's keys the app's guard (``app._Guard``) sets: the body's size, the X-Request-Id header.
 BODY_BYTES = "fuseformer.body_bytes"
 REQUEST_ID = "fuseformer.request_id"
@@ -76,6 +82,12 @@ class Serving:
         chat_template: the chat template of chat requests (``serve --chat-template``); None: the model's.
         trust_request_chat_template: accept a request's own ``chat_template`` (it runs in the jinja2
             sandbox, but a template can loop for as long as it likes, holding a thread).
+        tool_call_parser: the format of tool calls in the model's output (``serve --tool-call-parser``,
+            a ``tool_parsers.TOOL_PARSERS`` name), also the one a forcing ``tool_choice`` is held to;
+            None: no parsing of "auto" outputs, and forced calls in ``FORCED_TOOL_CALL_FORMAT``.
+        enable_auto_tool_choice: parse tool calls from outputs the model wrote freely (``tool_choice``
+            "auto", the default with tools; ``serve --enable-auto-tool-choice``): needs
+            ``tool_call_parser``, ValueError without it (as vLLM).
     """
 
     def __init__(
@@ -84,6 +96,8 @@ class Serving:
         model_name: str,
         chat_template: str | None = None,
         trust_request_chat_template: bool = False,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -94,6 +108,14 @@ class Serving:
             chat_template = self.tokenizer.chat_template
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (serve --tool-call-parser)")
+        self.tool_parser = None if tool_call_parser is None else tool_parser(tool_call_parser)
+        self.forced_tool_parser = self.tool_parser or tool_parser(FORCED_TOOL_CALL_FORMAT)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        # The tokenizer's special tokens (text -> id): tool-call markers that are one are matched as that
+        # token by the forcing grammars, and kept in the output text for the parser.
+        self.special_tokens: dict[str, int] = getattr(self.tokenizer, "special_tokens", None) or {}
         self._default_params: SamplingParams | None = None
         self.running: set[Running] = set()
         self.ended = False  # end_unfinished ran: no new requests

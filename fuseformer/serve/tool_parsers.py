@@ -87,6 +87,8 @@ def check_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = 
         if name in names:
             raise ToolCallError(f"{where}.function.name {name!r} is given twice", "tools")
         names.add(name)
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise ToolCallError(f"{where}.function.description must be a string", "tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], Mapping):
             raise ToolCallError(f"{where}.function.parameters must be a JSON schema object", "tools")
     if tool_choice is not None and tool_choice not in ("none", "auto", "required"):
@@ -367,6 +369,7 @@ class ToolParser:
     name = ""
     arguments_keys: tuple[str, ...] = ("arguments",)
     initial_mode = "text"
+    markers: tuple[str, ...] = ()  # the format's tags: where they are special tokens, the text must keep them
 
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
@@ -452,6 +455,7 @@ class HermesToolParser(ToolParser):
 
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
+    markers = (START, END)
 
     def _call_schemas(self, fn):
         props = {"name": {"const": fn["name"]}, "arguments": _parameters(fn)}
@@ -522,6 +526,7 @@ class Llama3JsonToolParser(ToolParser):
     arguments_keys = ("parameters", "arguments")
     PYTHON_TAG = "<|python_tag|>"
     initial_mode = "start"
+    markers = (PYTHON_TAG,)
 
     def _call_schemas(self, fn):
         props = {"name": {"const": fn["name"]}, "parameters": _parameters(fn)}

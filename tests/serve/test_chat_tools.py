@@ -1,15 +1,12 @@
 """Tools in the chat prompt (serve/chat.py's ``render_chat``): ``tools`` reach the template as
 transformers passes them (with ``tool_choice`` and ``parallel_tool_calls`` when given), tool messages
 and assistant messages with ``tool_calls`` are rendered (their arguments as the object the JSON string
-encodes), and bad tool fields get a 400 naming the field.
-
-The request model here declares ``tools``, ``tool_choice`` and ``parallel_tool_calls``, as protocol.py's
-``ChatCompletionRequest`` will (until then they are extras, which parameters.REFUSED admits only empty).
+encodes), and bad tool fields get a 400 naming the field. (Tool calls in the output, over HTTP:
+test_tool_calls_http.py.)
 """
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
@@ -61,19 +58,13 @@ ROUND_TRIP = [
 ]
 
 
-class ToolsRequest(ChatCompletionRequest):
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-
-
 @pytest.fixture(scope="module")
 def server():
     return SimpleNamespace(tokenizer=Tokenizer(BUILTIN), chat_template=TEMPLATE, trust_request_chat_template=False)
 
 
 def test_tools_tool_calls_and_tool_messages_reach_the_template(server):
-    req = ToolsRequest(messages=ROUND_TRIP, tools=TOOLS, tool_choice="auto", parallel_tool_calls=False)
+    req = ChatCompletionRequest(messages=ROUND_TRIP, tools=TOOLS, tool_choice="auto", parallel_tool_calls=False)
     assert render_chat(server, req) == (
         "<|system|>tools: get_weather now\n"
         'choice: "auto"\n'
@@ -84,15 +75,15 @@ def test_tools_tool_calls_and_tool_messages_reach_the_template(server):
         "<|assistant|>"
     )
     named = {"type": "function", "function": {"name": "now"}}
-    text = render_chat(server, ToolsRequest(messages=ROUND_TRIP[:1], tools=TOOLS, tool_choice=named))
+    text = render_chat(server, ChatCompletionRequest(messages=ROUND_TRIP[:1], tools=TOOLS, tool_choice=named))
     assert 'choice: {"type": "function", "function": {"name": "now"}}\n' in text and "parallel" not in text
 
 
 def test_without_tools_the_template_gets_none(server):
     for req in (
-        ChatCompletionRequest(messages=ROUND_TRIP[:1]),  # the request model of today: no tool fields
+        ChatCompletionRequest(messages=ROUND_TRIP[:1]),
         ChatCompletionRequest(messages=ROUND_TRIP[:1], tools=[], tool_choice="none"),  # empty: asks for nothing
-        ToolsRequest(messages=ROUND_TRIP[:1]),
+        ChatCompletionRequest(messages=ROUND_TRIP[:1], tools=[], tool_choice="required"),  # as "none" (vLLM's)
     ):
         assert render_chat(server, req) == "<|user|>Weather in Paris?\n<|assistant|>"
 
@@ -113,7 +104,7 @@ def test_without_tools_the_template_gets_none(server):
 )
 def test_bad_tool_fields_name_the_field(server, fields, param, message):
     with pytest.raises(APIError, match=message) as info:
-        render_chat(server, ToolsRequest(messages=ROUND_TRIP[:1], **fields))
+        render_chat(server, ChatCompletionRequest(messages=ROUND_TRIP[:1], **fields))
     assert info.value.param == param
 
 
@@ -122,8 +113,8 @@ def test_tool_call_arguments_must_be_json(server):
     with pytest.raises(
         APIError, match=r"messages\[0\]\.tool_calls\[0\]\.function\.arguments is not valid JSON"
     ) as info:
-        render_chat(server, ToolsRequest(messages=messages))
+        render_chat(server, ChatCompletionRequest(messages=messages))
     assert info.value.param == "messages"
     messages = [dict(ROUND_TRIP[1], tool_calls=[{"type": "function"}])]
     with pytest.raises(APIError, match=r"messages\[0\]\.tool_calls\[0\] must be"):
-        render_chat(server, ToolsRequest(messages=messages))
+        render_chat(server, ChatCompletionRequest(messages=messages))

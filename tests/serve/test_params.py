@@ -391,9 +391,11 @@ def test_request_id_field_names_the_response(client):
 
 # (endpoint, body fields, the param named): realistic values, as clients send them.
 REFUSALS = [
-    ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
-    ("chat", dict(tool_choice="required"), "tool_choice"),
-    ("chat", dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+    # Tool calling is chat's (its 400s: tests/serve/test_tool_calls_http.py); OpenAI's deprecated functions are not.
+    ("completions", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    ("completions", dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+    ("chat", dict(functions=[{"name": "f", "parameters": {}}]), "functions"),
+    ("chat", dict(function_call={"name": "f"}), "function_call"),
     ("completions", dict(best_of=3), "best_of"),
     ("completions", dict(best_of=2, n=1), "best_of"),
     ("chat", dict(prompt_logprobs=0), "prompt_logprobs"),
@@ -459,6 +461,8 @@ NEUTRAL = [
     ("chat", dict(response_format={"type": "text"})),
     ("chat", dict(tools=[], tool_choice="none", parallel_tool_calls=False)),
     ("chat", dict(tool_choice="auto")),
+    ("completions", dict(tools=[], tool_choice="none", parallel_tool_calls=True)),
+    ("chat", dict(functions=[], function_call="auto")),
     ("completions", dict(min_tokens=0, best_of=1, echo=False, use_beam_search=False, length_penalty=1.0)),
     ("chat", dict(echo=False, min_tokens=0, bad_words=[], truncate_prompt_tokens=None)),
     ("completions", dict(n=2, best_of=2)),
