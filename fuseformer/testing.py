@@ -87,6 +87,20 @@ def save_tiny_tokenizer(path, corpus: list[str], chat_template: str, vocab_size:
 
 
 # A tiny Llama-family config for engine tests: GQA 4/2, QKV bias (Qwen2), odd vocab.
+# Structured-outputs constraints the tests hold the built-in model's outputs to (engine and server tests).
+CONSTRAINT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+CONSTRAINT_CHOICES = ["yes", "no", "maybe so"]
+CONSTRAINT_REGEX = r"[A-Z][a-z]{1,6}-[0-9]{2,4}"
+
 TINY_LLAMA = dict(
     architecture="Qwen2ForCausalLM",
     vocab_size=97,

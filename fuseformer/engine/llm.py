@@ -85,16 +85,16 @@ def _eos_ids_of(path: Path | None, tokenizer: Tokenizer | None) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-def batch_limits(device: torch.device, server: bool = False) -> tuple[int, int]:
-    """The default (``max_num_seqs``, ``max_num_batched_tokens``) on ``device``, vLLM's: on a CUDA GPU of
-    at least 70 GiB that is not an A100, 1024 requests and 16,384 tokens a step (8,192 for the server);
-    elsewhere 256 and 8,192 (2,048 for the server is vLLM's; ours keeps 8,192). On an H200 the mix of
+def batch_limits(device: torch.device) -> tuple[int, int]:
+    """The default (``max_num_seqs``, ``max_num_batched_tokens``) on ``device``, vLLM's ``LLM`` class's: on a
+    CUDA GPU of at least 70 GiB that is not an A100, 1024 requests and 16,384 tokens a step; elsewhere 256
+    and 8,192 (``fuseformer serve`` keeps 8,192 tokens, as vLLM's server does there). On an H200 the mix of
     512 requests is admitted in a few steps instead of a few prompts beside each step of 256 decodes
     (docs/perf-notes.md, runs 116-117)."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
-            return 1024, 8192 if server else 16384
+            return 1024, 16384
     return 256, 8192
 
 

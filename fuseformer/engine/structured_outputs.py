@@ -354,7 +354,7 @@ class GrammarMatcher:
 
     __slots__ = ("_future", "_matcher", "_eos", "_error", "compiler")
 
-    def __init__(self, compiled: Future, eos_token_ids: Sequence[int], compiler: GrammarCompiler | None = None) -> None:
+    def __init__(self, compiled: Future, eos_token_ids: Sequence[int], compiler: GrammarCompiler) -> None:
         self._future = compiled
         self.compiler = compiler  # the compiler it came from: it fills a batch's rows in parallel
         self._matcher = None  # the request's copy of the compiled grammar, made when first needed

@@ -68,9 +68,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=None,
         help="requests running at once at most (default: 1024 on a CUDA GPU of >= 70 GiB but an A100, else 256)",
     )
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="tokens computed per step at most (default: 8192)"
-    )
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens computed per step at most")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides the memory-based sizing)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -352,24 +350,18 @@ def run_serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             return _error(f"--chat-template: {exc}", 2)
 
-    import torch
-
     from fuseformer.engine.async_engine import AsyncEngine
-    from fuseformer.engine.llm import LLM, batch_limits
+    from fuseformer.engine.llm import LLM
     from fuseformer.serve.app import create_app
 
-    try:
-        seqs, tokens = batch_limits(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), True)
-    except (RuntimeError, AssertionError):  # a device that is not there: LLM's error names it below
-        seqs, tokens = 256, 8192
     llm_kwargs = dict(
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=seqs if args.max_num_seqs is None else args.max_num_seqs,
-        max_num_batched_tokens=tokens if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,  # None: LLM's default for the device (batch_limits)
+        max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size,
         seed=args.seed,

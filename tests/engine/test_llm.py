@@ -662,8 +662,9 @@ def test_generate_cli_reader_going_away_is_no_error(text_checkpoint):
 
 
 def test_batch_limits_are_vllms_defaults(monkeypatch, checkpoint):
-    """1024 requests and 16,384 tokens a step (8,192 served) on a CUDA GPU of >= 70 GiB but an A100;
-    256 and 8,192 elsewhere (the CPU included); an LLM on the CPU takes them when none is given."""
+    """1024 requests and 16,384 tokens a step on a CUDA GPU of >= 70 GiB but an A100; 256 and 8,192
+    elsewhere (the CPU included); an LLM on the CPU takes them when none is given; `fuseformer serve`
+    leaves max_num_seqs to the LLM and keeps 8,192 tokens a step (vLLM's server's)."""
     from types import SimpleNamespace
 
     from fuseformer.engine.llm import batch_limits
@@ -674,11 +675,14 @@ def test_batch_limits_are_vllms_defaults(monkeypatch, checkpoint):
         torch.cuda, "get_device_properties", lambda d: SimpleNamespace(name=name["v"], total_memory=gpus[name["v"]])
     )
     cuda = torch.device("cuda")
-    expected = {"NVIDIA H200": (1024, 16384, 8192), "NVIDIA A100-SXM4-80GB": (256, 8192, 8192),
-                "NVIDIA L4": (256, 8192, 8192)}  # fmt: skip
-    for gpu, (seqs, tokens, served) in expected.items():
+    expected = {"NVIDIA H200": (1024, 16384), "NVIDIA A100-SXM4-80GB": (256, 8192), "NVIDIA L4": (256, 8192)}
+    for gpu, limits in expected.items():
         name["v"] = gpu
-        assert batch_limits(cuda) == (seqs, tokens) and batch_limits(cuda, server=True) == (seqs, served)
+        assert batch_limits(cuda) == limits
     assert batch_limits(torch.device("cpu")) == (256, 8192)
     config = _llm(checkpoint("llama")[0], device="cpu").core.scheduler.config
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 8192)
+    from fuseformer.cli import build_parser
+
+    served = build_parser().parse_args(["serve"])
+    assert (served.max_num_seqs, served.max_num_batched_tokens) == (None, 8192)

@@ -19,19 +19,10 @@ from fuseformer.engine.cli import DEFAULT_MODEL
 from fuseformer.engine.sampler import SamplingMetadata, sample
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.structured_outputs import StructuredOutputsError, StructuredOutputsParams
+from fuseformer.testing import CONSTRAINT_CHOICES as CHOICES
+from fuseformer.testing import CONSTRAINT_REGEX as REGEX
+from fuseformer.testing import CONSTRAINT_SCHEMA as SCHEMA
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-    },
-    "required": ["name", "age", "tags"],
-    "additionalProperties": False,
-}
-CHOICES = ["yes", "no", "maybe so"]
-REGEX = r"[A-Z][a-z]{1,6}-[0-9]{2,4}"
 PROMPT = "def f(x):\n    return"
 FREE_PROMPTS = ["def fibonacci(n):", "import os\n", "class Point:"]
 

@@ -32,20 +32,11 @@ from fuseformer.engine.structured_outputs import (
 from fuseformer.models.loader import load_model
 from fuseformer.models.tokenizer import Tokenizer
 from fuseformer.serve.tool_parsers import check_tools, tool_parser
+from fuseformer.testing import CONSTRAINT_CHOICES as CHOICES
+from fuseformer.testing import CONSTRAINT_REGEX as REGEX
+from fuseformer.testing import CONSTRAINT_SCHEMA as SCHEMA
 
 BUILTIN = Path(fuseformer.__file__).parent / "assets" / "builtin"
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-    },
-    "required": ["name", "age", "tags"],
-    "additionalProperties": False,
-}
-CHOICES = ["yes", "no", "maybe so"]
-REGEX = r"[A-Z][a-z]{1,6}-[0-9]{2,4}"
 TOOLS = check_tools(
     [
         {

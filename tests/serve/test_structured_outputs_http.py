@@ -12,6 +12,8 @@ import openai
 import pytest
 
 from fuseformer.engine.cli import DEFAULT_MODEL
+from fuseformer.testing import CONSTRAINT_CHOICES as CHOICES
+from fuseformer.testing import CONSTRAINT_REGEX as REGEX
 
 MODEL = "tiny-llama"  # conftest's served name
 SCHEMA = {
@@ -20,8 +22,6 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
-CHOICES = ["yes", "no", "maybe so"]
-REGEX = r"[A-Z][a-z]{1,6}-[0-9]{2,4}"
 PROMPT = "def f(x):\n    return"
 CHAT = [{"role": "user", "content": "Give me a person as JSON."}]
 
