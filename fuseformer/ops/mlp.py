@@ -50,6 +50,7 @@ from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
     SM90_SMEM_BYTES,
+    as_dtype,
     autocast_inputs,
     autograd_function,
     check_tensor,
@@ -82,10 +83,12 @@ def fused_mlp_ref(
     x's dtype with every intermediate rounded to it (what eager PyTorch does). Returns x's dtype."""
     dtype = x.dtype
     compute = float_dtype_of(x) if upcast else dtype
-    gu = x.to(compute) @ w_gate_up.to(compute).T
+    # Casts only where a dtype differs: a no-op .to() still costs ~0.7 us, and this runs per layer per
+    # CPU decode step (fp32 SmolLM-135M shape, 1 thread: 421 -> 409 us a call, 2026-12-05).
+    gu = as_dtype(x, compute) @ as_dtype(w_gate_up, compute).T
     gate, up = gu.chunk(2, dim=-1)
     y = _act_ref(gate, activation) * up
-    return (y @ w_down.to(compute).T).to(dtype)
+    return as_dtype(y @ as_dtype(w_down, compute).T, dtype)
 
 
 # --------------------------------------------------------------------------------------------

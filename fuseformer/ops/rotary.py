@@ -39,6 +39,7 @@ from fuseformer.ops._utils import (
     KERNEL_DTYPES,
     LaunchConfig,
     Launcher,
+    as_dtype,
     autograd_function,
     check_tensor,
     dispatch,
@@ -139,9 +140,10 @@ def _apply_rotary_cpu(
     else:
         pos = _positions(x, seqlen_offsets, cu_seqlens)
         c, s = cos[pos], sin[pos]
-    c = c.to(torch.float32).unsqueeze(-2)  # (S, 1, half) or (..., 1, half), broadcast over batch and heads
-    s = s.to(torch.float32).unsqueeze(-2)
-    dtype, x = x.dtype, x.to(torch.float32)
+    f32 = torch.float32
+    c = as_dtype(c, f32).unsqueeze(-2)  # (S, 1, half) or (..., 1, half), broadcast over batch and heads
+    s = as_dtype(s, f32).unsqueeze(-2)
+    dtype, x = x.dtype, as_dtype(x, f32)
     out = torch.empty(x.shape, dtype=torch.float32)
     pairs = (slice(0, rot, 2), slice(1, rot, 2)) if interleaved else (slice(0, half), slice(half, rot))
     x1, x2 = x[..., pairs[0]], x[..., pairs[1]]
@@ -151,7 +153,7 @@ def _apply_rotary_cpu(
     torch.mul(x2, c, out=o2).add_(x1 * s)  # x2 c + x1 s
     if rot < x.shape[-1]:
         out[..., rot:] = x[..., rot:]
-    return out.to(dtype)
+    return as_dtype(out, dtype)
 
 
 # --------------------------------------------------------------------------------------------
