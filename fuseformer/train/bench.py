@@ -117,20 +117,30 @@ def _our_model(cfg: dict, device: str, dtype: torch.dtype):
     return lm.train()
 
 
-def _our_fwd_bwd(cfg: dict, batch: int, seq: int, device: str, reps: int, skip_last: int = 0) -> dict:
-    impl = "fuseformer" if not skip_last else f"fuseformer all-but:{skip_last}"
-    step = our_fwd_bwd_step(cfg, batch, seq, device, skip_last)
+def _our_fwd_bwd(
+    cfg: dict, batch: int, seq: int, device: str, reps: int, skip_last: int = 0, fp8: bool = False
+) -> dict:
+    impl = ("fuseformer" if not skip_last else f"fuseformer all-but:{skip_last}") + (" fp8" if fp8 else "")
+    try:
+        step = our_fwd_bwd_step(cfg, batch, seq, device, skip_last, fp8)
+    except Exception as exc:  # fp8 without torchao or on an older GPU: a record, not a dead run
+        return dict(case="fwd+bwd", impl=impl, error=f"{type(exc).__name__}: {exc}"[:300])
     rec = _measure(impl, "fwd+bwd", step, cfg, batch, seq, device, reps)
     rec["checkpointing"] = "all" if not skip_last else f"all but the last {skip_last} layers"
     return rec
 
 
-def our_fwd_bwd_step(cfg: dict, batch: int, seq: int, device: str, skip_last: int = 0) -> Callable[[], None]:
+def our_fwd_bwd_step(
+    cfg: dict, batch: int, seq: int, device: str, skip_last: int = 0, fp8: bool = False
+) -> Callable[[], None]:
     """One forward + backward of our model (bf16 weights, every layer checkpointed but the last
-    ``skip_last``), as a function."""
+    ``skip_last``; with ``fp8`` the layers' linears as the trainer's fp8=True makes them), as a function."""
+    from fuseformer.train.fp8 import apply_fp8_training
     from fuseformer.train.trainer import CausalLMLoss, apply_activation_checkpointing
 
     lm = _our_model(cfg, device, torch.bfloat16)
+    if fp8:
+        apply_fp8_training(lm)
     apply_activation_checkpointing(lm, 1, skip_last)
     module = CausalLMLoss(lm)
     t = batch * seq
@@ -147,8 +157,9 @@ def our_fwd_bwd_step(cfg: dict, batch: int, seq: int, device: str, skip_last: in
     return step
 
 
-def _our_full_step(cfg: dict, batch: int, seq: int, device: str, reps: int) -> dict:
-    """Trainer.train_step: fp32 master weights, bf16 autocast, AC on every layer, fused AdamW."""
+def _our_full_step(cfg: dict, batch: int, seq: int, device: str, reps: int, fp8: bool = False) -> dict:
+    """Trainer.train_step: fp32 master weights, bf16 autocast, AC on every layer, fused AdamW (and
+    float8 linears with ``fp8``)."""
     import numpy as np
 
     from fuseformer.train import TokenCorpus, TrainConfig, Trainer
@@ -171,10 +182,15 @@ def _our_full_step(cfg: dict, batch: int, seq: int, device: str, reps: int) -> d
         progress=False,
         log_every=0,
         device=device,
+        fp8=fp8,
     )
-    trainer = Trainer(train_config, train_corpus=corpus)
-    rec = _measure("fuseformer trainer", "full step", trainer.train_step, cfg, batch, seq, device, reps)
-    rec["note"] = "fp32 master weights + AdamW state, bf16 autocast"
+    impl = "fuseformer trainer" + (" fp8" if fp8 else "")
+    try:
+        trainer = Trainer(train_config, train_corpus=corpus)
+    except Exception as exc:
+        return dict(case="full step", impl=impl, error=f"{type(exc).__name__}: {exc}"[:300])
+    rec = _measure(impl, "full step", trainer.train_step, cfg, batch, seq, device, reps)
+    rec["note"] = "fp32 master weights + AdamW state, bf16 autocast" + (", float8 linears (torchao)" if fp8 else "")
     return rec
 
 
@@ -240,6 +256,9 @@ def bench_train(quick: bool, device: str = "cuda", shape: dict | None = None) ->
         # activations are the backward's first, freed before the gradients have grown.
         *(lambda k=k: _our_fwd_bwd(cfg, batch, seq, device, reps, k) for k in ((1, 2, 3) if not quick else ())),
         lambda: _our_full_step(cfg, batch, seq, device, reps),
+        # Issue 31: the layers' linears in float8 (torchao, rowwise scales); MFU stays over the bf16 peak.
+        lambda: _our_fwd_bwd(cfg, batch, seq, device, reps, fp8=True),
+        lambda: _our_full_step(cfg, batch, seq, device, reps, fp8=True),
     ):
         _free()
         records.append(fn())

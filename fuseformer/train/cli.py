@@ -57,6 +57,8 @@ _HELP = {
     "eps": "AdamW epsilon",
     "grad_clip": "max global gradient norm, 0 for no clipping",
     "precision": "auto (bf16 on CUDA, fp32 on a CPU, where bf16 runs ~10x slower), bf16, fp16 or fp32",
+    "fp8": "float8 GEMMs (e4m3, rowwise scales, through torchao) for the decoder layers' linear layers; "
+    "needs torchao and an SM 8.9+ GPU (Ada, Hopper) or a CPU",
     "activation_checkpointing": "off, all, every:K or all-but:K (recompute layers in backward to save memory)",
     "eval_every": "evaluate every N optimizer steps and at the end; 0 never",
     "eval_split": "fraction of the documents held out for evaluation, 0 for none",

@@ -39,6 +39,9 @@ class TrainConfig:
     save_every / eval_every / log_every: in optimizer steps; 0 = never. With save_every > 0 a final
         checkpoint is always written, and with eval_every > 0 a final evaluation runs.
     grad_clip: max global grad norm; 0 = no clipping.
+    fp8: the decoder layers' linear layers run float8 GEMMs (e4m3, rowwise scales) through torchao's
+        float8 training (train/fp8.py); master weights, optimizer, norms, attention and the LM-head
+        loss as without it. Needs torchao, and a CUDA GPU of compute capability 8.9+ or a CPU.
     """
 
     model: ModelConfig | str
@@ -59,6 +62,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     precision: str = "auto"
+    fp8: bool = False
     activation_checkpointing: str = "off"
     eval_every: int = 0
     eval_split: float = 0.0
@@ -117,6 +121,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: eval_split must be a fraction in [0, 1), got {self.eval_split!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"TrainConfig: precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not isinstance(self.fp8, bool):
+            raise ValueError(f"TrainConfig: fp8 must be true or false, got {self.fp8!r}")
         if self.distributed not in DISTRIBUTED:
             raise ValueError(f"TrainConfig: distributed must be one of {DISTRIBUTED}, got {self.distributed!r}")
         self.checkpoint_plan()  # validates activation_checkpointing

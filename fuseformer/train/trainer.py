@@ -49,6 +49,7 @@ from fuseformer.train.data import (
     load_corpus,
     micro_batches,
 )
+from fuseformer.train.fp8 import apply_fp8_training, check_fp8_device
 from fuseformer.train.loss import linear_cross_entropy_sum
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -240,6 +241,10 @@ class Trainer:
             self.tokenizer_dir = Path(config.tokenizer)
         self.lm = model.float().to(device).train()
         self.lm.model.embed_tokens.register_forward_hook(_autocast_embedding)
+        if config.fp8:
+            check_fp8_device(device)
+            converted = apply_fp8_training(self.lm)
+            self._log(f"fp8: {len(converted)} linear layers train with float8 GEMMs (torchao, rowwise scales)")
         apply_activation_checkpointing(self.lm, *config.checkpoint_plan())
         self.module = D.parallelize(CausalLMLoss(self.lm), self.lm.model.layers, self.dist)
 

@@ -19,8 +19,9 @@ def test_bench_train_smoke_cpu():
     with fuseformer.use_backend("reference"):
         records = bench_train(True, device="cpu", shape=shape)
     by_impl = {r["impl"]: r for r in records}
-    assert set(by_impl) == {"hf eager", "hf+liger", "fuseformer", "fuseformer trainer"}
-    for impl in ("hf eager", "fuseformer", "fuseformer trainer"):
+    ours = {"fuseformer", "fuseformer trainer", "fuseformer fp8", "fuseformer trainer fp8"}
+    assert set(by_impl) == {"hf eager", "hf+liger"} | ours
+    for impl in ("hf eager", "fuseformer", "fuseformer trainer", "fuseformer fp8", "fuseformer trainer fp8"):
         assert "error" not in by_impl[impl], by_impl[impl]
         assert by_impl[impl]["tokens_per_s"] > 0 and by_impl[impl]["batch"] * by_impl[impl]["seq"] == 32
     assert "fuseformer trainer" in format_table(records)
