@@ -18,6 +18,11 @@
 # in .whl/, installed from there when present), and the mix, prefix and fixed workloads with the defaults
 # and enforce_eager (benchmarks/engine_workloads.py), JSON in OUT_DIR.
 #
+# fp8 (not part of all): issue 31 in one device call: the FP8 GPU tests (the ops, layers, checkpoint
+# formats, the FP8 KV cache, LLM(quantization="fp8"), training) in one process; benchmarks/fp8_engine.py
+# (bf16, fp8, fp8 + fp8 KV cache over the same 8B-shape weights: batch1, fixed, prefill); the training
+# benchmark's fp8 cases at the Llama-1B shape with bf16 beside them (needs torchao: carry its wheel in .whl/).
+#
 # attention (not part of all): the attention GPU tests at head dim 128 (the Gluon kernels and the cases
 # they take), the attention layer's and the Llama model's, then `fuseformer bench attention --quick`, in one
 # device call (~5 min; run 83 ran the tests in 158 s).
@@ -66,11 +71,20 @@ if [[ "$stage" == gluon ]]; then
         > "$out/sweep-gluon.log" 2>&1 || status=1
     tail -n 3 "$out/sweep-gluon.log"
 fi
+if [[ ( "$stage" == engine || "$stage" == fp8 ) ]] && ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if [[ "$stage" == fp8 ]]; then
+    python3 -m pytest -q -m gpu -p no:randomly tests/ops/test_fp8.py tests/layers/test_fp8_layers.py \
+        tests/models/test_quantization.py tests/engine/test_fp8_kv_cache.py tests/engine/test_llm_fp8.py \
+        tests/train/test_fp8.py tests/ops/test_paged_attention.py tests/ops/test_reshape_and_cache.py \
+        2>&1 | tee "$out/gpu-tests-fp8.log" | tail -n 8
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    OUT="$out" python3 benchmarks/fp8_engine.py "${FP8_CASES:-batch1,fixed,prefill}" 2>&1 | grep -v Warn | tail -n 8 || status=1
+    python3 -c "from fuseformer.train.bench import main; main()" --json "$out/bench-train-fp8.json" 2>&1 | tail -n 12 || status=1
+fi
 if [[ "$stage" == engine ]]; then
-    if ls .whl/*.whl > /dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-            && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-    fi
     python3 -m pytest -q -m gpu -p no:randomly tests/engine 2>&1 | tee "$out/gpu-tests-engine.log" | tail -n 5
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     python3 benchmarks/structured_outputs_engine.py --out "$out/structured_outputs_engine.json" 2>&1 | tail -n 5 || status=1
