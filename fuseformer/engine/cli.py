@@ -92,6 +92,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         "--no-cuda-graphs runs them eagerly",
     )
     add_enforce_eager(p)
+    add_quantization(p)
     p.add_argument("--quiet", action="store_true", help="no loading line and no summary on stderr (default: off)")
     p.set_defaults(func=run_generate)
     return p
@@ -104,6 +105,26 @@ def add_enforce_eager(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no CUDA graphs and no scheduling ahead, unless asked for by their own flags (vLLM's name; "
         "without it both are on with a CUDA device) (default: off)",
+    )
+
+
+def add_quantization(p: argparse.ArgumentParser) -> None:
+    """--quantization and --kv-cache-dtype, shared by ``generate`` and ``serve`` (vLLM's names)."""
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=("fp8",),
+        help="fp8: FP8 (e4m3) weights with per-channel scales and per-token activations in the decoder layers' "
+        "linear layers and MLPs (embeddings, LM head and attention stay in --dtype); a bf16 checkpoint is "
+        "quantized as it loads (default: none, or the checkpoint's own when its config.json has an FP8 "
+        "quantization_config)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8", "fp8_e4m3"),
+        help="the KV cache's dtype: auto is the model's; fp8 (or fp8_e4m3) stores K and V in e4m3 with each "
+        "layer's scales from the checkpoint (else 1.0): twice the tokens in the same memory (default: auto)",
     )
 
 
@@ -188,15 +209,14 @@ def run_generate(args: argparse.Namespace) -> int:
             seed=0 if args.seed is None else args.seed,
             cuda_graphs=args.cuda_graphs,
             enforce_eager=args.enforce_eager,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     except (FileNotFoundError, ValueError) as exc:
         return _error(str(exc), 1)
     if llm.tokenizer is None:
         return _error(f"--model {model} has no tokenizer.json", 2)
-    weights = next(llm.model.parameters())
-    params_m = sum(p.numel() for p in llm.model.parameters()) / 1e6
-    dtype = str(weights.dtype).removeprefix("torch.")
-    _log(args, f"loaded {params_m:.1f}M parameters ({dtype}) in {time.perf_counter() - start:.1f} s")
+    _log(args, f"loaded {_describe_weights(llm.model)} in {time.perf_counter() - start:.1f} s")
 
     # The model's generation_config.json defaults, then what was given on the command line.
     defaults = llm.get_default_sampling_params()
@@ -241,6 +261,19 @@ def run_generate(args: argparse.Namespace) -> int:
         f"finished: {finish})",
     )
     return 0
+
+
+def _describe_weights(model) -> str:
+    """The loaded line's weights: "11.7M parameters (float32)", or with FP8 layers "11.7M parameters
+    (bfloat16; 9.4M in fp8)" (the FP8 weights are buffers, counted too)."""
+    import torch
+
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    params = sum(p.numel() for p in model.parameters())
+    fp8 = sum(b.numel() for b in model.buffers() if b.dtype == torch.float8_e4m3fn)
+    if not fp8:
+        return f"{params / 1e6:.1f}M parameters ({dtype})"
+    return f"{(params + fp8) / 1e6:.1f}M parameters ({dtype}; {fp8 / 1e6:.1f}M in fp8)"
 
 
 def main(argv: list[str] | None = None) -> int:

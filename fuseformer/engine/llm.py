@@ -35,6 +35,7 @@ from fuseformer.engine.step_log import StepLog
 from fuseformer.engine.structured_outputs import StructuredOutputsError
 from fuseformer.models.config import ModelConfig
 from fuseformer.models.loader import load_model
+from fuseformer.models.quantization import is_fp8_model, quantize_model_fp8, wants_fp8
 from fuseformer.models.registry import model_class
 from fuseformer.models.tokenizer import Tokenizer
 
@@ -49,8 +50,6 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "tensor_parallel_size": ((1,), "an engine runs on one device (no tensor parallelism)"),
     "pipeline_parallel_size": ((1,), "an engine runs on one device (no pipeline parallelism)"),
     "data_parallel_size": ((1,), "an engine runs on one device (no data parallelism)"),
-    "quantization": ((None,), "weights run in dtype (no quantization)"),
-    "kv_cache_dtype": (("auto",), "the KV cache is in the model's dtype"),
     "trust_remote_code": ((False,), "models are the registry's (fuseformer.models.registry): no checkpoint code runs"),
     "enable_chunked_prefill": ((None, True), "prefills are always chunked to max_num_batched_tokens"),
     "swap_space": ((0,), "preempted requests recompute (as vLLM v1's): there is no CPU swap space"),
@@ -156,13 +155,26 @@ class LLM:
         async_scheduling_min_seqs: schedule ahead only steps of at least this many requests. At a
             small batch the host work hidden is small (~1 ms at batch 1–2 at the 8B shape) and a
             request that arrives waits for the step scheduled ahead too (``fuseformer serve`` uses 8).
+        quantization: None, or "fp8": FP8 inference (vLLM's name), weights in e4m3 with a scale per
+            output channel and activations quantized per token as they go, in every decoder layer's
+            QKV, output and MLP projections (the norms before them fused with the quantization); the
+            embeddings, the final norm, the LM head and attention stay in ``dtype``. A bf16/fp32
+            checkpoint is quantized as it loads; an FP8 checkpoint (config.json's
+            ``quantization_config``: "fp8" or "compressed-tensors", per-tensor or per-channel scales,
+            dynamic activations) loads as it is, with None too (the checkpoint's quantization is used,
+            as vLLM does). A built model passed as ``model`` is quantized in place (it must be the
+            registry's, which ``model`` is checked to be anyway). Other values raise ValueError.
+            On a CPU the FP8 ops run their PyTorch references: correct, not fast. See docs/models.md.
+        kv_cache_dtype: "auto" (the model's dtype), or "fp8" / "fp8_e4m3": K and V cached in e4m3 with
+            each layer's ``k_scale``/``v_scale`` (the checkpoint's, else 1.0) (``CacheConfig``);
+            "fp8_e5m2" raises ValueError.
         prefill_stream: on CUDA, a prefill that ``step_with_arrivals`` launches while a decode step is
             in flight runs on a second stream, beside that step instead of queued behind it (the
             prefill is host-bound, the decode step memory-bound: they share the GPU well). On by
             default in ``fuseformer serve`` on CUDA (H200, 8B shape: 1 req/s p50 time to first token
             0.95-1.00x a lone request's with ``AsyncEngine.overlap_prefill``, runs 31-33).
-        **vllm_only: vLLM's arguments in ``_VLLM_ONLY`` (``tensor_parallel_size``, ``quantization``,
-            ``trust_remote_code``, ``enable_chunked_prefill``, ``swap_space``, ``kv_cache_dtype``, ...),
+        **vllm_only: vLLM's arguments in ``_VLLM_ONLY`` (``tensor_parallel_size``,
+            ``trust_remote_code``, ``enable_chunked_prefill``, ``swap_space``, ...),
             at the values that are this engine's behaviour (``tensor_parallel_size=1``,
             ``trust_remote_code=False``, ...); another value raises ValueError naming it.
     """
@@ -187,9 +199,12 @@ class LLM:
         async_scheduling_min_seqs: int = 1,
         prefill_stream: bool = False,
         enforce_eager: bool = False,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         **vllm_only: Any,
     ) -> None:
         _check_vllm_only(vllm_only)
+        wants_fp8(quantization, None, "LLM")  # a ValueError naming the accepted values, before loading
         for name, value in (("cuda_graphs", cuda_graphs), ("async_scheduling", async_scheduling)):
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"LLM: {name} must be a bool or None (the default), got {value!r}")
@@ -208,6 +223,7 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization,
             cpu_kv_cache_gib=cpu_kv_cache_gib,
+            kv_cache_dtype=kv_cache_dtype,
         )
         if device is None and isinstance(model, nn.Module):
             device = next(model.parameters()).device  # a built model runs where it is
@@ -224,11 +240,15 @@ class LLM:
         path = None
         if isinstance(model, nn.Module):
             self.model_config = _check_model(model)
+            if quantization == "fp8" and not is_fp8_model(model):
+                quantize_model_fp8(model, self.model_config)
             self.model = model.eval()
         else:
             path = Path(model)
             checkpoint_dtype = ModelConfig.from_file(path / "config.json").torch_dtype if path.is_dir() else None
-            self.model, self.model_config = load_model(path, _resolve_dtype(dtype, checkpoint_dtype), device)
+            self.model, self.model_config = load_model(
+                path, _resolve_dtype(dtype, checkpoint_dtype), device, quantization=quantization
+            )
         if isinstance(tokenizer, Tokenizer):
             self.tokenizer: Tokenizer | None = tokenizer
         elif tokenizer is not None:

@@ -38,10 +38,13 @@ from fuseformer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fuseformer.models.attention_metadata import AttentionMetadata
 from fuseformer.models.config import ModelConfig
 
+# CacheConfig.kv_cache_dtype -> the caches' dtype (None: the model's). vLLM's names; e5m2 is refused.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
 
 @dataclass(kw_only=True, slots=True)
 class CacheConfig:
-    """How many KV blocks to allocate.
+    """How many KV blocks to allocate, and in which dtype.
 
     Args:
         block_size: tokens per block.
@@ -49,14 +52,24 @@ class CacheConfig:
         gpu_memory_utilization: on CUDA, the fraction of the GPU's total memory this engine may use
             (weights, the activations of a full step, and the KV cache).
         cpu_kv_cache_gib: on the CPU, the KV cache size in GiB.
+        kv_cache_dtype: "auto" (the model's dtype), or "fp8" / "fp8_e4m3" (vLLM's names): e4m3 K/V
+            scaled by each attention's ``k_scale`` / ``v_scale`` (1.0 unless the checkpoint has them),
+            1 byte an element: twice a bf16 cache's blocks in the same memory. CUDA: sm_89+ only.
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            e5m2 = " (fp8_e5m2 is not supported)" if self.kv_cache_dtype == "fp8_e5m2" else ""
+            raise ValueError(
+                f"CacheConfig: kv_cache_dtype must be one of 'auto', 'fp8', 'fp8_e4m3'{e5m2}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"CacheConfig: block_size must be a positive int, got {self.block_size!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
@@ -321,9 +334,13 @@ class ModelRunner:
         # Decode steps of up to 512 requests replay graphs (vLLM's capture limit); larger ones run eagerly.
         graphed = min(max_num_seqs, max_num_batched_tokens, MAX_GRAPH_BATCH)
         self.graph_sizes = graph_batch_sizes(graphed) if cuda_graphs else []
+        self.kv_cache_dtype = KV_CACHE_DTYPES[cache_config.kv_cache_dtype] or self.dtype  # e4m3: 2x the blocks
+        if self.kv_cache_dtype.itemsize == 1 and self.device.type == "cuda":
+            if torch.cuda.get_device_capability(self.device) < (8, 9):  # Triton has no e4m3 before sm_89
+                raise ValueError(f"ModelRunner: kv_cache_dtype {cache_config.kv_cache_dtype!r} needs sm_89+")
         self.num_blocks = cache_config.num_kv_blocks or self._blocks_from_memory()
         shape = config.kv_cache_shape(self.num_blocks, self.block_size)
-        kw = dict(dtype=self.dtype, device=self.device)
+        kw = dict(dtype=self.kv_cache_dtype, device=self.device)
         self.kv_caches = [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in range(config.num_hidden_layers)]
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' RNGs, by request id
         self.decode_graphs: _DecodeGraphs | None = None
@@ -359,7 +376,7 @@ class ModelRunner:
     # ---- KV cache sizing -------------------------------------------------------------------
 
     def _blocks_from_memory(self) -> int:
-        block_bytes = self.config.kv_cache_block_bytes(self.block_size, self.dtype)
+        block_bytes = self.config.kv_cache_block_bytes(self.block_size, self.kv_cache_dtype)
         if self.device.type != "cuda":
             return max(2, int(self.cache_config.cpu_kv_cache_gib * 2**30) // block_bytes)
         activation_peak = self._profile_step()

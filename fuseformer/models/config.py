@@ -228,7 +228,9 @@ class ModelConfig:
         return (num_blocks, block_size, self.num_key_value_heads, self.head_dim)
 
     def kv_cache_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one KV block takes over all layers, K and V: what the block pool divides memory by."""
+        """Bytes one KV block takes over all layers, K and V, in the caches' ``dtype`` (the model's, or
+        torch.float8_e4m3fn for an FP8 KV cache: 1 byte an element, half a bf16 block): what the block
+        pool divides memory by."""
         item = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_hidden_layers * block_size * self.num_key_value_heads * self.head_dim * item
 

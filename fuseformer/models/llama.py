@@ -52,6 +52,20 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # The FP8 KV cache's per-layer K and V scales (stored = k / k_scale in e4m3): fp32 scalars on
+        # the model's device, 1.0 unless the loader fills them from the checkpoint (``fill_``, ``copy_``).
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) would cast the scales and to_empty (the loader's meta build) leave them garbage:
+        # keep their values in fp32 (1.0 out of the meta device); only their device follows ``fn``.
+        scales = None if self.k_scale.is_meta else torch.stack((self.k_scale, self.v_scale)).float()
+        super()._apply(fn, recurse)
+        device = self.k_scale.device
+        scales = torch.ones(2, device=device) if scales is None else scales.to(device)
+        self.k_scale, self.v_scale = scales[0].clone(), scales[1].clone()
+        return self
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -78,10 +92,11 @@ class Attention(nn.Module):
             o = F.flash_attention(q, k, v, True, self.scale, window, cu, cu, n, n, softcap=self.softcap)
         else:
             k_cache, v_cache = meta.kv_caches[self.layer]
-            F.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            F.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
             o = F.paged_attention(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
                 self.scale, causal=True, window=self.window, max_seqlen_q=meta.max_seqlen_q, softcap=self.softcap,
+                k_scale=self.k_scale, v_scale=self.v_scale,
             )  # fmt: skip
         return self.o_proj(o.reshape(t, -1))
 

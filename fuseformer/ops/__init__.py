@@ -7,12 +7,15 @@ y, h = F.rms_norm(x, weight, eps=1e-6, residual=r)
 from fuseformer.ops.activations import geglu, geglu_ref, swiglu, swiglu_ref
 from fuseformer.ops.attention import flash_attention, flash_attention_ref
 from fuseformer.ops.cross_entropy import cross_entropy, cross_entropy_ref
+from fuseformer.ops.fp8_gemm import fp8_gemm, fp8_gemm_glu, fp8_gemm_glu_ref, fp8_gemm_ref
 from fuseformer.ops.fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 from fuseformer.ops.layer_norm import layer_norm, layer_norm_ref
 from fuseformer.ops.mlp import fused_mlp, fused_mlp_ref
 from fuseformer.ops.paged_attention import paged_attention, paged_attention_ref
+from fuseformer.ops.quant_fp8 import dequantize_fp8, quantize_fp8, quantize_fp8_ref, quantize_weight_fp8
 from fuseformer.ops.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from fuseformer.ops.rms_norm import rms_norm, rms_norm_ref
+from fuseformer.ops.rms_norm_quant import rms_norm_quant_fp8, rms_norm_quant_fp8_ref
 from fuseformer.ops.rotary import apply_rotary, apply_rotary_ref
 
 # Every public op, in the order ``fuseformer info`` lists them.
@@ -28,6 +31,10 @@ OPS = (
     "cross_entropy",
     "fused_linear_cross_entropy",
     "fused_mlp",
+    "quantize_fp8",
+    "rms_norm_quant_fp8",
+    "fp8_gemm",
+    "fp8_gemm_glu",
 )
 
 __all__ = [
@@ -36,8 +43,13 @@ __all__ = [
     "apply_rotary_ref",
     "cross_entropy",
     "cross_entropy_ref",
+    "dequantize_fp8",
     "flash_attention",
     "flash_attention_ref",
+    "fp8_gemm",
+    "fp8_gemm_glu",
+    "fp8_gemm_glu_ref",
+    "fp8_gemm_ref",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_ref",
     "fused_mlp",
@@ -48,9 +60,14 @@ __all__ = [
     "layer_norm_ref",
     "paged_attention",
     "paged_attention_ref",
+    "quantize_fp8",
+    "quantize_fp8_ref",
+    "quantize_weight_fp8",
     "reshape_and_cache",
     "reshape_and_cache_ref",
     "rms_norm",
+    "rms_norm_quant_fp8",
+    "rms_norm_quant_fp8_ref",
     "rms_norm_ref",
     "swiglu",
     "swiglu_ref",

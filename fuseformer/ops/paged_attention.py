@@ -31,6 +31,13 @@ Split-K ("flash-decoding"): when a step's queries fit one tile per (sequence, KV
 programs are too few to fill the GPU (few sequences, long contexts), each one's keys are split
 into runs; the programs write fp32 partial outputs with their log-sum-exp, and a small second
 kernel merges them.
+
+FP8 KV cache (ops/_fp8_kv_cache.py): e4m3 caches hold K / k_scale and V / v_scale. The kernel loads
+the e4m3 tiles (half the bytes of bf16) and converts them to q's dtype, exactly (e4m3 values are
+exact in fp16 and bf16), for the two dots; the scales are not applied per element but folded: k_scale
+into the score scale (s = (q . k_stored) * k_scale * softmax_scale, in fp32) and v_scale into the
+output (o = v_scale * sum_j p_j v_stored_j, once per row at the end). Fewer multiplies than
+dequantizing each tile, and more accurate: the dequantized K/V are never rounded to q's dtype.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ import triton
 import triton.language as tl
 
 from fuseformer.ops._attention_common import tanh
+from fuseformer.ops._fp8_kv_cache import FP8_KV_DTYPE, check_scale, dequantize, is_fp8, kernels_support_fp8
+from fuseformer.ops._paged_attention_cpu import _paged_attention_cpu
 from fuseformer.ops._utils import FLOAT_DTYPES, KERNEL_DTYPES, check_shape, check_tensor, empty, next_pow2, sm_count
 from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend, forced_backend
@@ -66,9 +75,12 @@ def paged_attention_ref(
     window: int = -1,
     softcap: float = 0.0,
     upcast: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pure PyTorch: gather each sequence's blocks, cap the scores (``softcap`` > 0), mask bottom-right
-    aligned, softmax, weight V.
+    """Pure PyTorch: gather each sequence's blocks (e4m3 caches dequantized: times ``k_scale`` /
+    ``v_scale``, None 1.0), cap the scores (``softcap`` > 0), mask bottom-right aligned, softmax,
+    weight V.
 
     Computes in fp32 (fp64 stays fp64) when ``upcast``, else in q's dtype. Returns (T, Hq, D) in
     q's dtype. A loop over sequences with host syncs: the oracle and the CPU path, not a fast path.
@@ -77,6 +89,8 @@ def paged_attention_ref(
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     compute = (torch.float64 if q.dtype == torch.float64 else torch.float32) if upcast else q.dtype
+    if not is_fp8(k_cache):
+        k_scale = v_scale = None
     out = torch.zeros(t, hq, d, dtype=q.dtype, device=q.device)
     cu = cu_seqlens_q.tolist()
     ctx_lens = context_lens.tolist()
@@ -88,8 +102,8 @@ def paged_attention_ref(
         if q_len > ctx:
             raise ValueError(f"{_OP}: sequence {b} has {q_len} new queries but a context of only {ctx}")
         blocks = block_tables[b, : (ctx + bs - 1) // bs].long()
-        k = k_cache[blocks].reshape(-1, hkv, d)[:ctx].to(compute)  # (ctx, Hkv, D)
-        v = v_cache[blocks].reshape(-1, hkv, d)[:ctx].to(compute)
+        k = dequantize(k_cache[blocks].reshape(-1, hkv, d)[:ctx], k_scale, compute)  # (ctx, Hkv, D)
+        v = dequantize(v_cache[blocks].reshape(-1, hkv, d)[:ctx], v_scale, compute)
         k = k.repeat_interleave(hq // hkv, dim=1)  # (ctx, Hq, D)
         v = v.repeat_interleave(hq // hkv, dim=1)
         qs = q[q0:q1].to(compute)  # (q_len, Hq, D)
@@ -110,103 +124,6 @@ def paged_attention_ref(
 
 
 # --------------------------------------------------------------------------------------------
-# CPU path: what the reference backend runs on fp32 CPU tensors unless the reference is forced. The
-# reference's results within DESIGN.md §3, in fewer ops: a decode step calls it once per layer, and on
-# a CPU each op's dispatch costs as much as its arithmetic at one token
-# (SmolLM-135M shape, 1 thread, 2026-12-03: 1.45 ms -> 0.37 ms a call).
-# --------------------------------------------------------------------------------------------
-def _paged_attention_cpu(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    causal: bool,
-    window: int,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    """paged_attention_ref's loop over sequences with each one's attention done by torch's SDPA (its
-    CPU kernel accumulates in fp32; GQA by ``enable_gqa``, without repeating K/V); a mask only where
-    some key is masked. With ``softcap`` > 0 (SDPA cannot cap its scores) the capped scores are
-    computed here, per KV group without repeating K/V. (T, Hq, D) in q's dtype."""
-    t, hq, d = q.shape
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    cu = cu_seqlens_q.tolist()
-    ctx_lens = context_lens.tolist()
-    whole = len(cu) == 2 and cu[0] == 0 and cu[1] == t  # one sequence owns every row: return its output
-    out = None if whole else torch.zeros(t, hq, d, dtype=q.dtype, device=q.device)
-    for b in range(len(cu) - 1):
-        q0, q1, ctx = cu[b], cu[b + 1], ctx_lens[b]
-        q_len = q1 - q0
-        if q_len == 0:
-            continue
-        if q_len > ctx:
-            raise ValueError(f"{_OP}: sequence {b} has {q_len} new queries but a context of only {ctx}")
-        blocks = block_tables[b, : (ctx + bs - 1) // bs]
-        ids = blocks.tolist()
-        run = 0 <= ids[0] and ids[-1] < k_cache.shape[0] and ids == list(range(ids[0], ids[0] + len(ids)))
-        if run and k_cache.is_contiguous() and v_cache.is_contiguous():
-            # Blocks in a run (the pool hands a lone sequence consecutive blocks): a view, no gather.
-            k = k_cache.view(-1, hkv, d)[ids[0] * bs : ids[0] * bs + ctx]  # (ctx, Hkv, D)
-            v = v_cache.view(-1, hkv, d)[ids[0] * bs : ids[0] * bs + ctx]
-        else:  # index_select: ~3x faster than advanced indexing at a decode's few blocks
-            k = k_cache.index_select(0, blocks).view(-1, hkv, d)[:ctx]
-            v = v_cache.index_select(0, blocks).view(-1, hkv, d)[:ctx]
-        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
-        qs = q[q0:q1].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, D)
-        # Query i sits at position ctx - q_len + i (bottom-right aligned); the mask is built only when
-        # a key is outside some query's range: causal with q_len > 1, or a window shorter than the context.
-        windowed = window > 0 and ctx - q_len >= window
-        mask, is_causal = None, False
-        if causal and q_len == ctx and not windowed:
-            is_causal = True  # SDPA's top-left causal mask is the bottom-right one when q_len == ctx
-        elif (causal and q_len > 1) or windowed:
-            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-            k_pos = torch.arange(ctx, device=q.device)[None, :]
-            mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device)
-            if causal:
-                mask &= k_pos <= q_pos
-            if window > 0:
-                mask &= k_pos > q_pos - window
-        if softcap > 0:
-            o = _capped_attention(qs[0], k[0], v[0], scale, softcap, mask, is_causal).transpose(0, 1)
-        else:
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qs, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=hq != hkv
-            )[0].transpose(0, 1)  # (q_len, Hq, D)
-        if whole:
-            return o.contiguous()
-        out[q0:q1] = o
-    return out if out is not None else torch.zeros(t, hq, d, dtype=q.dtype, device=q.device)
-
-
-def _capped_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    softcap: float,
-    mask: torch.Tensor | None,
-    is_causal: bool,
-) -> torch.Tensor:
-    """q (Hq, q_len, D), k/v (Hkv, ctx, D) -> (Hq, q_len, D): softmax(softcap * tanh(s / softcap) + mask) v
-    with s = scale * q k^T, in fp32 (q's dtype out); q heads grouped per KV head, K/V not repeated."""
-    hq, q_len, d = q.shape
-    hkv, ctx = k.shape[0], k.shape[1]
-    qg = q.float().reshape(hkv, hq // hkv * q_len, d)  # (Hkv, group * q_len, D): head h = kv * group + g
-    s = torch.matmul(qg, k.float().transpose(1, 2)).view(hq, q_len, ctx) * scale
-    s = softcap * torch.tanh(s / softcap)
-    if is_causal:  # q_len == ctx: top-left is bottom-right
-        mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).view(hkv, hq // hkv * q_len, ctx)
-    return torch.matmul(p, v.float()).view(hq, q_len, d).to(q.dtype)
-
-
-# --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
@@ -220,7 +137,8 @@ def _paged_attention_loop(
     """Online softmax over the keys [start, end) (start a multiple of BLOCK_N). acc (BLOCK_M, BLOCK_D)
     fp32; l_i, m_i (BLOCK_M,) running sum and max in log2 units; q_pos (BLOCK_M,) absolute positions.
     MASK: mask keys >= hi and the causal/window bounds (blocks at the edges of the tile's range).
-    SOFTCAP: scores softcap * tanh(q k^T * qk_scale), with qk_scale = scale / cap and softcap = cap * log2(e)."""
+    SOFTCAP: scores softcap * tanh(q k^T * qk_scale), with qk_scale = scale / cap and softcap = cap * log2(e).
+    e4m3 caches: the tiles converted to q's dtype (exact); their scales are the caller's (qk_scale, acc)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -250,6 +168,9 @@ def _paged_attention_loop(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
+        if k.dtype.is_fp8():
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if SOFTCAP:
             s = tanh(s) * softcap
@@ -271,7 +192,7 @@ def _paged_attention_loop(
 
 @triton.jit
 def _paged_attention_fwd_kernel(
-    Q, K_CACHE, V_CACHE, OUT, LSE, CU_Q, CTX_LENS, BLOCK_TABLES,
+    Q, K_CACHE, V_CACHE, OUT, LSE, CU_Q, CTX_LENS, BLOCK_TABLES, K_SCALE, V_SCALE,
     stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
@@ -286,6 +207,8 @@ def _paged_attention_fwd_kernel(
     # kv_head * GROUP + chunk * HEADS + r % HEADS, so each K/V tile is loaded once for the group.
     # SPLIT: this program covers 1/num_splits of the keys and writes fp32 partials (OUT) and their
     # log2-sum-exp (LSE), indexed by split; _paged_attention_merge_kernel combines them.
+    # K_SCALE, V_SCALE: fp32 scalars of e4m3 caches (None: 1.0, not loaded), folded into the score
+    # scale and the output (the merge is linear: each split's partial carries v_scale).
     ROWS: tl.constexpr = BLOCK_M // HEADS  # queries per tile
     CHUNKS: tl.constexpr = (GROUP + HEADS - 1) // HEADS  # tiles per group (> 1 only when GROUP > BLOCK_M)
     pid = tl.program_id(0)
@@ -357,6 +280,8 @@ def _paged_attention_fwd_kernel(
 
     # Finite start for the running max: a row whose keys are all masked in a tile keeps p = 0
     # instead of exp(-inf - -inf) = NaN.
+    if K_SCALE is not None:
+        qk_scale = qk_scale * tl.load(K_SCALE)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -379,6 +304,8 @@ def _paged_attention_fwd_kernel(
         True, CAUSAL, HAS_WINDOW, DOT_PRECISION, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP,
     )  # fmt: skip
 
+    if V_SCALE is not None:
+        acc = acc * tl.load(V_SCALE)
     o_ptrs = OUT + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
     o_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
@@ -431,15 +358,19 @@ def _paged_attention_merge_kernel(
 #   fp32 ("ieee" products run on FMA, not tensor cores, and take far more registers): BLOCK_N 32,
 #     8 warps, 1 stage; BLOCK_M 32 at hd <= 64 (62 regs), else 16 (hd 128: 79 regs, hd 256: 122).
 #     At hd 128, BLOCK_M 32 spills 64 B; the old 64x32, 4 warps, 2 stages spilled 17 KB.
+#   e4m3 caches take q's dtype's defaults (their own key, so a tuned fp8 config never serves bf16
+#     caches); untimed on the H200, where half the K/V bytes may favour larger BLOCK_N.
 # A sweep passes its fields as paged_attention_fwd's ``config=`` (put on the chosen ones).
 KERNEL = "paged_attention"
 _FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
 
-def config_key(decode: bool, rows: int, block_d: int, element_size: int) -> str:
+def config_key(decode: bool, rows: int, block_d: int, element_size: int, kv_element_size: int | None = None) -> str:
     """The autotune key: decode or prefill step, tile rows (max_seqlen_q * GROUP's bucket, up to 128:
-    the default depends on nothing finer), padded head dim, element size."""
-    return f"{'decode' if decode else 'prefill'}-R{min(rows, 128)}-D{block_d}-E{element_size}"
+    the default depends on nothing finer), padded head dim, q's element size, and the caches' element
+    size where it differs from q's (``-KV1``: an e4m3 cache)."""
+    kv = f"-KV{kv_element_size}" if kv_element_size not in (None, element_size) else ""
+    return f"{'decode' if decode else 'prefill'}-R{min(rows, 128)}-D{block_d}-E{element_size}{kv}"
 
 
 def default_config(rows: int, block_d: int, element_size: int) -> dict:
@@ -454,10 +385,12 @@ def default_config(rows: int, block_d: int, element_size: int) -> dict:
 
 
 @autotune.plan_cache
-def _cached_config(decode: bool, rows: int, block_d: int, element_size: int, device: torch.device | None) -> dict:
+def _cached_config(
+    decode: bool, rows: int, block_d: int, element_size: int, kv_element_size: int, device: torch.device | None
+) -> dict:
     """The autotune cache's config for this bucket, else the default; looked up once per bucket and device."""
     return autotune.get_config(
-        KERNEL, config_key(decode, rows, block_d, element_size), device=device,
+        KERNEL, config_key(decode, rows, block_d, element_size, kv_element_size), device=device,
         default=lambda: default_config(rows, block_d, element_size), fields=_FIELDS,
     )  # fmt: skip
 
@@ -469,13 +402,16 @@ def _attn_config(
     element_size: int,
     device: torch.device | None = None,
     config: dict | None = None,
+    kv_element_size: int | None = None,
 ) -> dict:
     """BLOCK_M, BLOCK_N, HEADS (q heads per tile), num_warps, num_stages for one step: the cached
-    (or default) config of its bucket, then the fields of an explicit ``config``, then HEADS from BLOCK_M."""
+    (or default) config of its bucket, then the fields of an explicit ``config``, then HEADS from BLOCK_M.
+    ``kv_element_size``: the caches' (default q's ``element_size``; 1 for e4m3)."""
     block_d = max(16, next_pow2(head_dim))
     rows = min(128, max(16, next_pow2(max_seqlen_q * group)))
     decode = max_seqlen_q == 1
-    cfg = dict(_cached_config(decode, rows, block_d, element_size, device))
+    kv_size = element_size if kv_element_size is None else kv_element_size
+    cfg = dict(_cached_config(decode, rows, block_d, element_size, kv_size, device))
     cfg.update(config or {})
     cfg["HEADS"] = min(group, cfg["BLOCK_M"])
     return cfg
@@ -510,9 +446,12 @@ def paged_attention_fwd(
     max_seqlen_q: int,
     softcap: float = 0.0,
     config: dict | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (T, Hq, D) -> out (T, Hq, D); see the module docstring for the other arguments. ``config``:
-    fields (BLOCK_M, BLOCK_N, num_warps, num_stages) put on the looked-up config (sweeps, tests)."""
+    fields (BLOCK_M, BLOCK_N, num_warps, num_stages) put on the looked-up config (sweeps, tests).
+    ``k_scale``, ``v_scale``: one-element fp32 tensors of e4m3 caches (None: 1.0); unused otherwise."""
     t, hq, d = q.shape
     out = empty((t, hq, d), dtype=q.dtype, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
@@ -521,7 +460,9 @@ def paged_attention_fwd(
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    cfg = _attn_config(max_seqlen_q, group, d, q.element_size(), q.device, config)
+    cfg = _attn_config(max_seqlen_q, group, d, q.element_size(), q.device, config, k_cache.element_size())
+    if not is_fp8(k_cache):
+        k_scale = v_scale = None  # None: the kernel's K_SCALE / V_SCALE are constexpr, nothing loaded
     q_tiles = triton.cdiv(max_seqlen_q, cfg["BLOCK_M"] // cfg["HEADS"])
     head_programs = hkv * triton.cdiv(group, cfg["HEADS"])
     splits = 1
@@ -546,7 +487,7 @@ def paged_attention_fwd(
         lse = empty((splits, t, hq), dtype=torch.float32, device=q.device)
         o_strides = (o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1))
     _paged_attention_fwd_kernel[(batch * q_tiles, head_programs * splits)](
-        q, k_cache, v_cache, o, lse, cu_seqlens_q, context_lens, block_tables,
+        q, k_cache, v_cache, o, lse, cu_seqlens_q, context_lens, block_tables, k_scale, v_scale,
         q.stride(0), q.stride(1), *o_strides,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -581,16 +522,18 @@ def _paged_attention_op(
     window: int,
     max_seqlen_q: int,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return paged_attention_fwd(
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, softmax_scale, causal, window, max_seqlen_q,
-        softcap,
+        softcap, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 
 @_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, softmax_scale, causal, window, max_seqlen_q,
-      softcap=0.0):  # fmt: skip
+      softcap=0.0, k_scale=None, v_scale=None):  # fmt: skip
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -598,8 +541,9 @@ def _(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, softmax_sca
 # Public function
 # --------------------------------------------------------------------------------------------
 def _check_caches(op: str, k_cache: object, v_cache: object, device: torch.device, dtype: torch.dtype) -> None:
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(op, name, c, dtypes=(dtype,), ndim=4, device=device, device_of="q")
+    """Both caches 4-d on q's device, in q's dtype or both e4m3, of one shape."""
+    check_tensor(op, "k_cache", k_cache, dtypes=(dtype, FP8_KV_DTYPE), ndim=4, device=device, device_of="q")
+    check_tensor(op, "v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4, device=device, device_of="q")
     check_shape(op, "v_cache", v_cache, tuple(k_cache.shape), "the shape of k_cache")
 
 
@@ -615,14 +559,17 @@ def paged_attention(
     window: int = -1,
     max_seqlen_q: int | None = None,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's new queries over its whole context in the paged KV cache.
 
     Args:
         q: (T, Hq, D) fp16, bf16 or fp32 (fp64 runs on the reference), the step's new queries of all
             sequences packed; unit stride in D (other strides are made contiguous).
-        k_cache, v_cache: (num_blocks, block_size, Hkv, D), q's dtype; Hq a multiple of Hkv (GQA).
-            The new tokens' K/V must already be written (``reshape_and_cache``).
+        k_cache, v_cache: (num_blocks, block_size, Hkv, D), both q's dtype or both float8_e4m3fn (an
+            FP8 KV cache, read as stored * scale); Hq a multiple of Hkv (GQA). The new tokens' K/V
+            must already be written (``reshape_and_cache``, with the same scales).
         cu_seqlens_q: (B+1,) int32, prefix sums of the new-query counts.
         context_lens: (B,) int32, tokens of context per sequence (cached + new), each >= its q_len.
         block_tables: (B, max_blocks) int32, the blocks of each sequence's context in order.
@@ -633,6 +580,9 @@ def paged_attention(
             cu_seqlens_q with a device sync when None.
         softcap: > 0 caps the scaled scores, s = softcap * tanh(s / softcap), before the mask and
             softmax (Gemma 2's ``attn_logit_softcapping``); 0 leaves them as they are.
+        k_scale, v_scale: the layer's K and V scales for e4m3 caches: one-element fp32 tensors (shape
+            () or (1,)) on q's device, read by the kernel (CUDA graphs capture them by address); None
+            means 1.0. Unused (and unchecked) for caches in q's dtype.
 
     Returns:
         (T, Hq, D) in q's dtype. Not differentiable (inference only).
@@ -661,13 +611,28 @@ def paged_attention(
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
         raise ValueError(f"{_OP}: softcap must be a float >= 0 (0: no capping), got {softcap!r}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    supported = q.dtype in KERNEL_DTYPES and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    backend = choose_backend(_OP, q.device, supported, "float64 or a cache with non-unit stride in D")
+    fp8 = is_fp8(k_cache)
+    if fp8:
+        check_scale(_OP, "k_scale", k_scale, q.device, "q")
+        check_scale(_OP, "v_scale", v_scale, q.device, "q")
+    else:
+        k_scale = v_scale = None
+    # e4m3 before sm_89: Triton has no fp8e4nv there, so the reference reads those caches (slow, with
+    # host syncs: the engine refuses fp8 caches on such GPUs, model_runner.py).
+    supported = (
+        q.dtype in KERNEL_DTYPES
+        and k_cache.stride(3) == 1
+        and v_cache.stride(3) == 1
+        and (not fp8 or kernels_support_fp8(q.device))
+    )
+    why = "float64, a cache with non-unit stride in D, or an e4m3 cache on a GPU before sm_89"
+    backend = choose_backend(_OP, q.device, supported, why)
     if backend == "reference":
         # fp32 only: SDPA's CPU kernel rounds its probabilities to bf16/fp16 there, the reference keeps fp32.
         cpu = q.is_cpu and q.dtype == torch.float32 and forced_backend() is None
         run_ref = _paged_attention_cpu if cpu else paged_attention_ref
-        return run_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, causal, window, softcap)
+        args = (q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, causal, window, softcap)
+        return run_ref(*args, k_scale=k_scale, v_scale=v_scale)
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch > 0 else 0
     q = q if q.stride(2) == 1 else q.contiguous()
@@ -685,4 +650,6 @@ def paged_attention(
         int(window),
         int(max_seqlen_q),
         float(softcap),
+        k_scale=k_scale,
+        v_scale=v_scale,
     )

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fuseformer.engine.cli import add_enforce_eager
+from fuseformer.engine.cli import add_enforce_eager, add_quantization
 from fuseformer.serve.tool_parsers import TOOL_PARSERS
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -81,6 +81,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "2.6x the output tok/s of eager at the Llama-3-8B shape on an H200); --no-cuda-graphs runs eagerly",
     )
     add_enforce_eager(p)
+    add_quantization(p)
     p.add_argument(
         "--overlap-prefill",
         action=argparse.BooleanOptionalAction,
@@ -369,6 +370,8 @@ def run_serve(args: argparse.Namespace) -> int:
         async_scheduling=_on_cuda_unless_set(args, args.async_scheduling),
         async_scheduling_min_seqs=ASYNC_MIN_SEQS,
         prefill_stream=_on_cuda_unless_set(args, args.prefill_stream),
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     overlap_prefill = _on_cuda_unless_set(args, args.overlap_prefill)
     name = args.served_model_name or Path(model).resolve().name

@@ -46,14 +46,23 @@ def _nan_gapped(shape, dtype, device):
     return base[..., : shape[-1]]
 
 
-def _step(seqs, hq, hkv, d, block_size, dtype, device, *, causal=True, window=-1, noncontig=False, softcap=0.0):
+def _step(
+    seqs, hq, hkv, d, block_size, dtype, device, *, causal=True, window=-1, noncontig=False, softcap=0.0, fp8=None
+):
     """Run one step: ``seqs`` is a list of (context_len, q_len). The cached prefixes are written with
     the reference, the new tokens with ``reshape_and_cache`` (Triton), blocks assigned in a random
-    order from a NaN-filled cache (a read outside the context yields NaN). Returns (out, ref, base)."""
+    order from a NaN-filled cache (a read outside the context yields NaN). Returns (out, ref, base).
+
+    ``fp8``: (k_scale, v_scale) floats: e4m3 caches written with those scales; ref and base are then
+    attention over the dequantized caches (what the kernel must compute), in fp64 and in ``dtype``."""
     blocks_per_seq = [-(-ctx // block_size) for ctx, _ in seqs]
     num_blocks = sum(blocks_per_seq) + 3
     perm = torch.randperm(num_blocks).tolist()
-    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device=device)
+    cache_dtype = dtype if fp8 is None else torch.float8_e4m3fn
+    scales = {}
+    if fp8 is not None:  # a 0-dim and a (1,) scale
+        scales = dict(k_scale=torch.tensor(fp8[0], device=device), v_scale=torch.tensor([fp8[1]], device=device))
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=cache_dtype, device=device)
     v_cache = torch.full_like(k_cache, float("nan"))
     max_blocks = max(blocks_per_seq, default=1) + 2
     block_tables = torch.full((len(seqs), max_blocks), 10**6, dtype=torch.int32, device=device)  # junk past the end
@@ -66,7 +75,7 @@ def _step(seqs, hq, hkv, d, block_size, dtype, device, *, causal=True, window=-1
         v = torch.randn(ctx, hkv, d, dtype=dtype, device=device)
         slot = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)], device=device)
         pre = ctx - q_len
-        F.reshape_and_cache_ref(k[:pre], v[:pre], k_cache, v_cache, slot[:pre])
+        F.reshape_and_cache_ref(k[:pre], v[:pre], k_cache, v_cache, slot[:pre], **scales)
         new_q.append(q[pre:])
         new_k.append(k[pre:])
         new_v.append(v[pre:])
@@ -86,11 +95,18 @@ def _step(seqs, hq, hkv, d, block_size, dtype, device, *, causal=True, window=-1
     cu_q = torch.tensor(cu, dtype=torch.int32, device=device)
     ctx_lens = torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32, device=device)
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    F.reshape_and_cache_ref(k, v, ref_k_cache, ref_v_cache, slot_mapping)
+    F.reshape_and_cache_ref(k, v, ref_k_cache, ref_v_cache, slot_mapping, **scales)
     with fuseformer.use_backend("triton"):
-        F.reshape_and_cache(k_pad, v_pad, k_cache, v_cache, slot_pad)
+        F.reshape_and_cache(k_pad, v_pad, k_cache, v_cache, slot_pad, **scales)
         out = F.paged_attention(
-            q, k_cache, v_cache, cu_q, ctx_lens, block_tables, causal=causal, window=window, softcap=softcap
+            q, k_cache, v_cache, cu_q, ctx_lens, block_tables, causal=causal, window=window, softcap=softcap, **scales
+        )
+    if fp8 is not None:  # the slots only: the bytes are test_reshape_and_cache.py's (the interpreter's cast slips)
+        for cache, ref_cache in ((k_cache, ref_k_cache), (v_cache, ref_v_cache)):
+            assert torch.equal(cache.float().isnan(), ref_cache.float().isnan()), "reshape_and_cache wrote wrong slots"
+        return (
+            out.cpu(),
+            *_fp8_refs(q, k_cache, v_cache, cu_q, ctx_lens, block_tables, scales, causal, window, softcap),
         )
     for cache, ref_cache in ((k_cache, ref_k_cache), (v_cache, ref_v_cache)):
         assert torch.equal(cache.nan_to_num(7.0), ref_cache.nan_to_num(7.0)), "reshape_and_cache wrote wrong slots"
@@ -103,6 +119,19 @@ def _step(seqs, hq, hkv, d, block_size, dtype, device, *, causal=True, window=-1
     )  # fmt: skip
     torch.testing.assert_close(paged_ref.cpu(), ref, rtol=1e-9, atol=1e-9)
     return out.cpu(), ref, base
+
+
+def _fp8_refs(q, k_cache, v_cache, cu_q, ctx_lens, block_tables, scales, causal, window, softcap):
+    """(ref, base) of a step over e4m3 caches: the paged reference over the caches dequantized by hand
+    (stored * scale) in fp64, and in q's dtype; checks the reference's own dequantization against it."""
+    ks, vs = scales["k_scale"].item(), scales["v_scale"].item()  # the fp32 values, as Python floats
+    args = (cu_q, ctx_lens, block_tables)
+    kw = dict(causal=causal, window=window, softcap=softcap)
+    ref = F.paged_attention_ref(q.double(), k_cache.double() * ks, v_cache.double() * vs, *args, **kw)
+    own = F.paged_attention_ref(q.double(), k_cache, v_cache, *args, **kw, **scales)
+    torch.testing.assert_close(own, ref, rtol=1e-12, atol=1e-12)
+    base = F.paged_attention_ref(q, k_cache.to(q.dtype) * ks, v_cache.to(q.dtype) * vs, *args, **kw, upcast=False)
+    return ref.cpu(), base.cpu()
 
 
 # (context_len, q_len): a prefill without prefix, a chunk after a cached prefix, decodes, a one-token sequence.
@@ -453,13 +482,17 @@ PTRS = {"Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "OUT": "*bf16", "L
         "CU_Q": "*i32", "CTX_LENS": "*i32", "BLOCK_TABLES": "*i32"}
 
 
-def build(max_seqlen_q, split):
-    cfg = PA._attn_config(max_seqlen_q, 4, 128, 2)
+def build(max_seqlen_q, split, fp8=False):
+    cfg = PA._attn_config(max_seqlen_q, 4, 128, 2, kv_element_size=1 if fp8 else 2)
     opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
     consts = dict(CAUSAL=True, HAS_WINDOW=False, SPLIT=split, SOFTCAP=False, DOT_PRECISION="tf32", GROUP=4,
                   PAGE_SIZE=16,
                   HEAD_DIM=128, BLOCK_D=128, **cfg)
-    ptrs = dict(PTRS, OUT="*fp32") if split else PTRS
+    ptrs = dict(PTRS, OUT="*fp32") if split else dict(PTRS)
+    if fp8:  # e4m3 caches and their fp32 scales
+        ptrs.update(K_CACHE="*fp8e4nv", V_CACHE="*fp8e4nv", K_SCALE="*fp32", V_SCALE="*fp32")
+    else:  # no scales: constexpr None
+        consts.update(K_SCALE=None, V_SCALE=None)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("qk_scale", "softcap") else "i32")
            for n in K.arg_names}
     aligned = [i for i, n in enumerate(K.arg_names) if n in ptrs or n.startswith("stride_")]
@@ -473,20 +506,24 @@ def build(max_seqlen_q, split):
     regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
     # Register spills live in the stack frame: none allowed in the shipped configs.
     assert stack == 0 and k.metadata.shared <= 227 * 1024, (max_seqlen_q, split, regs, stack, k.metadata.shared)
-    print(max_seqlen_q, split, cfg, opts, "regs", regs, "smem", k.metadata.shared)
+    print(max_seqlen_q, split, fp8, cfg, opts, "regs", regs, "smem", k.metadata.shared)
 
 
 build(1, False)  # Llama-3-8B decode
 build(1, True)  # the same, split-K
 build(4096, False)  # its prefill
+build(1, False, fp8=True)  # the same three over an FP8 (e4m3) KV cache
+build(1, True, fp8=True)
+build(4096, False, fp8=True)
 print("ok")
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile these for real")
 def test_llama3_8b_configs_compile_for_sm90_offline():
-    """The bf16 configs of Llama-3-8B's decode (also split-K) and prefill compile for sm_90 (Triton's
-    bundled ptxas, no GPU needed) without register spills and fit in shared memory."""
+    """The bf16 configs of Llama-3-8B's decode (also split-K) and prefill, over bf16 and e4m3 caches,
+    compile for sm_90 (Triton's bundled ptxas, no GPU needed) without register spills and fit in
+    shared memory."""
     compile_offline(_OFFLINE_COMPILE, timeout=300, tools=("ptxas", "cuobjdump"))
 
 
@@ -536,7 +573,9 @@ def test_paged_attention_cpu_path_is_the_natural_reference_backend(monkeypatch):
     # Under TRITON_INTERPRET the tests' CPU tensors go to Triton; choose "reference" as a CPU-only install would.
     monkeypatch.setattr(PA, "choose_backend", lambda *args: "reference")
     calls = []
-    monkeypatch.setattr(PA, "_paged_attention_cpu", lambda *args: calls.append("cpu") or PA.paged_attention_ref(*args))
+    monkeypatch.setattr(
+        PA, "_paged_attention_cpu", lambda *args, **kw: calls.append("cpu") or PA.paged_attention_ref(*args, **kw)
+    )
     q, kc = torch.randn(3, 2, 8), torch.randn(2, 4, 2, 8)
     args = (torch.tensor([0, 3], dtype=torch.int32), torch.tensor([5], dtype=torch.int32), torch.tensor([[1, 0]]))
     F.paged_attention(q, kc, kc, *args)
@@ -544,3 +583,178 @@ def test_paged_attention_cpu_path_is_the_natural_reference_backend(monkeypatch):
     with fuseformer.use_backend("reference"):  # forced: the reference itself
         F.paged_attention(q, kc, kc, *args)
     assert calls == ["cpu"]
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 (e4m3) KV caches: read as stored * scale, against the reference over the dequantized caches
+# --------------------------------------------------------------------------------------------
+FP8_SCALES = [(0.05, 3.0), (3.0, 0.05), (1.0, 1.0)]
+FP8_CASES = [
+    # seqs, hq, hkv, d, block_size, dtype (fp16 and fp32 queries: the interpreter's bf16 dot is wrong)
+    (MIX, 4, 2, 32, 16, torch.float16),  # prefill, chunk after a prefix, decodes; group 2
+    (MIX_SMALL, 8, 2, 64, 5, torch.float32),  # group 4, odd pages
+    (DECODE, 8, 2, 128, 16, torch.float16),  # Llama-3-8B's group 4, decode only
+    ([(90, 70), (20, 1)], 6, 2, 80, 16, torch.float32),  # group 3, hd 80, a long chunk after a prefix
+    ([(40, 6), (7, 7)], 8, 1, 64, 64, torch.float16),  # MQA, pages of 64 = BLOCK_N
+]
+
+
+@pytest.mark.parametrize("scales", FP8_SCALES)
+@pytest.mark.parametrize("seqs, hq, hkv, d, block_size, dtype", FP8_CASES)
+def test_paged_attention_fp8_cache(seqs, hq, hkv, d, block_size, dtype, scales, device):
+    """e4m3 caches (block tables in a random order with junk past their ends): decode and prefill
+    steps, GQA, within DESIGN.md §3 of attention over the dequantized caches."""
+    out, ref, base = _step(seqs, hq, hkv, d, block_size, dtype, device, fp8=scales)
+    assert out.dtype == dtype
+    assert_close("out", out, ref, base)
+
+
+@pytest.mark.parametrize(
+    "seqs, dtype, window, softcap, causal",
+    [
+        (MIX_SMALL, torch.float16, 7, 0.0, True),
+        ([(60, 40), (33, 1)], torch.float32, 9, 0.0, False),
+        (MIX, torch.float16, -1, 1.5, True),  # k_scale folded into the score scale before the cap
+    ],
+)
+def test_paged_attention_fp8_cache_window_softcap(seqs, dtype, window, softcap, causal, device):
+    out, ref, base = _step(
+        seqs, 6, 2, 64, 16, dtype, device, causal=causal, window=window, softcap=softcap, fp8=(0.05, 3.0)
+    )
+    assert_close("out", out, ref, base)
+
+
+def test_paged_attention_fp8_cache_split_k(device, force_split):
+    """Split-K: each split's partial carries v_scale, the merge is linear."""
+    out, ref, base = _step([(200, 1), (77, 1), (1, 1)], 8, 2, 64, 16, torch.float16, device, fp8=(0.05, 3.0))
+    assert len(force_split) == 1, "the split-K path did not run"
+    assert_close("out", out, ref, base)
+
+
+def _fp8_inputs(device="cpu", dtype=torch.float32):
+    """A small step over e4m3 caches with scales: (q, k_cache, v_cache, cu, ctx, tables, scales)."""
+    k_cache = (torch.randn(6, 4, 2, 16, device=device) * 20).to(torch.float8_e4m3fn)
+    v_cache = (torch.randn(6, 4, 2, 16, device=device) * 20).to(torch.float8_e4m3fn)
+    q = torch.randn(4, 4, 16, device=device, dtype=dtype)
+    cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
+    ctx = torch.tensor([7, 10], dtype=torch.int32, device=device)
+    tables = torch.tensor([[4, 1, 0], [2, 0, 5]], dtype=torch.int32, device=device)
+    scales = dict(k_scale=torch.tensor(0.05, device=device), v_scale=torch.tensor([3.0], device=device))
+    return q, k_cache, v_cache, cu, ctx, tables, scales
+
+
+@pytest.mark.parametrize("softcap", [0.0, 1.5])
+def test_paged_attention_fp8_cpu_path_matches_reference(softcap):
+    q, k_cache, v_cache, cu, ctx, tables, scales = _fp8_inputs()
+    args = (cu, ctx, tables, 0.25, True, -1, softcap)
+    out = PA._paged_attention_cpu(q, k_cache, v_cache, *args, **scales)
+    ref = F.paged_attention_ref(q.double(), k_cache, v_cache, *args, **scales)
+    base = F.paged_attention_ref(q, k_cache, v_cache, *args, upcast=False, **scales)
+    assert_close("out", out, ref, base)
+
+
+def test_paged_attention_fp8_without_kernel_support_takes_the_reference(monkeypatch):
+    """e4m3 caches where the kernels cannot run (Triton has no fp8e4nv before sm_89) go to the
+    reference backend, not to the kernel."""
+    monkeypatch.setattr(PA, "kernels_support_fp8", lambda device: False)
+    monkeypatch.setattr(PA, "paged_attention_fwd", lambda *a, **kw: pytest.fail("the kernel ran"))
+    q, k_cache, v_cache, cu, ctx, tables, scales = _fp8_inputs()
+    out = F.paged_attention(q, k_cache, v_cache, cu, ctx, tables, **scales)
+    assert_close(
+        "out", out, *(F.paged_attention_ref(x, k_cache, v_cache, cu, ctx, tables, **scales) for x in (q.double(), q))
+    )
+
+
+def test_fp8_kernels_need_sm89(monkeypatch):
+    FP8 = importlib.import_module("fuseformer.ops._fp8_kv_cache")
+    for capability, ok in [((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)]:
+        monkeypatch.setattr(FP8, "_capability", lambda index, c=capability: c)
+        assert FP8.kernels_support_fp8(torch.device("cuda", 0)) is ok
+    assert FP8.kernels_support_fp8(torch.device("cpu"))
+
+
+def test_paged_attention_scales_unused_for_model_dtype_caches(device):
+    q, kc = torch.randn(3, 2, 8, device=device), torch.randn(2, 4, 2, 8, device=device)
+    args = (
+        torch.tensor([0, 3], dtype=torch.int32, device=device),
+        torch.tensor([5], dtype=torch.int32, device=device),
+        torch.tensor([[1, 0]], dtype=torch.int32, device=device),
+    )
+    scales = dict(k_scale=torch.tensor(0.1, device=device), v_scale=torch.tensor(7.0, device=device))
+    with fuseformer.use_backend("triton"):
+        torch.testing.assert_close(F.paged_attention(q, kc, kc, *args, **scales), F.paged_attention(q, kc, kc, *args))
+
+
+def test_fp8_cache_has_its_own_autotune_key():
+    """The key tells 1-byte caches from q's dtype's (bf16 caches keep their keys: tuned configs apply)."""
+    bf16 = PA.config_key(True, 16, 128, 2)
+    assert PA.config_key(True, 16, 128, 2, 2) == bf16 == "decode-R16-D128-E2"
+    assert PA.config_key(True, 16, 128, 2, 1) == "decode-R16-D128-E2-KV1"
+    assert PA.config_key(False, 128, 128, 4, 1) == "prefill-R128-D128-E4-KV1"
+    keys = []
+    real = PA.autotune.get_config
+    PA.autotune.clear_plans()
+    try:
+        PA.autotune.get_config = lambda kernel, key, **kw: keys.append(key) or real(kernel, key, **kw)
+        assert PA._attn_config(1, 4, 128, 2, kv_element_size=1) == PA._attn_config(1, 4, 128, 2)  # same defaults
+    finally:
+        PA.autotune.get_config = real
+        PA.autotune.clear_plans()
+    assert keys == ["decode-R16-D128-E2-KV1", "decode-R16-D128-E2"]
+
+
+def _fp8_good():
+    q, k_cache, v_cache, cu, ctx, tables, scales = _fp8_inputs()
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu, context_lens=ctx, block_tables=tables, **scales)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(v_cache=torch.randn(6, 4, 2, 16)), "v_cache has dtype float32; expected one of float8_e4m3fn"),
+        (dict(k_cache=torch.zeros(6, 4, 2, 16, dtype=torch.float8_e5m2)), "k_cache has dtype float8_e5m2"),
+        (dict(k_scale=torch.tensor(1.0, dtype=torch.bfloat16)), "k_scale has dtype bfloat16"),
+        (dict(v_scale=torch.ones(2)), "v_scale must hold one value"),
+        (dict(k_scale=2.0), "k_scale must be a torch.Tensor"),
+    ],
+)
+def test_paged_attention_fp8_bad_input(change, match):
+    with pytest.raises(ValueError, match=match):
+        F.paged_attention(**{**_fp8_good(), **change})
+
+
+def test_paged_attention_fp8_compiles_fullgraph(compile_backend, device):
+    q, k_cache, v_cache, cu, ctx, tables, scales = _fp8_inputs(device)
+    k, v = torch.randn(4, 2, 16, device=device), torch.randn(4, 2, 16, device=device)
+    slots = torch.tensor([8, 9, 10, 13], device=device)
+
+    def fn(q, k, v, k_cache, v_cache, k_scale, v_scale):
+        F.reshape_and_cache(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+        return F.paged_attention(q, k_cache, v_cache, cu, ctx, tables, max_seqlen_q=3, k_scale=k_scale, v_scale=v_scale)
+
+    with fuseformer.use_backend("triton"):
+        caches_c = [k_cache.clone(), v_cache.clone()]
+        eager = fn(q, k, v, k_cache, v_cache, *scales.values())
+        compiled = torch.compile(fn, fullgraph=True, backend=compile_backend)(q, k, v, *caches_c, *scales.values())
+    torch.testing.assert_close(compiled, eager)
+    for c, e in zip(caches_c, (k_cache, v_cache)):
+        assert torch.equal(c.view(torch.uint8), e.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("seqs, hq, hkv, d, block_size", GPU_CASES)
+def test_paged_attention_fp8_cache_gpu(seqs, hq, hkv, d, block_size, dtype):
+    out, ref, base = _step(seqs, hq, hkv, d, block_size, dtype, "cuda", fp8=(0.05, 3.0))
+    assert_close("out", out, ref, base)
+
+
+@pytest.mark.gpu
+def test_paged_attention_fp8_llama3_8b_decode_and_split_k_gpu(merges):
+    out, ref, base = _step(DECODE_8B, 32, 8, 128, 16, torch.bfloat16, "cuda", fp8=(0.05, 3.0))
+    assert not merges
+    assert_close("out", out, ref, base)
+    seqs = [(8192, 1), (5000, 1), (3000, 1), (1, 1)]
+    out, ref, base = _step(seqs, 32, 8, 128, 16, torch.bfloat16, "cuda", window=2000, fp8=(3.0, 0.05))
+    assert len(merges) == 1, "split-K expected"
+    assert_close("out", out, ref, base)
