@@ -11,7 +11,7 @@ Each runs, with the defaults otherwise (CUDA graphs, async scheduling):
 
 Each case runs once to warm up (other prompts of the same shapes), then is timed.
 
-    OUT=/tmp/out python benchmarks/fp8_engine.py [batch1,fixed,prefill]
+    OUT=/tmp/out python benchmarks/fp8_engine.py [batch1,fixed,prefill] [bf16,fp8,fp8kv]
 """
 
 import gc
@@ -83,8 +83,10 @@ def main() -> None:
     vocab = ours.config.vocab_size
     max_len = max(length + out for _, length, out in CASES.values())
     records = []
-    for label, kwargs in (("bf16", {}), ("fp8", dict(quantization="fp8")),
-                          ("fp8 + fp8 KV cache", dict(quantization="fp8", kv_cache_dtype="fp8"))):  # fmt: skip
+    engines = {"bf16": ("bf16", {}), "fp8": ("fp8", dict(quantization="fp8")),
+               "fp8kv": ("fp8 + fp8 KV cache", dict(quantization="fp8", kv_cache_dtype="fp8"))}  # fmt: skip
+    chosen = sys.argv[2].split(",") if len(sys.argv) > 2 else list(engines)
+    for label, kwargs in (engines[e] for e in chosen):
         try:
             llm = LLM(ours, device="cuda", max_model_len=max_len, **kwargs)
         except Exception as exc:

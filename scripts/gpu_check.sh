@@ -18,8 +18,9 @@
 # in .whl/, installed from there when present), and the mix, prefix and fixed workloads with the defaults
 # and enforce_eager (benchmarks/engine_workloads.py), JSON in OUT_DIR.
 #
-# fp8 (not part of all): issue 31 in one device call: the FP8 GPU tests (the ops, layers, checkpoint
-# formats, the FP8 KV cache, LLM(quantization="fp8"), training) in one process; benchmarks/fp8_engine.py
+# fp8 (not part of all): issue 31 in one device call: the FP8 GPU tests (the ops, the built-in model's
+# accuracy, the FP8 KV cache, training) in one process; benchmarks/fp8_gemm.py (the FP8 layers against bf16,
+# the decode GEMMs' backends and tiles); benchmarks/fp8_engine.py
 # (bf16, fp8, fp8 + fp8 KV cache over the same 8B-shape weights: batch1, fixed, prefill); the training
 # benchmark's fp8 cases at the Llama-1B shape with bf16 beside them (needs torchao: carry its wheel in .whl/).
 #
@@ -76,11 +77,11 @@ if [[ ( "$stage" == engine || "$stage" == fp8 ) ]] && ls .whl/*.whl > /dev/null 
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 if [[ "$stage" == fp8 ]]; then
-    python3 -m pytest -q -m gpu -p no:randomly tests/ops/test_fp8.py tests/layers/test_fp8_layers.py \
-        tests/models/test_quantization.py tests/engine/test_fp8_kv_cache.py tests/engine/test_llm_fp8.py \
-        tests/train/test_fp8.py tests/ops/test_paged_attention.py tests/ops/test_reshape_and_cache.py \
-        2>&1 | tee "$out/gpu-tests-fp8.log" | tail -n 8
+    python3 -m pytest -q -m gpu -p no:randomly tests/ops/test_fp8.py tests/engine/test_fp8_accuracy.py \
+        tests/engine/test_fp8_kv_cache.py tests/train/test_fp8.py tests/ops/test_paged_attention.py \
+        tests/ops/test_reshape_and_cache.py 2>&1 | tee "$out/gpu-tests-fp8.log" | tail -n 8
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    OUT="$out" python3 benchmarks/fp8_gemm.py --tokens 1,256,4096 --parts layers,decode 2>&1 | grep -E '^#' || status=1
     OUT="$out" python3 benchmarks/fp8_engine.py "${FP8_CASES:-batch1,fixed,prefill}" 2>&1 | grep -v Warn | tail -n 8 || status=1
     python3 -c "from fuseformer.train.bench import main; main()" --json "$out/bench-train-fp8.json" 2>&1 | tail -n 12 || status=1
 fi

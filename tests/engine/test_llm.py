@@ -339,7 +339,7 @@ def test_vllm_style_prompts_logprobs_and_tokenizer(text_checkpoint):
         (dict(quantization="awq"), ValueError, "quantization"),
         (dict(enable_chunked_prefill=False), ValueError, "enable_chunked_prefill"),
         (dict(swap_space=4), ValueError, "swap_space"),
-        (dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype"),
+        (dict(kv_cache_dtype="fp8_e5m2"), ValueError, "kv_cache_dtype"),
         (dict(max_num_partial_prefills=2), TypeError, "max_num_partial_prefills"),
     ],
 )

@@ -159,6 +159,31 @@ def test_fp8_gated_mlp_matches_dequantized_reference(hidden, inter, activation):
         assert (out.double() - exact).norm() <= 4 * _REL * exact.norm()
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
+def test_fp8_gated_mlp_unfused_path_matches_its_reference(activation):
+    """Past FUSED_GLU_MAX_M tokens on CUDA: gate-up GEMM, GLU in the model's dtype, per-token quantization,
+    down GEMM. Here through its method (the CPU takes the fused path), against the same steps in fp64."""
+    ref_mlp = GatedMLP(64, 96, activation)
+    with torch.no_grad():
+        ref_mlp.gate_up_proj.weight.normal_(0, 1 / math.sqrt(64))
+        ref_mlp.down_proj.weight.normal_(0, 1 / math.sqrt(96))
+    mlp = Fp8GatedMLP.from_mlp(ref_mlp)
+    q, s = F.quantize_fp8(torch.randn(70, 64))
+    act = {"silu": torch.nn.functional.silu, "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh"),
+           "gelu": torch.nn.functional.gelu}[activation]  # fmt: skip
+
+    def ref(dtype, h_dtype):
+        gu = F.dequantize_fp8(q, s, dtype) @ mlp.gate_up_proj.dequantized_weight(dtype).T
+        gate, up = gu.to(h_dtype).chunk(2, dim=-1)
+        hq, hs = F.quantize_fp8(act(gate) * up)
+        return F.dequantize_fp8(hq, hs, dtype) @ mlp.down_proj.dequantized_weight(dtype).T
+
+    with torch.no_grad():
+        out = mlp._unfused(q, s)
+    assert out.shape == (70, 64) and out.dtype == torch.float32
+    assert_close("Fp8GatedMLP._unfused", out, ref(torch.float64, torch.float64), ref(torch.float32, torch.float32))
+
+
 def test_fp8_mlp_refuses_biases():
     class Biased(torch.nn.Module):
         def __init__(self):
