@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from fuseformer.ops._utils import check_tensor
+from fuseformer.ops._utils import KERNEL_DTYPES, check_tensor
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max: e4m3fn has no inf, |x| > 448 saturates
@@ -68,3 +68,30 @@ def kernels_support_fp8(device: torch.device) -> bool:
     if device.type != "cuda":
         return True
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+# Why an op over a KV cache takes the reference (``choose_backend``'s reason), for both ops' ``supported``.
+UNSUPPORTED_WHY = "float64, a cache with non-unit stride in D, or an e4m3 cache on a GPU before sm_89"
+
+
+def check_cache_scales(
+    op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, k_scale: object, v_scale: object,
+    device: torch.device, device_of: str,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:  # fmt: skip
+    """The checks and the kernel question shared by the cache's writer and reader: ``(k_scale, v_scale,
+    supported)``, the scales checked for an e4m3 cache and dropped (None) for another, and whether the
+    Triton kernels take inputs of ``dtype`` over these caches (unit stride in D; e4m3 only on sm_89+ or
+    the interpreter)."""
+    fp8 = is_fp8(k_cache)
+    if fp8:
+        check_scale(op, "k_scale", k_scale, device, device_of)
+        check_scale(op, "v_scale", v_scale, device, device_of)
+    else:
+        k_scale = v_scale = None
+    supported = (
+        dtype in KERNEL_DTYPES
+        and k_cache.stride(3) == 1
+        and v_cache.stride(3) == 1
+        and (not fp8 or kernels_support_fp8(device))
+    )
+    return k_scale, v_scale, supported

@@ -49,9 +49,9 @@ import triton
 import triton.language as tl
 
 from fuseformer.ops._attention_common import tanh
-from fuseformer.ops._fp8_kv_cache import FP8_KV_DTYPE, check_scale, dequantize, is_fp8, kernels_support_fp8
+from fuseformer.ops._fp8_kv_cache import FP8_KV_DTYPE, UNSUPPORTED_WHY, check_cache_scales, dequantize, is_fp8
 from fuseformer.ops._paged_attention_cpu import _paged_attention_cpu
-from fuseformer.ops._utils import FLOAT_DTYPES, KERNEL_DTYPES, check_shape, check_tensor, empty, next_pow2, sm_count
+from fuseformer.ops._utils import FLOAT_DTYPES, check_shape, check_tensor, empty, next_pow2, sm_count
 from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend, forced_backend
 
@@ -611,22 +611,10 @@ def paged_attention(
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
         raise ValueError(f"{_OP}: softcap must be a float >= 0 (0: no capping), got {softcap!r}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    fp8 = is_fp8(k_cache)
-    if fp8:
-        check_scale(_OP, "k_scale", k_scale, q.device, "q")
-        check_scale(_OP, "v_scale", v_scale, q.device, "q")
-    else:
-        k_scale = v_scale = None
     # e4m3 before sm_89: Triton has no fp8e4nv there, so the reference reads those caches (slow, with
     # host syncs: the engine refuses fp8 caches on such GPUs, model_runner.py).
-    supported = (
-        q.dtype in KERNEL_DTYPES
-        and k_cache.stride(3) == 1
-        and v_cache.stride(3) == 1
-        and (not fp8 or kernels_support_fp8(q.device))
-    )
-    why = "float64, a cache with non-unit stride in D, or an e4m3 cache on a GPU before sm_89"
-    backend = choose_backend(_OP, q.device, supported, why)
+    k_scale, v_scale, supported = check_cache_scales(_OP, k_cache, v_cache, q.dtype, k_scale, v_scale, q.device, "q")
+    backend = choose_backend(_OP, q.device, supported, UNSUPPORTED_WHY)
     if backend == "reference":
         # fp32 only: SDPA's CPU kernel rounds its probabilities to bf16/fp16 there, the reference keeps fp32.
         cpu = q.is_cpu and q.dtype == torch.float32 and forced_backend() is None

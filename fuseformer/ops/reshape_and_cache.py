@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseformer.ops._fp8_kv_cache import FP8_KV_DTYPE, FP8_MAX, check_scale, is_fp8, kernels_support_fp8, quantize
+from fuseformer.ops._fp8_kv_cache import FP8_KV_DTYPE, FP8_MAX, UNSUPPORTED_WHY, check_cache_scales, is_fp8, quantize
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
@@ -233,20 +233,8 @@ def reshape_and_cache(
     )
     check_tensor(_OP, "slot_mapping", slot_mapping, dtypes=_INT_DTYPES, ndim=1, device=k.device, device_of="k")
     check_shape(_OP, "slot_mapping", slot_mapping, (k.shape[0],), "one slot per token of k")
-    fp8 = is_fp8(k_cache)
-    if fp8:
-        check_scale(_OP, "k_scale", k_scale, k.device, "k")
-        check_scale(_OP, "v_scale", v_scale, k.device, "k")
-    else:
-        k_scale = v_scale = None
-    supported = (
-        k.dtype in KERNEL_DTYPES
-        and k_cache.stride(3) == 1
-        and v_cache.stride(3) == 1
-        and (not fp8 or kernels_support_fp8(k.device))
-    )
-    why = "float64, a cache with non-unit stride in D, or an e4m3 cache on a GPU before sm_89"
-    backend = choose_backend(_OP, k.device, supported, why)
+    k_scale, v_scale, supported = check_cache_scales(_OP, k_cache, v_cache, k.dtype, k_scale, v_scale, k.device, "k")
+    backend = choose_backend(_OP, k.device, supported, UNSUPPORTED_WHY)
     if backend == "reference":
         cpu = k.is_cpu and k.dtype in KERNEL_DTYPES and forced_backend() is None
         run_ref = _reshape_and_cache_cpu if cpu else reshape_and_cache_ref

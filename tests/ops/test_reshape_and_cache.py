@@ -154,7 +154,9 @@ def test_reshape_and_cache_fp8_cpu_path_matches_reference():
 
 def test_reshape_and_cache_fp8_without_kernel_support_takes_the_reference(monkeypatch):
     """An e4m3 cache where the kernels cannot run (a GPU before sm_89) goes to the reference."""
-    monkeypatch.setattr(RC, "kernels_support_fp8", lambda device: False)
+    monkeypatch.setattr(
+        importlib.import_module("fuseformer.ops._fp8_kv_cache"), "kernels_support_fp8", lambda device: False
+    )
     calls = []
     monkeypatch.setattr(RC, "reshape_and_cache_fwd", lambda *a: calls.append("kernel"))
     monkeypatch.setattr(RC, "_reshape_and_cache_cpu", lambda *a: calls.append("cpu"))
