@@ -150,7 +150,7 @@ def _copies(nbytes: int) -> int:
 def decode_rows(tokens, copy: float) -> list[dict]:
     """M <= 64 as the engine's graphs run it: each backend and candidate over rotated weight copies;
     % of copy bandwidth for the e4m3 weight bytes (bf16 rows: their bf16 bytes)."""
-    from fuseformer.ops.mlp_decode import DOWN_DECODE, GATE_UP_DECODE, _decode_gemm, _decode_plan
+    from fuseformer.ops.mlp_decode import DOWN_DECODE, GATE_UP_DECODE, _decode_gemm, _decode_plan, decode_candidates
 
     rows = []
     shapes = {**SHAPES, "gate_up": (2 * INTER, H)}
@@ -169,6 +169,23 @@ def decode_rows(tokens, copy: float) -> list[dict]:
             cfg16 = _decode_plan(kern, max(1, 1 << (m - 1).bit_length()), n // 2 if glu else n, k, x.dtype, x.device)
             rec["bf16_decode_us"] = _rotating_us(lambda i: lambda: _decode_gemm(x, w16[i], glu, "silu", cfg16), c)
             rec["bf16_cublas_us"] = _rotating_us(lambda i: lambda: torch.matmul(x, w16[i].T), c)
+            # Weight-only FP8 through the bf16 decode kernel (e4m3 tiles widened in registers, x in bf16).
+            nn_ = n // 2 if glu else n
+            w8 = []
+            for cfg in decode_candidates(m, nn_, k, glu, w_fp8=True):
+                try:
+                    _decode_gemm(x, wq[0][0], glu, "silu", cfg, w_scale=wq[0][1])
+                    us = _rotating_us(lambda i, cfg=cfg: lambda: _decode_gemm(x, wq[i][0], glu, "silu", cfg,
+                                                                              w_scale=wq[i][1]), c)  # fmt: skip
+                    w8.append((us, cfg))
+                except Exception as exc:
+                    print(f"  w8 skipped {cfg}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+            if w8:
+                rec["w8_rule_us"] = w8[0][0]
+                w8.sort(key=lambda r: r[0])
+                rec["w8_best_us"], rec["w8_best"] = w8[0]
+                rec["w8_top3"] = [(round(us, 1), cfg) for us, cfg in w8[:3]]
+                rec["w8_best_pct_copy"] = 100 * n * k / (w8[0][0] * 1e-6) / 1e12 / copy
             if glu:
                 cands = G.glu_candidate_configs(m)
                 run = lambda cfg, i: lambda: G.fp8_gemm_glu_fwd(a, a_s, *wq[i], "silu", cfg)  # noqa: E731

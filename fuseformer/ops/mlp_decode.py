@@ -40,12 +40,12 @@ from fuseformer.runtime.launch import DescLauncher, HostDesc, launch_config
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _mlp_decode_kernel(
-    x_desc, w_desc, OUT, WS,
+    x_desc, w_desc, OUT, WS, W_SCALE,
     M, N, K,
     stride_om,
     GLU: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
+    PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False, W_FP8: tl.constexpr = False,
 ):  # fmt: skip
     # Decode (T <= 64): a weight-streaming GEMM, one kernel for both GEMMs of the MLP.
     #   GLU:  W (2N, K) = [gate; up] -> OUT (M, N) = act(x Wg^T) * (x Wu^T)   (N = I, K = H)
@@ -79,11 +79,15 @@ def _mlp_decode_kernel(
     for kt in tl.range(kt_begin, kt_end):
         k = kt * BLOCK_K
         x = x_desc.load([off_m, k])
-        acc = tl.dot(x, w_desc.load([off_n, k]).T, acc, input_precision=PRECISION)
+        acc = tl.dot(x, w_desc.load([off_n, k]).to(x.dtype).T, acc, input_precision=PRECISION)
         if GLU:
-            acc_u = tl.dot(x, w_desc.load([N + off_n, k]).T, acc_u, input_precision=PRECISION)
+            acc_u = tl.dot(x, w_desc.load([N + off_n, k]).to(x.dtype).T, acc_u, input_precision=PRECISION)
     rm = off_m + tl.arange(0, BLOCK_M)
     rn = off_n + tl.arange(0, BLOCK_N)
+    if W_FP8:  # the weight's per-channel scales (W_SCALE (N,) or (2N,) = [gate; up]), before any sum or act
+        acc *= tl.load(W_SCALE + rn, mask=rn < N, other=0.0)[None, :]
+        if GLU:
+            acc_u *= tl.load(W_SCALE + N + rn, mask=rn < N, other=0.0)[None, :]
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     rows = rm.to(tl.int64)[:, None]
     if SPLIT_K > 1:
@@ -118,7 +122,7 @@ def decode_generic_key(t: int, dtype: torch.dtype) -> str:
     return f"T{next_pow2(t)}-{autotune.dtype_name(dtype)}"
 
 
-def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = True) -> dict:
+def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = True, w_fp8: bool = False) -> dict:
     """The decode kernel's config by rule for the H200 (132 SMs, 227 KB of shared memory per block):
     the fastest configs of the ``benchmarks/sweeps.py mlp_decode`` sweep at Llama-3 8B's shapes (run 34,
     2026-11-30; offline sm_90 compiles: no spills in any of these).
@@ -133,6 +137,8 @@ def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = Tr
     - Gate-up: never split (the act would need the epilogue kernel and a (S, T, 2I) fp32 round trip).
     - Down (N = H outputs, K = I): split-K only while (N / BLOCK_N) x 2 splits still fit one program
       per SM (not at H 4096; a model with H 2048 gets 2 splits), summed by the epilogue kernel.
+    - e4m3 weights (``w_fp8``): the same bytes of weight a stage as the bf16 tile, so twice its BLOCK_K
+      (BLOCK_N where BLOCK_K is already the descriptor's 256), stages cut to fit shared memory.
     Off the GPU (the interpreter): small tiles that exercise every mask.
     """
     bm = max(16, next_pow2(t))
@@ -153,6 +159,10 @@ def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = Tr
             # time the same: 91.6 us); at T 2-16 it was +1.0 / -1.1 us, so T 1 only. It no longer fits
             # beside a gate-up program, so the PDL launch's programs wait for SMs to free.
             stages = 8
+    if w_fp8:
+        bn, bk = (bn, 2 * bk) if bk < 256 else (2 * bn, bk)
+        while stages > 2 and decode_smem_bytes(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages), glu, 2, 1) + 4096 > SM90_SMEM_BYTES:
+            stages -= 1
     split = 1
     if not glu:
         blocks, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
@@ -161,11 +171,13 @@ def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = Tr
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages)
 
 
-def decode_smem_bytes(cfg: dict, glu: bool, element_size: int = 2) -> int:
+def decode_smem_bytes(cfg: dict, glu: bool, element_size: int = 2, w_element_size: int | None = None) -> int:
     """Shared memory of the decode kernel's operand buffers: num_stages - 1 of them (mma.sync,
-    BLOCK_M < 64), num_stages with wgmma (BLOCK_M 64); offline sm_90 compiles match it within 100 B."""
+    BLOCK_M < 64), num_stages with wgmma (BLOCK_M 64); offline sm_90 compiles match it within 100 B.
+    ``w_element_size``: the weight's bytes an element where they differ from x's (1: e4m3)."""
     bufs = cfg["num_stages"] if cfg["BLOCK_M"] >= 64 else max(1, cfg["num_stages"] - 1)
-    return bufs * (cfg["BLOCK_M"] + (2 if glu else 1) * cfg["BLOCK_N"]) * cfg["BLOCK_K"] * element_size
+    w_bytes = element_size if w_element_size is None else w_element_size
+    return bufs * (cfg["BLOCK_M"] * element_size + (2 if glu else 1) * cfg["BLOCK_N"] * w_bytes) * cfg["BLOCK_K"]
 
 
 # The decode sweep's tiles around the rule, as (BLOCK_N, BLOCK_K, num_stages, SPLIT_K) by (GLU, BLOCK_M):
@@ -185,16 +197,20 @@ _DECODE_SWEEP = {
 }  # fmt: skip
 
 
-def decode_candidates(t: int, n: int, k: int, glu: bool, sms: int = 132) -> list[dict]:
+def decode_candidates(t: int, n: int, k: int, glu: bool, sms: int = 132, w_fp8: bool = False) -> list[dict]:
     """The decode sweep's configs for one GEMM at T tokens (benchmarks/sweeps.py mlp_decode): the rule's
-    first, then ``_DECODE_SWEEP``'s; any over the shared memory limit is left out."""
+    first, then ``_DECODE_SWEEP``'s (for e4m3 weights each with twice the BLOCK_K, and as it is); any
+    over the shared memory limit is left out."""
     bm = max(16, next_pow2(t))
-    out = [decode_config(t, n, k, glu, sms)]
+    out = [decode_config(t, n, k, glu, sms, w_fp8=w_fp8)]
     for bn, bk, stages, split in _DECODE_SWEEP[(glu, min(bm, 64))]:
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages)
-        if cfg not in out:
-            out.append(cfg)
-    return [c for c in out if decode_smem_bytes(c, glu) + 4096 <= SM90_SMEM_BYTES]
+        tiles = [(bn, bk)] + ([(bn, 2 * bk)] if w_fp8 and bk < 256 else [])
+        for bn_, bk_ in tiles:
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn_, BLOCK_K=bk_, SPLIT_K=split, num_warps=4, num_stages=stages)
+            if cfg not in out:
+                out.append(cfg)
+    w_bytes = 1 if w_fp8 else 2
+    return [c for c in out if decode_smem_bytes(c, glu, 2, w_bytes) + 4096 <= SM90_SMEM_BYTES]
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,10 +218,12 @@ def decode_candidates(t: int, n: int, k: int, glu: bool, sms: int = 132) -> list
 # --------------------------------------------------------------------------------------------
 def _decode_gemm(
     x: torch.Tensor, w: torch.Tensor, glu: bool, activation: str, config: dict, pdl: str = "",
-    rows: int | None = None,
+    rows: int | None = None, w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x (T, K), w (2N, K) = [gate; up] (``glu``) or (N, K) -> act(x Wg^T) * (x Wu^T) or x W^T (T, N),
     x's dtype, through _mlp_decode_kernel (16-byte aligned rows: host-built tensor descriptors).
+    ``w_scale`` (2N,) or (N,) fp32: w is e4m3 and its value ``w * w_scale[:, None]`` (weight-only FP8:
+    each tile widened to x's dtype in registers, the scales applied to the fp32 sums).
 
     ``pdl``: "" none, "trigger" (this kernel lets the next one launch early), "wait" (this kernel is
     launched as a programmatic dependent of the previous one and waits for its writes). ``rows``: the
@@ -223,32 +241,34 @@ def _decode_gemm(
     x_arg = HostDesc(x, (t, k), (x.stride(0), 1), (bm, bk))
     w_arg = HostDesc(w, tuple(w.shape), (w.stride(0), 1), (bn, bk))
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-    lc = _decode_launch_config(glu, activation, x.dtype == torch.float32, pdl, tuple(config.items()))
-    _decode_launcher.launch(grid, lc, _launch_key(x, w, out, ws), (x_arg, w_arg, out, ws, m, n, k, out.stride(0)))
+    lc = _decode_launch_config(glu, activation, x.dtype == torch.float32, pdl, w_scale is not None, tuple(config.items()))
+    args = (x_arg, w_arg, out, ws, w_scale, m, n, k, out.stride(0))
+    _decode_launcher.launch(grid, lc, _launch_key(x, w, out, ws, w_scale), args)
     if split > 1:
         _split_k_reduce(ws, out, None, activation, glu)
     return out
 
 
 @functools.cache
-def _decode_launch_config(glu: bool, activation: str, fp32: bool, pdl: str, config: tuple):
+def _decode_launch_config(glu: bool, activation: str, fp32: bool, pdl: str, w_fp8: bool, config: tuple):
     """The LaunchConfig of one decode GEMM (``config``: the tile config's items), built once for
     every value of its arguments."""
     return launch_config(
         GLU=glu, ACTIVATION=activation, PRECISION="ieee" if fp32 else "tf32",
-        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait",
+        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait", W_FP8=w_fp8,
         **({"launch_pdl": True} if pdl == "wait" else {}),
         **dict(config),
     )  # fmt: skip
 
 
-def _launch_key(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor):
+def _launch_key(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor, w_scale: torch.Tensor | None):
     """What, beside the launch config and the ints (in the key through the shapes and strides below),
     decides Triton's specialization of a decode launch (``DescLauncher``): dtypes, shapes and row
-    strides, and each pointer's 16-byte alignment (True: all four aligned, the common case)."""
-    px, pw, po, pws = x.data_ptr(), w.data_ptr(), out.data_ptr(), ws.data_ptr()
-    aligned = not (px | pw | po | pws) & 15 or (px % 16 == 0, pw % 16 == 0, po % 16 == 0, pws % 16 == 0)
-    return (x.dtype, x.shape, x.stride(0), w.shape, w.stride(0), out.shape, out.stride(0), ws.dtype, aligned)
+    strides, and each pointer's 16-byte alignment (True: all aligned, the common case)."""
+    ptrs = (x.data_ptr(), w.data_ptr(), out.data_ptr(), ws.data_ptr(), 0 if w_scale is None else w_scale.data_ptr())
+    aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15 or tuple(p % 16 == 0 for p in ptrs)
+    return (x.dtype, x.shape, x.stride(0), w.dtype, w.shape, w.stride(0), out.shape, out.stride(0), ws.dtype,
+            w_scale is None, aligned)  # fmt: skip
 
 
 # Direct launches of the decode kernel with host-built descriptors (after the first, compiling one).

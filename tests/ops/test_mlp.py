@@ -346,9 +346,9 @@ def test_decode_launch_key_and_host_descriptors():
     buf = torch.zeros(9 * 16, dtype=torch.float16)
     w = torch.zeros(32, 16, dtype=torch.float16)
     aligned, shifted = buf[:128].view(8, 16), buf[1:129].view(8, 16)
-    key_a = MD._launch_key(aligned, w, w, w)
-    key_s = MD._launch_key(shifted, w, w, w)
-    assert key_a != key_s and key_a[8] is True and key_s[8] == (False, True, True, True)
+    key_a = MD._launch_key(aligned, w, w, w, None)
+    key_s = MD._launch_key(shifted, w, w, w, None)
+    assert key_a != key_s and key_a[-1] is True and key_s[-1] == (False, True, True, True, True)
     d = launch_mod.HostDesc(aligned, (8, 16), (16, 1), (8, 16)).real()
     assert (d.base is aligned and list(d.shape) == [8, 16] and list(d.strides) == [16, 1]
             and list(d.block_shape) == [8, 16] and d.padding == "zero")  # fmt: skip
@@ -674,6 +674,7 @@ for t in (1, 32, 64):
         cfg = MD.decode_config(t, n, k, glu, 132)
         dsig = dict(x_desc=f"tensordesc<bf16[{cfg['BLOCK_M']}, {cfg['BLOCK_K']}]>",
                     w_desc=f"tensordesc<bf16[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>", OUT="*bf16", WS="*fp32",
+                    W_SCALE="*fp32",
                     **{k: "i32" for k in ("M", "N", "K", "stride_om")})
         consts = dict(GLU=glu, ACTIVATION="silu", PRECISION="tf32",
                       **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
