@@ -22,7 +22,7 @@ import torch
 import fuseformer.ops as F
 from fuseformer.bench._timing import bench_graph_ms, bench_stream_ms, copy_ceiling_tb_s
 from fuseformer.ops._utils import next_pow2
-from fuseformer.ops.mlp_decode import DOWN_DECODE, _decode_gemm, _decode_plan
+from fuseformer.ops.mlp_decode import DOWN_DECODE, _decode_gemm, decode_plan
 
 
 def mlp_rows(h: int = 4096, i: int = 14336, tokens=(1, 8, 32, 64, 96, 128, 192, 256, 512, 1024, 2048, 8192)):
@@ -53,7 +53,7 @@ def linear_rows(tokens=(1, 8, 32, 64)):
         w = torch.randn(n, k, device="cuda", dtype=dt) / k**0.5
         for t in tokens:
             x = torch.randn(t, k, device="cuda", dtype=dt)
-            cfg = _decode_plan(DOWN_DECODE, next_pow2(t), n, k, dt, x.device)
+            cfg = decode_plan(DOWN_DECODE, next_pow2(t), n, k, dt, x.device)
             ours = lambda: _decode_gemm(x, w, False, "silu", cfg)
             cublas = lambda: torch.matmul(x, w.T)
             torch.testing.assert_close(ours(), cublas(), rtol=2e-2, atol=2e-2)

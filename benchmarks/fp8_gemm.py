@@ -150,7 +150,7 @@ def _copies(nbytes: int) -> int:
 def decode_rows(tokens, copy: float) -> list[dict]:
     """M <= 64 as the engine's graphs run it: each backend and candidate over rotated weight copies;
     % of copy bandwidth for the e4m3 weight bytes (bf16 rows: their bf16 bytes)."""
-    from fuseformer.ops.mlp_decode import DOWN_DECODE, GATE_UP_DECODE, _decode_gemm, _decode_plan, decode_candidates
+    from fuseformer.ops.mlp_decode import DOWN_DECODE, GATE_UP_DECODE, _decode_gemm, decode_candidates, decode_plan
 
     rows = []
     shapes = {**SHAPES, "gate_up": (2 * INTER, H)}
@@ -166,7 +166,7 @@ def decode_rows(tokens, copy: float) -> list[dict]:
             a, a_s = F.quantize_fp8(x, 128 if grouped else None)
             rec = dict(bench="decode", name=name, M=m, N=n, K=k, copies=c)
             kern = GATE_UP_DECODE if glu else DOWN_DECODE
-            cfg16 = _decode_plan(kern, max(1, 1 << (m - 1).bit_length()), n // 2 if glu else n, k, x.dtype, x.device)
+            cfg16 = decode_plan(kern, max(1, 1 << (m - 1).bit_length()), n // 2 if glu else n, k, x.dtype, x.device)
             rec["bf16_decode_us"] = _rotating_us(lambda i: lambda: _decode_gemm(x, w16[i], glu, "silu", cfg16), c)
             rec["bf16_cublas_us"] = _rotating_us(lambda i: lambda: torch.matmul(x, w16[i].T), c)
             # Weight-only FP8 through the bf16 decode kernel (e4m3 tiles widened in registers, x in bf16).

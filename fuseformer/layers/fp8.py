@@ -8,6 +8,12 @@ in a loaded model, from outside (STYLE.md §4): each keeps the name and the sub-
 module it replaces (``qkv_proj``, ``mlp.gate_up_proj``, ``input_layernorm``), so the engine and the
 state dict find them where they were.
 
+At decode (``decode_weight_only``: at most 64 tokens, fp16/bf16 activations on CUDA) the layers leave
+the activations unquantized and run the weight-only ops (``fp8_weight_gemm``, ``fp8_weight_mlp``): a
+step of a few tokens is bound by its weight bytes, which e4m3 halves either way, and the decode kernel
+streams them at the bf16 decode kernel's rate; the norm is then the plain ``rms_norm``. Past decode the
+activations are quantized as above and the GEMMs run on the FP8 tensor cores.
+
 Every forward is CUDA-graph safe: shapes only are read on the host, never a value.
 
 Dtype casts (``model.to(torch.bfloat16)``, ``.half()``) leave the e4m3 weights and their fp32 scales
@@ -23,8 +29,18 @@ from torch import nn
 
 import fuseformer.ops as F
 from fuseformer.layers.mlp import activation_of
+from fuseformer.ops import mlp_decode
 
 FP8_DTYPE = torch.float8_e4m3fn
+
+
+def decode_weight_only(x: torch.Tensor | Fp8Activation) -> bool:
+    """Whether an FP8 layer takes x unquantized (weight-only FP8, the decode kernels): a plain fp16/bf16
+    tensor of at most ``DECODE_MAX_T`` (64) tokens on a device the decode kernels run on (CUDA)."""
+    return (
+        isinstance(x, torch.Tensor) and x.device.type in mlp_decode.DECODE_DEVICE_TYPES
+        and x.dtype in (torch.float16, torch.bfloat16) and x.numel() // max(1, x.shape[-1]) <= mlp_decode.DECODE_MAX_T
+    )  # fmt: skip
 
 
 class Fp8Activation(NamedTuple):
@@ -124,6 +140,9 @@ class Fp8Linear(nn.Module):
         return F.dequantize_fp8(self.weight, self.weight_scale[:, None], dtype=dtype)
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if decode_weight_only(x) and x.shape[-1:] == (self.in_features,):
+            out = F.fp8_weight_gemm(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias)
+            return out.to(self.out_dtype).view(*x.shape[:-1], self.out_features)
         q, s = _as_rows(x, self.in_features, "Fp8Linear")
         out = F.fp8_gemm(q, s, self.weight, self.weight_scale, self.bias, out_dtype=self.out_dtype)
         return out.view(*x.shape[:-1], self.out_features)
@@ -149,7 +168,9 @@ class Fp8RMSNorm(nn.Module):
         offset: as RMSNorm's (1 for Gemma's ``x * (1 + weight)``).
 
     ``forward(x, residual=None)``: x (..., N) -> :class:`Fp8Activation` of ``norm(x)``; with ``residual``
-    (like x): ``(Fp8Activation of norm(x + residual), x + residual)``, the sum in x's dtype.
+    (like x): ``(Fp8Activation of norm(x + residual), x + residual)``, the sum in x's dtype. At decode
+    (``decode_weight_only(x)``) the norm is plain ``rms_norm`` and its output a tensor in x's dtype: the
+    FP8 layers after it read it unquantized there.
     """
 
     def __init__(self, weight: nn.Parameter, eps: float | None = 1e-6, offset: float = 0.0) -> None:
@@ -173,6 +194,8 @@ class Fp8RMSNorm(nn.Module):
         if x.shape[-1:] != (self.hidden_size,):
             raise ValueError(f"Fp8RMSNorm: x has shape {tuple(x.shape)}; expected (..., {self.hidden_size})")
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        if decode_weight_only(x):
+            return F.rms_norm(x, self.weight, eps, residual, offset=self.offset)
         out = F.rms_norm_quant_fp8(x, self.weight, eps=eps, residual=residual, offset=self.offset)
         if residual is None:
             return Fp8Activation(*out)
@@ -196,7 +219,8 @@ FUSED_GLU_MAX_M = 64
 class Fp8GatedMLP(nn.Module):
     """``down_proj(act(gate_proj(x)) * up_proj(x))`` in FP8: the gate-up GEMM with act * mul and the
     quantization of the product in its epilogue (``fp8_gemm_glu``, per 128-column group scales), then
-    the down GEMM (``fp8_gemm``) reading those groups.
+    the down GEMM (``fp8_gemm``) reading those groups. At decode (``decode_weight_only(x)``) both GEMMs
+    read x unquantized: ``fp8_weight_mlp``.
 
     Sub-modules as the MLP it replaces: ``gate_up_proj`` (an :class:`Fp8Linear` (2I, H), rows [0, I) the
     gate and [I, 2I) the up projection) and ``down_proj`` (an Fp8Linear (H, I)); no biases.
@@ -236,6 +260,10 @@ class Fp8GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
+        if decode_weight_only(x) and x.shape[-1:] == (self.hidden_size,):
+            out = F.fp8_weight_mlp(x.reshape(-1, self.hidden_size), gate_up.weight, gate_up.weight_scale,
+                                   down.weight, down.weight_scale, self.act)  # fmt: skip
+            return out.to(down.out_dtype).view(*x.shape[:-1], self.hidden_size)
         q, s = _as_rows(x, self.hidden_size, "Fp8GatedMLP")
         if q.shape[0] > FUSED_GLU_MAX_M and q.is_cuda and s.shape[-1] == 1:
             out = self._unfused(q, s)

@@ -7,6 +7,7 @@ y, h = F.rms_norm(x, weight, eps=1e-6, residual=r)
 from fuseformer.ops.activations import geglu, geglu_ref, swiglu, swiglu_ref
 from fuseformer.ops.attention import flash_attention, flash_attention_ref
 from fuseformer.ops.cross_entropy import cross_entropy, cross_entropy_ref
+from fuseformer.ops.fp8_decode import fp8_weight_gemm, fp8_weight_gemm_ref, fp8_weight_mlp, fp8_weight_mlp_ref
 from fuseformer.ops.fp8_gemm import fp8_gemm, fp8_gemm_glu, fp8_gemm_glu_ref, fp8_gemm_ref
 from fuseformer.ops.fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 from fuseformer.ops.layer_norm import layer_norm, layer_norm_ref
@@ -35,6 +36,8 @@ OPS = (
     "rms_norm_quant_fp8",
     "fp8_gemm",
     "fp8_gemm_glu",
+    "fp8_weight_gemm",
+    "fp8_weight_mlp",
 )
 
 __all__ = [
@@ -50,6 +53,10 @@ __all__ = [
     "fp8_gemm_glu",
     "fp8_gemm_glu_ref",
     "fp8_gemm_ref",
+    "fp8_weight_gemm",
+    "fp8_weight_gemm_ref",
+    "fp8_weight_mlp",
+    "fp8_weight_mlp_ref",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_ref",
     "fused_mlp",

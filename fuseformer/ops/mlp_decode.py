@@ -113,13 +113,14 @@ DECODE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "
 DECODE_DEVICE_TYPES = frozenset({"cuda"})
 
 
-def decode_key(t: int, n: int, k: int, dtype: torch.dtype) -> str:
-    """The decode kernels' autotune key: T's power-of-two bucket (1..64), the GEMM's N and K, dtype."""
-    return f"T{next_pow2(t)}-N{n}-K{k}-{autotune.dtype_name(dtype)}"
+def decode_key(t: int, n: int, k: int, dtype: torch.dtype, w_fp8: bool = False) -> str:
+    """The decode kernels' autotune key: T's power-of-two bucket (1..64), the GEMM's N and K, x's dtype
+    (and "-w8" for e4m3 weights)."""
+    return f"T{next_pow2(t)}-N{n}-K{k}-{autotune.dtype_name(dtype)}" + ("-w8" if w_fp8 else "")
 
 
-def decode_generic_key(t: int, dtype: torch.dtype) -> str:
-    return f"T{next_pow2(t)}-{autotune.dtype_name(dtype)}"
+def decode_generic_key(t: int, dtype: torch.dtype, w_fp8: bool = False) -> str:
+    return f"T{next_pow2(t)}-{autotune.dtype_name(dtype)}" + ("-w8" if w_fp8 else "")
 
 
 def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = True, w_fp8: bool = False) -> dict:
@@ -161,7 +162,11 @@ def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = Tr
             stages = 8
     if w_fp8:
         bn, bk = (bn, 2 * bk) if bk < 256 else (2 * bn, bk)
-        while stages > 2 and decode_smem_bytes(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages), glu, 2, 1) + 4096 > SM90_SMEM_BYTES:
+        while (
+            stages > 2
+            and decode_smem_bytes(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages), glu, 2, 1) + 4096
+            > SM90_SMEM_BYTES
+        ):
             stages -= 1
     split = 1
     if not glu:
@@ -241,7 +246,9 @@ def _decode_gemm(
     x_arg = HostDesc(x, (t, k), (x.stride(0), 1), (bm, bk))
     w_arg = HostDesc(w, tuple(w.shape), (w.stride(0), 1), (bn, bk))
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-    lc = _decode_launch_config(glu, activation, x.dtype == torch.float32, pdl, w_scale is not None, tuple(config.items()))
+    lc = _decode_launch_config(
+        glu, activation, x.dtype == torch.float32, pdl, w_scale is not None, tuple(config.items())
+    )
     args = (x_arg, w_arg, out, ws, w_scale, m, n, k, out.stride(0))
     _decode_launcher.launch(grid, lc, _launch_key(x, w, out, ws, w_scale), args)
     if split > 1:
@@ -276,12 +283,14 @@ _decode_launcher = DescLauncher(_mlp_decode_kernel)
 
 
 @autotune.plan_cache
-def _decode_plan(kernel: str, tb: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """The launch config of one decode GEMM (cached per T bucket, shape, dtype and device)."""
+def decode_plan(
+    kernel: str, tb: int, n: int, k: int, dtype: torch.dtype, device: torch.device, w_fp8: bool = False
+) -> dict:
+    """The launch config of one decode GEMM (cached per T bucket, shape, dtype, weight kind and device)."""
+    glu, on_gpu = kernel == GATE_UP_DECODE, device.type == "cuda"
     return autotune.get_config(
-        kernel, decode_key(tb, n, k, dtype), device=device, generic_key=decode_generic_key(tb, dtype),
-        default=lambda: _wide_dtype(decode_config(tb, n, k, kernel == GATE_UP_DECODE, num_sms(device.index or 0),
-                                                  device.type == "cuda"), dtype),
+        kernel, decode_key(tb, n, k, dtype, w_fp8), device=device, generic_key=decode_generic_key(tb, dtype, w_fp8),
+        default=lambda: _wide_dtype(decode_config(tb, n, k, glu, num_sms(device.index or 0), on_gpu, w_fp8), dtype),
         fields=DECODE_CONFIG_KEYS,
     )  # fmt: skip
 
@@ -316,19 +325,21 @@ def mlp_decode_fwd(
     gate_up_config: dict | None = None,
     down_config: dict | None = None,
     pdl: bool = True,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (T, H), T <= 64 -> out (T, H) and y (T, I): the gate-up GEMM with the activation, then the
     down GEMM, both through _mlp_decode_kernel (plus the split-K epilogue where a config splits).
     No pre-activation (inference only). The configs override the cached ones (sweeps, tests);
     ``pdl=False`` launches the down GEMM plainly where it would be a programmatic dependent launch
-    (the sweeps' and tests' baseline; the result is the same bits)."""
+    (the sweeps' and tests' baseline; the result is the same bits). ``scales``: (gate-up (2I,), down
+    (H,)) fp32 per-channel scales of e4m3 weights (``fp8_weight_mlp``)."""
     t, h = x.shape
     i = w_down.shape[1]
     tb = next_pow2(t)
     if gate_up_config is None:
-        gate_up_config = _decode_plan(GATE_UP_DECODE, tb, i, h, x.dtype, x.device)
+        gate_up_config = decode_plan(GATE_UP_DECODE, tb, i, h, x.dtype, x.device)
     if down_config is None:
-        down_config = _decode_plan(DOWN_DECODE, tb, h, i, x.dtype, x.device)
+        down_config = decode_plan(DOWN_DECODE, tb, h, i, x.dtype, x.device)
     # The down GEMM as a programmatic dependent launch of the gate-up GEMM (sm_90+): its programs
     # start while the gate-up's last ones run and wait for y in-kernel, so the gap between the two
     # (launch, program start) leaves the weight stream. Only where gate-up is one kernel (no split-K
@@ -348,8 +359,9 @@ def mlp_decode_fwd(
     bm = down_config["BLOCK_M"]
     pad = t < bm == 16 and gate_up_config["BLOCK_M"] == bm and gate_up_config["SPLIT_K"] == 1
     y_rows, out_rows = (bm, t) if pad else (None, None)
-    y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger" if pdl else "", y_rows)
-    out = _decode_gemm(y, w_down, False, activation, down_config, "wait" if pdl else "", out_rows)
+    gu_scale, down_scale = (None, None) if scales is None else scales
+    y = _decode_gemm(x, w_gate_up, True, activation, gate_up_config, "trigger" if pdl else "", y_rows, gu_scale)
+    out = _decode_gemm(y, w_down, False, activation, down_config, "wait" if pdl else "", out_rows, down_scale)
     return out, (y[:t] if pad else y)
 
 

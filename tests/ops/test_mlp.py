@@ -683,6 +683,12 @@ for t in (1, 32, 64):
         pdl = dict(PDL_TRIGGER=True) if glu else dict(PDL_WAIT=True)
         ptx = build(MD._mlp_decode_kernel, dsig, dict(consts, **pdl), cfg).asm["ptx"]
         assert ("griddepcontrol.launch_dependents" if glu else "griddepcontrol.wait") in ptx
+        # Weight-only FP8 (ops/fp8_decode.py): e4m3 weight tiles at the e4m3 rule's configs.
+        cfg8 = MD.decode_config(t, n, k, glu, 132, w_fp8=True)
+        dsig8 = dict(dsig, x_desc=f"tensordesc<bf16[{cfg8['BLOCK_M']}, {cfg8['BLOCK_K']}]>",
+                     w_desc=f"tensordesc<fp8e4nv[{cfg8['BLOCK_N']}, {cfg8['BLOCK_K']}]>")
+        consts8 = dict(consts, W_FP8=True, **{k: v for k, v in cfg8.items() if k not in ("num_warps", "num_stages")})
+        build(MD._mlp_decode_kernel, dsig8, dict(consts8, **pdl), cfg8)
         if cfg["SPLIT_K"] > 1:
             esig = dict(WS="*fp32", Y="*bf16", PRE="*bf16", M="i32", N="i32", stride_ym="i32", stride_pm="i32")
             consts = dict(ACTIVATION="silu", SAVE_PRE=False, SPLIT_K=cfg["SPLIT_K"], BLOCK_M=16, BLOCK_N=256, GLU=glu)
