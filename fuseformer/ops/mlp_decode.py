@@ -161,19 +161,41 @@ def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = Tr
             # beside a gate-up program, so the PDL launch's programs wait for SMs to free.
             stages = 8
     if w_fp8:
-        bn, bk = (bn, 2 * bk) if bk < 256 else (2 * bn, bk)
-        while (
-            stages > 2
-            and decode_smem_bytes(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages), glu, 2, 1) + 4096
-            > SM90_SMEM_BYTES
-        ):
-            stages -= 1
+        return _fp8_decode_config(t, n, k, glu, sms, bm, bn, bk, stages)
     split = 1
     if not glu:
         blocks, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
         while blocks * split * 2 <= sms and k_tiles >= 8 * split:
             split *= 2
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages)
+
+
+def _fp8_decode_config(t: int, n: int, k: int, glu: bool, sms: int, bm: int, bn: int, bk: int, stages: int) -> dict:
+    """decode_config for e4m3 weights (weight-only FP8). Run 120 (H100, 2026-12-06, rotated weights,
+    CUDA graphs; us at T 1 / T 16 against the bf16 kernel's rule): non-GLU GEMMs want small tiles and
+    split-K to about 2 programs an SM (the widening of each e4m3 tile in registers makes a program's
+    issue rate, not its bytes in flight, the limit): T 1 BLOCK_N 64, BLOCK_K 128, 5 stages, split 4
+    (qkv 14.9 vs bf16 23.1, o 11.0 vs 14.8, down 26.4 vs 42.6); T 2-16 BLOCK_N 32, BLOCK_K 256, 4 stages,
+    split 2 (15.6 vs 22.8, 12.3 vs 14.3, 28.4 vs 41.5). Gate-up at T 1: BLOCK_N 64, BLOCK_K 256, 3
+    stages, no split (51.7 vs bf16 80.7; split 2 at 128 x 128 was 50.6 but needs the epilogue kernel and
+    gives up the down GEMM's programmatic launch). T 17-64 (wgmma): level with bf16 at best (qkv 22.9 vs
+    22.0, down 37.3 vs 42.0 at BLOCK_N 128, BLOCK_K 64, split 8); elsewhere the bf16 rule's bytes a
+    stage (twice BLOCK_K, or BLOCK_N where BLOCK_K is 256) within shared memory."""
+    if glu:
+        if bm == 16:
+            bn, bk, stages = 64, 256, 3
+        else:
+            bn, bk = (bn, 2 * bk) if bk < 256 else (2 * bn, bk)
+        split = 1
+    else:
+        bn, bk, stages = (64, 128, 5) if t == 1 else (32, 256, 4) if bm == 16 else (128, 64, 4)
+        blocks, k_tiles, split = triton.cdiv(n, bn), triton.cdiv(k, bk), 1
+        while blocks * split * 2 < 3 * sms and k_tiles >= 8 * split:
+            split *= 2
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages)
+    while cfg["num_stages"] > 2 and decode_smem_bytes(cfg, glu, 2, 1) + 4096 > SM90_SMEM_BYTES:
+        cfg["num_stages"] -= 1
+    return cfg
 
 
 def decode_smem_bytes(cfg: dict, glu: bool, element_size: int = 2, w_element_size: int | None = None) -> int:

@@ -83,15 +83,21 @@ def test_split_k_applies_the_scales_before_the_sum(device, decode_on_cpu):
     assert_close("out", out, x.double() @ _deq(w, s).double().T, base)
 
 
-def test_fp8_tile_rule_keeps_the_bytes_a_stage_and_fits():
-    """e4m3 weights: twice the bf16 rule's BLOCK_K (BLOCK_N where BLOCK_K is 256), stages within shared
-    memory; the sweep's candidates fit too."""
+def test_fp8_tile_rule_fits_and_splits_to_fill_the_gpu():
+    """e4m3 weights: run 120's tiles (T 1: 64 x 128 tiles split to ~2 programs an SM; T 2-16: 32 x 256),
+    every config within shared memory; the sweep's candidates fit too."""
+    assert MD.decode_config(1, 4096, 14336, False, 132, w_fp8=True) == dict(
+        BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=5
+    )
+    assert MD.decode_config(8, 6144, 4096, False, 132, w_fp8=True)["SPLIT_K"] == 2
+    assert MD.decode_config(1, 64, 256, False, 132, w_fp8=True)["SPLIT_K"] == 1  # too few K tiles to split
     for t in (1, 2, 16, 32, 64):
         for glu, n, k in ((True, 14336, 4096), (False, 4096, 14336), (False, 6144, 4096)):
-            bf = MD.decode_config(t, n, k, glu, 132)
             f8 = MD.decode_config(t, n, k, glu, 132, w_fp8=True)
-            assert f8["BLOCK_N"] * f8["BLOCK_K"] == 2 * bf["BLOCK_N"] * bf["BLOCK_K"]
             assert f8["BLOCK_K"] <= 256 and MD.decode_smem_bytes(f8, glu, 2, 1) + 4096 <= MD.SM90_SMEM_BYTES
+            assert not glu or f8["SPLIT_K"] == 1
+            programs = -(-n // f8["BLOCK_N"]) * f8["SPLIT_K"]
+            assert glu or programs >= 132, (t, n, f8)
             cands = MD.decode_candidates(t, n, k, glu, w_fp8=True)
             assert cands[0] == f8 and len(cands) > 3
     assert MD.decode_key(1, 8, 16, torch.bfloat16, w_fp8=True) != MD.decode_key(1, 8, 16, torch.bfloat16)
