@@ -2,8 +2,9 @@
 
 Known Hugging Face architectures go through ``fusion/hf.py`` (and ``hf_classic.py`` for GPT-2, BERT,
 RoBERTa), which use transformers' own extension points; any other module through the torch.fx
-pattern pass of ``fusion/fx.py``. Every replacement is made on the one model instance given,
-checked against a float64 copy (``fusion/verify.py``), and reverted when over tolerance.
+pattern pass of ``fusion/fx.py``. With ``fp8=True``, ``fusion/fp8.py`` then adds the FP8 linear layers
+(inference). Every replacement is made on the one model instance given, checked against a float64 copy
+(``fusion/verify.py``; FP8 ones by their own criterion there), and reverted when over tolerance.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def optimize(
     sample_inputs: Any = None,
     include: Iterable[str] | None = None,
     exclude: Iterable[str] | None = None,
+    fp8: bool = False,
 ) -> OptimizeReport:
     """Replace the fusable parts of ``model`` with fuseformer's fused ops, in place, on this
     instance only (no class and nothing process-wide is patched), and check each replacement.
@@ -46,16 +48,32 @@ def optimize(
             fused linear cross-entropy). None: ``model.training``.
         verify: run the original model, a float64 copy and the fused model on ``sample_inputs``;
             any replacement whose output (or gradient) is over the DESIGN.md §3 tolerance is
-            reverted and reported.
+            reverted and reported. FP8 replacements have their own criterion (below).
         sample_inputs: a tensor, a tuple of positional arguments or a dict of keyword arguments for
-            ``model(...)``. None: built from the model's config (token ids, 2 x 16) or its first
-            layer's width.
+            ``model(...)``. None: built from the model's config (token ids, 2 x 16; 2 x 48 with
+            ``fp8``) or its first layer's width.
         include, exclude: kinds of replacement to make or to leave: ``"norm"``, ``"mlp"``,
-            ``"attention"``, ``"loss"``.
+            ``"attention"``, ``"loss"``, ``"fp8"`` (made only with ``fp8=True``).
+        fp8: inference only. The linear layers of the transformer blocks (any other module: every
+            ``nn.Linear`` but an LM head) become FP8 (``fuseformer.layers.fp8``: e4m3 weights with a
+            scale per output channel, activations quantized per token), as replacements of kind
+            ``"fp8"``; an MLP the ``"mlp"`` kind fuses becomes one ``Fp8GatedMLP``. The LM head,
+            embeddings and layers whose in/out features are not multiples of 16 stay, reported as
+            skipped. Each FP8 layer is verified against the float64 model computing with its own
+            dequantized weights, within 2x of PyTorch's simulation of the same per-token e4m3
+            activation rounding (``fusion/verify.py``); ``report.output_error`` is the final
+            output's relative error against the unquantized float64 model. Fast on Hopper GPUs
+            (H100, H200); the CPU runs the reference math.
 
     Returns an :class:`OptimizeReport` (print it for a table). Calling ``optimize`` again on the same
-    model changes nothing and returns the first report; ``report.revert()`` or
-    :func:`fuseformer.revert` restores the original modules.
+    model changes nothing and returns the first report (ValueError if ``fp8`` differs from the first
+    call's: revert first); ``report.revert()`` or :func:`fuseformer.revert` restores the original
+    modules.
+
+    Raises:
+        TypeError: ``model``, ``verify``, ``training`` or ``fp8`` of the wrong type.
+        ValueError: unknown kinds; ``fp8=True`` when training (FP8 training is ``TrainConfig(fp8=True)``);
+            ``sample_inputs`` that do not run through the model.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -63,10 +81,24 @@ def optimize(
         raise TypeError(f"optimize: verify must be a bool, got {verify!r}")
     if training is not None and not isinstance(training, bool):
         raise TypeError(f"optimize: training must be a bool or None, got {training!r}")
-    kinds = _kinds(include, exclude)
-    if model in _REPORTS:
-        return _REPORTS[model]
+    if not isinstance(fp8, bool):
+        raise TypeError(f"optimize: fp8 must be a bool, got {fp8!r}")
+    kinds = _kinds(include, exclude, fp8)
+    if fp8 and (training or (training is None and model.training)):
+        why = "training=True" if training else "training=None and the model is in train mode (model.training)"
+        raise ValueError(
+            f"optimize: fp8=True is for inference only, but {why}; call model.eval() or pass training=False. "
+            "To train in FP8 use TrainConfig(fp8=True) (float8 training through torchao)"
+        )
     training = model.training if training is None else training
+    if model in _REPORTS:
+        report = _REPORTS[model]
+        if report.fp8 != fp8:
+            raise ValueError(
+                f"optimize: this model was already optimized with fp8={report.fp8}; call fuseformer.revert(model) "
+                f"before optimizing it with fp8={fp8}"
+            )
+        return report
 
     from fuseformer.fusion import verify as V
 
@@ -74,7 +106,7 @@ def optimize(
     if given:
         args, kwargs = V.normalize_inputs(sample_inputs)
     elif verify:
-        args, kwargs = V.build_inputs(model, training)
+        args, kwargs = V.build_inputs(model, training, V.FP8_SAMPLE_SEQ if fp8 else V.SAMPLE_SEQ)
     else:
         args, kwargs = (), {}
 
@@ -89,7 +121,11 @@ def optimize(
             ) from e
 
     result = _find(model, training, kinds, args, kwargs)
-    report = OptimizeReport(model_name=type(model).__name__, training=training, verified=verify)
+    if fp8 and "fp8" in kinds:
+        from fuseformer.fusion import fp8 as fp8_pass
+
+        fp8_pass.add_candidates(model, result)
+    report = OptimizeReport(model_name=type(model).__name__, training=training, verified=verify, fp8=fp8)
     report.skipped = list(result.skipped)
     cands = list(result.candidates)
     records = {
@@ -97,6 +133,9 @@ def optimize(
         for c in cands
     }
     report.replacements = [records[id(c)] for c in cands]
+    # FP8 replacements are applied and judged after the others, against their own reference (verify.py).
+    plain = [c for c in cands if c.kind != "fp8"]
+    fp8_cands = [c for c in cands if c.kind == "fp8"]
 
     applied: list[Candidate] = []
 
@@ -118,28 +157,30 @@ def optimize(
             ref_dtype = next(ref_model.parameters()).dtype
             ref_args, ref_kwargs = V.cast_inputs(args, kwargs, ref_dtype)
             ref = V.run(ref_model, ref_args, ref_kwargs, cands, training)
+            for c in list(fp8_cands):
+                why = V.fp8_weight_error(model, c)
+                if why is not None:  # never applied: its weights are wrong, whatever its outputs
+                    records[id(c)].status, records[id(c)].note = "reverted", f"{c.note}; {why}"
+                    fp8_cands.remove(c)
+            if fp8_cands:
+                base_fp8 = V.fp8_baseline(model, args, kwargs, fp8_cands)
+                V.use_fp8_weights(ref_model, fp8_cands)
+                ref_fp8 = V.run(ref_model, ref_args, ref_kwargs, fp8_cands, False)
             del ref_model
-        for c in cands:
+        for c in plain:
             c.apply()
             applied.append(c)
-        if verify and cands:
-            live = list(cands)
-            while live:
-                fused = V.run(model, args, kwargs, live, training, names)
-                verdicts = {id(c): V.judge(c, fused, base, ref, training) for c in live}
-                for c in live:
-                    v, r = verdicts[id(c)], records[id(c)]
-                    r.max_error, r.tolerance = v.max_error, v.tolerance
-                    r.grad_error, r.grad_tolerance = v.grad_error, v.grad_tolerance
-                    r.status = "kept" if v.passed else "reverted"
-                    r.note = c.note if not v.note else f"{c.note}; {v.note}" if c.note else v.note
-                culprit = _culprit(live, verdicts, list(fused.outputs))
-                if culprit is None:
-                    break
-                culprit.undo()
-                applied.remove(culprit)
-                live.remove(culprit)
-                records[id(culprit)].status = "reverted"
+        if verify and plain:
+            _verify(model, args, kwargs, plain, base, ref, training, names, records, applied)
+        for c in fp8_cands:
+            c.apply()
+            applied.append(c)
+        if verify and fp8_cands:
+            _verify(model, args, kwargs, fp8_cands, base_fp8, ref_fp8, False, names, records, applied)
+        if verify and cands and not training:
+            final = V.run(model, args, kwargs, (), False)
+            report.output_error = V.rel_error(final.final, ref.final)
+            report.baseline_output_error = V.rel_error(base.final, ref.final)
     except Exception:
         undo_all()
         raise
@@ -150,6 +191,30 @@ def optimize(
         report._revert = undo_all
         _REPORTS[model] = report
     return report
+
+
+def _verify(model, args, kwargs, live, base, ref, training, names, records, applied) -> None:
+    """Judge the applied candidates ``live`` against ``base`` and ``ref`` (verify.judge), recording each
+    verdict, and undo the culprit (``_culprit``) until every one left passes."""
+    from fuseformer.fusion import verify as V
+
+    live = list(live)
+    while live:
+        fused = V.run(model, args, kwargs, live, training, names)
+        verdicts = {id(c): V.judge(c, fused, base, ref, training) for c in live}
+        for c in live:
+            v, r = verdicts[id(c)], records[id(c)]
+            r.max_error, r.tolerance = v.max_error, v.tolerance
+            r.grad_error, r.grad_tolerance = v.grad_error, v.grad_tolerance
+            r.status = "kept" if v.passed else "reverted"
+            r.note = c.note if not v.note else f"{c.note}; {v.note}" if c.note else v.note
+        culprit = _culprit(live, verdicts, list(fused.outputs))
+        if culprit is None:
+            break
+        culprit.undo()
+        applied.remove(culprit)
+        live.remove(culprit)
+        records[id(culprit)].status = "reverted"
 
 
 def revert(model: nn.Module) -> bool:
@@ -183,7 +248,7 @@ def _output_passed(v) -> bool:
     return v.max_error is not None and v.max_error <= v.tolerance
 
 
-def _kinds(include: Iterable[str] | None, exclude: Iterable[str] | None) -> frozenset[str]:
+def _kinds(include: Iterable[str] | None, exclude: Iterable[str] | None, fp8: bool = False) -> frozenset[str]:
     def parse(name: str, value: Iterable[str] | None) -> frozenset[str]:
         if value is None:
             return frozenset()
@@ -199,6 +264,8 @@ def _kinds(include: Iterable[str] | None, exclude: Iterable[str] | None) -> froz
         return frozenset(items)
 
     inc = parse("include", include) if include is not None else frozenset(KINDS)
+    if "fp8" in inc and include is not None and not fp8:
+        raise ValueError("optimize: include names 'fp8' but fp8 is False; pass fp8=True for FP8 linear layers")
     return inc - parse("exclude", exclude)
 
 

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-# The kinds of replacement, as ``include``/``exclude`` name them.
-KINDS = ("norm", "mlp", "attention", "loss")
+# The kinds of replacement, as ``include``/``exclude`` name them. "fp8" (linear layers with e4m3
+# weights, ``fusion/fp8.py``) is made only by ``optimize(model, fp8=True)``.
+KINDS = ("norm", "mlp", "attention", "loss", "fp8")
 
 
 @dataclass(eq=False, kw_only=True)
@@ -42,6 +43,11 @@ class Candidate:
         itself if it is a tensor, else its first tensor (a ModelOutput's ``loss`` when it has one is
         not chosen by default: a loss candidate passes ``select``).
     note: anything the report should say ("packed gate/up in place", "swiglu between the linears").
+    weights: for a replacement that computes with other weight values than the parameters hold (kind
+        "fp8": the e4m3 weights times their scales): parameter name (in ``model.named_parameters()``
+        before any replacement) -> the value it computes with, in the parameter's layout; the modules
+        holding those parameters are the linears whose inputs it quantizes. Verification builds its FP8
+        reference and baseline from these (``fusion/verify.py``); ``None`` for the other kinds.
     """
 
     path: str
@@ -53,6 +59,7 @@ class Candidate:
     params: str | None = None
     select: Callable[[Any], torch.Tensor | None] | None = None
     note: str = ""
+    weights: Callable[[], dict[str, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -1,6 +1,7 @@
 """``fuseformer validate MODEL_DIR`` and ``fuseformer profile MODEL_DIR``: a local Hugging Face model
 through ``fuseformer.optimize``, checked layer by layer and by greedy generation, or timed per
-module kind before and after."""
+module kind before and after. ``--fp8`` passes ``fp8=True`` (inference); ``validate --fp8`` then reports
+greedy tokens that differ from the original's without failing on them."""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument(
-        "--include", default=None, help="comma-separated kinds to fuse: norm,mlp,attention,loss (default all)"
+        "--include", default=None, help="comma-separated kinds to fuse: norm,mlp,attention,loss,fp8 (default all)"
     )
     p.add_argument("--exclude", default=None, help="comma-separated kinds to leave as they are (default none)")
+    p.add_argument(
+        "--fp8", action="store_true",
+        help="inference: the transformer blocks' linear layers in FP8 (e4m3 weights, per-token activations)",
+    )  # fmt: skip
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -32,7 +37,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         help="optimize a local HF model, print the per-layer comparison, compare greedy generation",
         description="Load MODEL_DIR with transformers, run fuseformer.optimize on it, print each replacement's "
         "error against its tolerance, and compare greedy generation with the original model. Exit code 1 when "
-        "a replacement is over tolerance or the generations differ, 2 for bad arguments.",
+        "a replacement is over tolerance or the generations differ (with --fp8, differing tokens are reported, not "
+        "failed), 2 for bad arguments.",
     )
     _common(p)
     p.add_argument("--prompt", default=None, help="prompt for the generation check (default: 8 fixed token ids)")
@@ -108,7 +114,7 @@ def run_validate(args: argparse.Namespace) -> int:
         model, tokenizer, device, causal = _load(args)
         original = copy.deepcopy(model) if causal else None
         report = fuseformer.optimize(
-            model, training=args.training, include=_kinds(args.include), exclude=_kinds(args.exclude)
+            model, training=args.training, include=_kinds(args.include), exclude=_kinds(args.exclude), fp8=args.fp8
         )
     except (ValueError, TypeError, OSError) as e:
         return _error(str(e))
@@ -135,7 +141,9 @@ def run_validate(args: argparse.Namespace) -> int:
                 f"  first difference at token {first}: "
                 f"original {want[first : first + 4]}, optimized {got[first : first + 4]}"
             )
-            failed = True
+            # FP8 changes the numbers on purpose: greedy tokens may part ways after a near tie, which
+            # is reported, not failed (each layer is held to the FP8 criterion above).
+            failed = failed or not args.fp8
     if failed and report.reverted:
         print(f"{len(report.reverted)} replacement(s) over tolerance (reverted)")
     if args.json:
@@ -155,7 +163,7 @@ def run_profile(args: argparse.Namespace) -> int:
         return _error("--batch and --seq must be positive")
     try:
         model, _, device, causal = _load(args)
-        kinds = dict(include=_kinds(args.include), exclude=_kinds(args.exclude))
+        kinds = dict(include=_kinds(args.include), exclude=_kinds(args.exclude), fp8=args.fp8)
         vocab = model.config.vocab_size
         ids = torch.randint(0, vocab, (args.batch, args.seq), device=device)
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

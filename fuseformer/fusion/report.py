@@ -16,9 +16,13 @@ class Replacement:
 
     max_error / tolerance: of the module's output against the float64 reference (DESIGN.md §3:
         tolerance = 2 x the original module's own error in the model's dtype + a floor); None when
-        not verified. grad_error / grad_tolerance: the same for the gradients of ``params`` (the
-        worst parameter), when training.
-    status: "kept", "reverted" (over tolerance) or "unverified" (``verify=False``).
+        not verified. Kind "fp8": against the float64 model computing with the FP8 layers' dequantized
+        weights, tolerance = 2 x the error of PyTorch's simulation of the same per-token e4m3
+        activation rounding + the floor (``fusion/verify.py``).
+    grad_error / grad_tolerance: the same for the gradients of ``params`` (the worst parameter), when
+        training.
+    status: "kept", "reverted" (over tolerance; kind "fp8" also when its weights are not the e4m3
+        rounding of the originals) or "unverified" (``verify=False``).
     """
 
     path: str
@@ -55,6 +59,12 @@ class OptimizeReport:
     model_name: str
     training: bool
     verified: bool
+    fp8: bool = False
+    # ||out - ref|| / ||ref|| of the model's final output against the float64 copy of the original
+    # (unquantized): of the optimized model, and of the original in its own dtype. Set when verified,
+    # for inference; with fp8 this is what FP8 cost.
+    output_error: float | None = None
+    baseline_output_error: float | None = None
     replacements: list[Replacement] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     # Set by optimize: undoes every kept replacement and any restructuring, in reverse order.
@@ -86,13 +96,16 @@ class OptimizeReport:
             "model": self.model_name,
             "training": self.training,
             "verified": self.verified,
+            "fp8": self.fp8,
+            "output_error": self.output_error,
+            "baseline_output_error": self.baseline_output_error,
             "counts": self.counts(),
             "replacements": [r.to_dict() for r in self.replacements],
             "skipped": [s.to_dict() for s in self.skipped],
         }
 
     def __str__(self) -> str:
-        mode = "training" if self.training else "inference"
+        mode = ("training" if self.training else "inference") + (", fp8" if self.fp8 else "")
         lines = [
             f"fuseformer.optimize({self.model_name}, {mode}): {len(self.kept)} kept, {len(self.reverted)} reverted"
         ]
@@ -111,6 +124,11 @@ class OptimizeReport:
                 lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
                 if i == 0:
                     lines.append("  ".join("-" * w for w in widths))
+        if self.output_error is not None:
+            lines.append(
+                f"final output vs the float64 model: relative error {_num(self.output_error)} "
+                f"(the original model's: {_num(self.baseline_output_error)})"
+            )
         if self.skipped:
             lines.append("left as it is:")
             lines.extend(f"  {s.path or '(model)'} [{s.kind}]: {s.reason}" for s in self.skipped)

@@ -8,6 +8,32 @@ For a module output ``out`` of the fused model, ``base`` of the original model i
 (``fuseformer.testing.tolerance``). The original model's own error sets the bar, so a model in bf16
 is held to what bf16 PyTorch achieves, and errors that build up through the layers count on both
 sides alike.
+
+FP8 replacements (kind ``"fp8"``, ``optimize(model, fp8=True)``) cannot meet that bar: rounding each
+activation to e4m3 (3 mantissa bits) costs far more than bf16 does. They are judged after every other
+replacement has been (which keeps its §3 verdict, taken without FP8), with the same formula on two
+other runs:
+
+- ``ref``: the float64 copy whose FP8-replaced weights are the FP8 layers' own dequantized weights
+  (``Fp8Linear.dequantized_weight()``, :attr:`Candidate.weights`), so the weight rounding, a choice
+  made once and seen in full here, is not counted, and only what the FP8 layers do to the activations
+  is judged;
+- ``base`` (:func:`fp8_baseline`): the original model, its own modules in its own dtype, computing with
+  those same dequantized weights (``torch.func.functional_call``; the model is not touched) and with
+  the input of every linear an FP8 layer replaces rounded to e4m3 per token in PyTorch
+  (``quantize_fp8_ref``, then times its scale). That is PyTorch's own error for the FP8 computation,
+  the baseline of §3's "kernel error <= 2 x PyTorch's error", and it owes nothing to the FP8 modules'
+  code, so a mistake there (a scale, the gate/up order, the activation) shows.
+
+So an FP8 layer passes when its output is within 2x (plus the floor) of what per-token e4m3 rounding
+of its inputs costs in PyTorch, against the exact computation with the same FP8 weights. Its weights
+are checked first (:func:`fp8_weight_error`): each must be the e4m3 rounding of the original
+parameter, element by element (at most 2^-4 of it, e4m3's half ulp, plus e4m3's subnormal step at
+the tensor's scale); a layer whose weights are not is reverted before anything runs.
+``Fp8GatedMLP`` quantizes its intermediate activation per 128-column group, finer than the per-token
+rounding the baseline applies there, so it is held to the per-token bar. What FP8 costs as a whole
+is recorded apart: :func:`rel_error` of the model's final output against the unquantized float64
+copy (``OptimizeReport.output_error``), next to the original model's own (``baseline_output_error``).
 """
 
 from __future__ import annotations
@@ -20,13 +46,19 @@ from typing import Any
 import torch
 from torch import nn
 
+import fuseformer.ops as F
 from fuseformer.fusion.base import Candidate
+from fuseformer.ops.quant_fp8 import FP8_MAX
 from fuseformer.testing import FLOOR, max_err, tolerance
 
 # The float64 copy doubles or quadruples the model's memory; past this many parameters the
 # reference is float32 instead (still 2-4x the precision of the bf16/fp16 models that large).
 FLOAT64_MAX_PARAMS = 3_000_000_000
 SAMPLE_BATCH, SAMPLE_SEQ = 2, 16
+# With fp8=True: 2 x 48 = 96 tokens, past the 64 (mlp_decode.DECODE_MAX_T) up to which the FP8 layers on
+# CUDA leave activations unquantized (weight-only decode path), so the default sample judges the W8A8
+# path, where the activation rounding is.
+FP8_SAMPLE_SEQ = 48
 
 
 @dataclass(eq=False)
@@ -36,6 +68,7 @@ class Run:
 
     outputs: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor]
+    final: torch.Tensor | None = None  # the model's own output tensor (``first_tensor``)
 
 
 def normalize_inputs(sample_inputs: Any) -> tuple[tuple, dict]:
@@ -55,17 +88,16 @@ def normalize_inputs(sample_inputs: Any) -> tuple[tuple, dict]:
     )
 
 
-def build_inputs(model: nn.Module, training: bool) -> tuple[tuple, dict]:
-    """Sample inputs made from the model itself: token ids for a Hugging Face model or a model that
-    starts with an embedding (plus labels for a causal LM when training), else a float tensor of
-    the first layer's width. ValueError when neither tells the input."""
+def build_inputs(model: nn.Module, training: bool, seq: int = SAMPLE_SEQ) -> tuple[tuple, dict]:
+    """Sample inputs made from the model itself, (SAMPLE_BATCH, ``seq``): token ids for a Hugging Face
+    model or a model that starts with an embedding (plus labels for a causal LM when training), else a
+    float tensor of the first layer's width. ValueError when neither tells the input."""
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int) and vocab > 0 and getattr(model, "main_input_name", "input_ids") == "input_ids":
-        seq = SAMPLE_SEQ
         max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         if isinstance(max_pos, int) and max_pos > 0:
             seq = min(seq, max_pos)
@@ -76,13 +108,13 @@ def build_inputs(model: nn.Module, training: bool) -> tuple[tuple, dict]:
         return (), kwargs
     for m in model.modules():
         if isinstance(m, nn.Embedding):
-            return (torch.randint(0, m.num_embeddings, (SAMPLE_BATCH, SAMPLE_SEQ), generator=gen).to(device),), {}
+            return (torch.randint(0, m.num_embeddings, (SAMPLE_BATCH, seq), generator=gen).to(device),), {}
         width = m.in_features if isinstance(m, nn.Linear) else None
         if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and len(m.normalized_shape) == 1:
             width = m.normalized_shape[0]
         if width:
             dtype = param.dtype if param is not None and param.dtype.is_floating_point else torch.float32
-            x = torch.randn(SAMPLE_BATCH, SAMPLE_SEQ, width, generator=gen).to(device=device, dtype=dtype)
+            x = torch.randn(SAMPLE_BATCH, seq, width, generator=gen).to(device=device, dtype=dtype)
             return (x,), {}
     raise ValueError(
         f"optimize: cannot tell what {type(model).__name__} takes as input; pass sample_inputs "
@@ -100,6 +132,69 @@ def reference_copy(model: nn.Module) -> nn.Module:
     n = sum(p.numel() for p in model.parameters())
     dtype = torch.float64 if n <= FLOAT64_MAX_PARAMS else torch.float32
     return copy.deepcopy(model).to(dtype)
+
+
+def fp8_weight_error(model: nn.Module, c: Candidate) -> str | None:
+    """Why the weights ``c`` computes with (:attr:`Candidate.weights`) are not the e4m3 rounding of
+    ``model``'s parameters of the same names, or None when they are: for each element
+    ``|w8 - w| <= 2^-4 |w| (1 + 1e-3) + max|w| / 448 * 2^-10`` (round to nearest with 3 mantissa bits;
+    the subnormal step at the largest per-channel scale)."""
+    for name, w8 in (c.weights() if c.weights is not None else {}).items():
+        w = model.get_parameter(name).detach().double()
+        err = (w8.double().to(w.device) - w).abs()
+        bound = w.abs() * (2.0**-4 * (1 + 1e-3)) + w.abs().max() / FP8_MAX * 2.0**-10
+        if w8.shape != w.shape or not bool((err <= bound).all()):
+            worst = (err - bound).max().item() if w8.shape == w.shape else float("inf")
+            return f"FP8 weight for {name} is not the e4m3 rounding of the parameter (over the bound by {worst:.2e})"
+    return None
+
+
+def fp8_baseline(model: nn.Module, args: tuple, kwargs: dict, candidates: list[Candidate]) -> Run:
+    """The FP8 candidates' baseline run (module doc): ``model`` with none of them applied, computing with
+    their weights (:attr:`Candidate.weights`, cast to each parameter's dtype) and with the input of each
+    module holding one of those weights rounded to e4m3 per token. ``model`` is left as it was."""
+    weights: dict[str, torch.Tensor] = {}
+    for c in candidates:
+        for name, w in (c.weights() if c.weights is not None else {}).items():
+            weights[name] = w.to(model.get_parameter(name).dtype)
+    owners = {name.rpartition(".")[0] for name in weights}
+    hooks = [model.get_submodule(path).register_forward_pre_hook(_round_input_fp8) for path in sorted(owners)]
+    try:
+        return run(model, args, kwargs, candidates, False, weights=weights)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _round_input_fp8(module: nn.Module, args: tuple) -> tuple:
+    """A forward pre-hook: the first argument x (..., K) as e4m3 per token times its scale, in x's dtype."""
+    x = args[0]
+    q, scale = F.quantize_fp8_ref(x)  # (..., K) e4m3, (..., 1) fp32
+    return ((q.float() * scale).to(x.dtype), *args[1:])
+
+
+def use_fp8_weights(ref_model: nn.Module, candidates: Iterable[Candidate]) -> None:
+    """Give the reference copy the weights the candidates compute with (:attr:`Candidate.weights`: the
+    FP8 layers' dequantized weights), in place, in its dtype."""
+    with torch.no_grad():
+        for c in candidates:
+            if c.weights is None:
+                continue
+            for name, w in c.weights().items():
+                p = ref_model.get_parameter(name)
+                p.copy_(w.to(device=p.device, dtype=p.dtype))
+
+
+def rel_error(out: torch.Tensor | None, ref: torch.Tensor | None) -> float | None:
+    """``||out - ref|| / ||ref||`` (Frobenius, in float64) over the finite elements of ``ref``; None when
+    either is missing or the shapes differ."""
+    if out is None or ref is None or out.shape != ref.shape:
+        return None
+    o, r = out.detach().double(), ref.detach().double().to(out.device)
+    finite = torch.isfinite(r)
+    den = r[finite].norm().item()
+    num = (o[finite] - r[finite]).norm().item()
+    return num / den if den > 0 else num
 
 
 def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
@@ -142,8 +237,10 @@ def run(
     candidates: Iterable[Candidate],
     training: bool,
     names: dict[int, str] | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Run:
-    """Run ``model`` once in eval mode (no dropout), recording each candidate's compared output;
+    """Run ``model`` once in eval mode (no dropout), recording each candidate's compared output
+    (with ``weights``: those parameters' values instead of the model's, by name, for this call only);
     when ``training``, backpropagate a scalar (the output's ``loss`` when it has one, else the
     first output tensor against a fixed random probe) and record every parameter's gradient, by
     the name ``names`` gives its object (the names before any replacement moved it; default: its
@@ -160,7 +257,12 @@ def run(
     try:
         model.eval()
         with torch.set_grad_enabled(training):
-            out = model(*args, **kwargs)
+            if weights:
+                out = torch.func.functional_call(model, weights, args, kwargs, strict=False)
+            else:
+                out = model(*args, **kwargs)
+            final = first_tensor(out)
+            final = final.detach().clone() if isinstance(final, torch.Tensor) else None
             if training:
                 for p in params:
                     p.grad = None
@@ -175,7 +277,7 @@ def run(
             m.training = mode
         for p, g in zip(params, saved_grads):
             p.grad = g
-    return Run(outputs, grads)
+    return Run(outputs, grads, final)
 
 
 def _recorder(outputs: dict, path: str, select: Callable[[Any], torch.Tensor | None]):

@@ -402,7 +402,7 @@ def test_end_to_end_optimize():
     keys = list(model.state_dict())
     report = fuseformer.optimize(model, training=True, sample_inputs=(idx, tgt))
     kept = [r for r in report.replacements if r.status == "kept"]
-    assert {r.kind for r in kept} == set(KINDS), report
+    assert {r.kind for r in kept} == set(KINDS) - {"fp8"}, report  # fp8 only with optimize(fp8=True)
     assert list(model.state_dict()) == keys
     loss, loss0 = model(idx, tgt), base(idx, tgt)
     assert abs(loss.item() - loss0.item()) < 1e-4
