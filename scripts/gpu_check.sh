@@ -18,7 +18,7 @@
 # in .whl/, installed from there when present), and the mix, prefix and fixed workloads with the defaults
 # and enforce_eager (benchmarks/engine_workloads.py), JSON in OUT_DIR.
 #
-# fp8 (not part of all): issue 31 in one device call: the FP8 GPU tests (the ops, the built-in model's
+# fp8 (not part of all): issue 31 in one device call: the FP8 GPU tests (the ops incl. weight-only decode, the built-in model's
 # accuracy, the FP8 KV cache, training) in one process; benchmarks/fp8_gemm.py (the FP8 layers against bf16,
 # the decode GEMMs' backends and tiles); benchmarks/fp8_engine.py
 # (bf16, fp8, fp8 + fp8 KV cache over the same 8B-shape weights: batch1, fixed, prefill); the training
@@ -77,7 +77,7 @@ if [[ ( "$stage" == engine || "$stage" == fp8 ) ]] && ls .whl/*.whl > /dev/null 
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 if [[ "$stage" == fp8 ]]; then
-    python3 -m pytest -q -m gpu -p no:randomly tests/ops/test_fp8.py tests/engine/test_fp8_accuracy.py \
+    python3 -m pytest -q -m gpu -p no:randomly tests/ops/test_fp8.py tests/ops/test_fp8_decode.py tests/engine/test_fp8_accuracy.py \
         tests/engine/test_fp8_kv_cache.py tests/train/test_fp8.py tests/ops/test_paged_attention.py \
         tests/ops/test_reshape_and_cache.py 2>&1 | tee "$out/gpu-tests-fp8.log" | tail -n 8
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
