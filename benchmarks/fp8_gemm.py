@@ -172,7 +172,11 @@ def decode_rows(tokens, copy: float) -> list[dict]:
             # Weight-only FP8 through the bf16 decode kernel (e4m3 tiles widened in registers, x in bf16).
             nn_ = n // 2 if glu else n
             w8 = []
-            for cfg in decode_candidates(m, nn_, k, glu, w_fp8=True):
+            cands8 = decode_candidates(m, nn_, k, glu, w_fp8=True)
+            # The rule's and the sweep's first five tiles again with the MMA in bf16 (the default is fp16:
+            # e4m3 -> fp16 is one cvt for two elements, e4m3 -> bf16 goes through fp16 and fp32).
+            cands8 += [dict(c, FP16_MMA=False) for c in cands8[:5]]
+            for cfg in cands8:
                 try:
                     _decode_gemm(x, wq[0][0], glu, "silu", cfg, w_scale=wq[0][1])
                     us = _rotating_us(lambda i, cfg=cfg: lambda: _decode_gemm(x, wq[i][0], glu, "silu", cfg,

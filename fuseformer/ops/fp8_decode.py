@@ -8,9 +8,11 @@ A decode step (a few tokens) is bound by the bytes of weight it reads: e4m3 halv
 quantizing the few activation rows saves nothing and costs a kernel and accuracy. So at decode the FP8
 layers (layers/fp8.py) leave the activations in the model's dtype and run these: ``mlp_decode``'s
 weight-streaming kernel (host-built tensor descriptors, the down GEMM a programmatic dependent launch of
-the gate-up GEMM) with e4m3 weight tiles, each widened to x's dtype in registers before the bf16 MMA
-(exact: every e4m3 value is a bf16 and an fp16 value), the per-channel scales applied to the fp32 sums
-before the activation and the store. Past decode the layers quantize the activations and run
+the gate-up GEMM) with e4m3 weight tiles, each widened to fp16 in registers (exact: every e4m3 value is
+an fp16 value; one cvt for two elements, where e4m3 -> bf16 takes three) for an fp16 MMA, x's tile
+rounded to fp16 (bf16's 8 bits fit in fp16's 11) and clamped to fp16's range, +-65504 (decoder layer
+inputs stay far below it), and the per-channel scales applied to the fp32 sums before the activation
+and the store. Past decode the layers quantize the activations and run
 ``fp8_gemm`` (W8A8 on the FP8 tensor cores), where the GEMMs are compute-bound.
 
 Backends: the decode kernel where it applies (CUDA, 1..64 rows, fp16/bf16 x, rows the descriptors can

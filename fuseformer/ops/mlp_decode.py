@@ -46,6 +46,7 @@ def _mlp_decode_kernel(
     GLU: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False, W_FP8: tl.constexpr = False,
+    FP16_MMA: tl.constexpr = False,
 ):  # fmt: skip
     # Decode (T <= 64): a weight-streaming GEMM, one kernel for both GEMMs of the MLP.
     #   GLU:  W (2N, K) = [gate; up] -> OUT (M, N) = act(x Wg^T) * (x Wu^T)   (N = I, K = H)
@@ -79,6 +80,8 @@ def _mlp_decode_kernel(
     for kt in tl.range(kt_begin, kt_end):
         k = kt * BLOCK_K
         x = x_desc.load([off_m, k])
+        if FP16_MMA:
+            x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         acc = tl.dot(x, w_desc.load([off_n, k]).to(x.dtype).T, acc, input_precision=PRECISION)
         if GLU:
             acc_u = tl.dot(x, w_desc.load([N + off_n, k]).to(x.dtype).T, acc_u, input_precision=PRECISION)
@@ -281,13 +284,15 @@ def _decode_gemm(
 @functools.cache
 def _decode_launch_config(glu: bool, activation: str, fp32: bool, pdl: str, w_fp8: bool, config: tuple):
     """The LaunchConfig of one decode GEMM (``config``: the tile config's items), built once for
-    every value of its arguments."""
-    return launch_config(
+    every value of its arguments. e4m3 weights with 16-bit x multiply in fp16 (``FP16_MMA``: e4m3 ->
+    fp16 is one cvt for two elements, e4m3 -> bf16 three; x is clamped to fp16's range in the kernel);
+    a config may say ``FP16_MMA=False`` (the sweep's comparison)."""
+    flags = dict(
         GLU=glu, ACTIVATION=activation, PRECISION="ieee" if fp32 else "tf32",
-        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait", W_FP8=w_fp8,
+        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait", W_FP8=w_fp8, FP16_MMA=w_fp8 and not fp32,
         **({"launch_pdl": True} if pdl == "wait" else {}),
-        **dict(config),
     )  # fmt: skip
+    return launch_config(**(flags | dict(config)))
 
 
 def _launch_key(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor, w_scale: torch.Tensor | None):

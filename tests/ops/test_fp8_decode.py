@@ -55,6 +55,22 @@ def test_fp8_weight_gemm_matches_reference(m, n, k, bias, device, decode_on_cpu)
     assert F.fp8_weight_gemm_ref(x, w, s, b).dtype == dtype
 
 
+def test_bf16_x_multiplies_in_fp16_clamped(device, decode_on_cpu):
+    """bf16 x with e4m3 weights: the kernel's MMA runs in fp16 (exact for e4m3; x rounded to fp16, which
+    holds bf16's 8 bits), so the interpreter computes it right too; x past fp16's range is clamped to
+    +-65504 (documented) rather than turned into inf."""
+    x = torch.randn(5, 64, device=device).bfloat16()
+    w, s = _weight(48, 64, device)
+    with fuseformer.use_backend("triton"):
+        out = F.fp8_weight_gemm(x, w, s)
+        assert_close("out", out, x.double() @ _deq(w, s).double().T, (x @ _deq(w, s).bfloat16().T))
+        x[0, 0] = 1e6
+        big = F.fp8_weight_gemm(x, w, s)
+    assert torch.isfinite(big).all()
+    clamped = x.float().clamp(-65504, 65504)
+    torch.testing.assert_close(big.float(), clamped @ _deq(w, s).T, rtol=2e-2, atol=1e-1)
+
+
 @pytest.mark.parametrize("m", [1, 7, 33])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
 def test_fp8_weight_mlp_matches_reference(m, activation, device, decode_on_cpu):

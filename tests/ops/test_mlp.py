@@ -687,7 +687,8 @@ for t in (1, 32, 64):
         cfg8 = MD.decode_config(t, n, k, glu, 132, w_fp8=True)
         dsig8 = dict(dsig, x_desc=f"tensordesc<bf16[{cfg8['BLOCK_M']}, {cfg8['BLOCK_K']}]>",
                      w_desc=f"tensordesc<fp8e4nv[{cfg8['BLOCK_N']}, {cfg8['BLOCK_K']}]>")
-        consts8 = dict(consts, W_FP8=True, **{k: v for k, v in cfg8.items() if k not in ("num_warps", "num_stages")})
+        consts8 = dict(consts, W_FP8=True, FP16_MMA=True,
+                       **{k: v for k, v in cfg8.items() if k not in ("num_warps", "num_stages")})
         build(MD._mlp_decode_kernel, dsig8, dict(consts8, **pdl), cfg8)
         if cfg["SPLIT_K"] > 1:
             esig = dict(WS="*fp32", Y="*bf16", PRE="*bf16", M="i32", N="i32", stride_ym="i32", stride_pm="i32")
