@@ -485,7 +485,14 @@ def _check_glu(h_q, h_scale, a, a_scale, w, w_scale, activation):
     # The GPU's FP8 MMA sums a K tile in reduced precision (about 14 bits, DeepSeek-V3 §3.3.2): at K 4096
     # the row amax moved by up to 7e-4 relative (H100, 2026-12-06); e4m3's step is 2^-3 relative.
     torch.testing.assert_close(h_scale, s_ref, rtol=2e-3 if a.is_cuda else 1e-5, atol=0)
-    assert_q_near(h_q, q_ref)
+    if a.is_cuda:
+        # Those sums also move values near zero by ~1e-4 of the group's amax: many of e4m3's subnormal
+        # steps (2^-9 of the scale, ~4e-6 of the amax) there (run 120: ~1% of q at K 4096), so "within a
+        # step" holds for the normal range (|q| >= 2^-6) only; the §3 check below covers the rest.
+        normal = (q_ref.float().abs() >= 2.0**-6) | (h_q.float().abs() >= 2.0**-6)
+        assert_q_near(h_q[normal], q_ref[normal])
+    else:
+        assert_q_near(h_q, q_ref)
     gu = F.dequantize_fp8(a, a_scale, torch.float64) @ F.dequantize_fp8(w, w_scale, torch.float64).T
     h64 = _act_ref(gu[:, :i], activation) * gu[:, i:]
     assert_close("h", F.dequantize_fp8(h_q, h_scale), h64, F.dequantize_fp8(q_ref, s_ref))
