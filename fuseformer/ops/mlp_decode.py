@@ -271,8 +271,10 @@ def _decode_gemm(
     x_arg = HostDesc(x, (t, k), (x.stride(0), 1), (bm, bk))
     w_arg = HostDesc(w, tuple(w.shape), (w.stride(0), 1), (bn, bk))
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    # e4m3 weights with bf16 x multiply in fp16 (x rounded and clamped to fp16's range in the kernel).
+    fp16_mma = w_scale is not None and x.dtype == torch.bfloat16
     lc = _decode_launch_config(
-        glu, activation, x.dtype == torch.float32, pdl, w_scale is not None, tuple(config.items())
+        glu, activation, x.dtype == torch.float32, pdl, w_scale is not None, fp16_mma, tuple(config.items())
     )
     args = (x_arg, w_arg, out, ws, w_scale, m, n, k, out.stride(0))
     _decode_launcher.launch(grid, lc, _launch_key(x, w, out, ws, w_scale), args)
@@ -282,14 +284,16 @@ def _decode_gemm(
 
 
 @functools.cache
-def _decode_launch_config(glu: bool, activation: str, fp32: bool, pdl: str, w_fp8: bool, config: tuple):
+def _decode_launch_config(
+    glu: bool, activation: str, fp32: bool, pdl: str, w_fp8: bool, fp16_mma: bool, config: tuple
+):  # fmt: skip
     """The LaunchConfig of one decode GEMM (``config``: the tile config's items), built once for
-    every value of its arguments. e4m3 weights with 16-bit x multiply in fp16 (``FP16_MMA``: e4m3 ->
+    every value of its arguments. ``fp16_mma``: bf16 x with e4m3 weights multiplies in fp16 (e4m3 ->
     fp16 is one cvt for two elements, e4m3 -> bf16 three; x is clamped to fp16's range in the kernel);
     a config may say ``FP16_MMA=False`` (the sweep's comparison)."""
     flags = dict(
         GLU=glu, ACTIVATION=activation, PRECISION="ieee" if fp32 else "tf32",
-        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait", W_FP8=w_fp8, FP16_MMA=w_fp8 and not fp32,
+        PDL_TRIGGER=pdl == "trigger", PDL_WAIT=pdl == "wait", W_FP8=w_fp8, FP16_MMA=fp16_mma,
         **({"launch_pdl": True} if pdl == "wait" else {}),
     )  # fmt: skip
     return launch_config(**(flags | dict(config)))
