@@ -18,11 +18,12 @@
 # in .whl/, installed from there when present), and the mix, prefix and fixed workloads with the defaults
 # and enforce_eager (benchmarks/engine_workloads.py), JSON in OUT_DIR.
 #
-# fp8 (not part of all): issue 31 in one device call: the FP8 GPU tests (the ops incl. weight-only decode, the built-in model's
-# accuracy, the FP8 KV cache, training) in one process; benchmarks/fp8_gemm.py (the FP8 layers against bf16,
-# the decode GEMMs' backends and tiles); benchmarks/fp8_engine.py
-# (bf16, fp8, fp8 + fp8 KV cache over the same 8B-shape weights: batch1, fixed, prefill); the training
-# benchmark's fp8 cases at the Llama-1B shape with bf16 beside them (needs torchao: carry its wheel in .whl/).
+# fp8 (not part of all): issue 31 in one device call (~8 min): the FP8 GPU tests (the ops incl. weight-only
+# decode, the built-in model's accuracy, the FP8 KV cache, the 200-step FP8 training run) in one process;
+# benchmarks/fp8_gemm.py (the FP8 layers against bf16; the decode GEMMs' weight-only tiles at T 1 and 16,
+# fp16 and bf16 MMA); benchmarks/fp8_engine.py (bf16, fp8, fp8 + fp8 KV cache over the same 8B-shape
+# weights: batch1, fixed, prefill). fp8train: the training benchmark (--quick) with its float8 cases at the
+# Llama-1B shape beside bf16 (needs torchao: carry its wheel in .whl/), a call of its own.
 #
 # attention (not part of all): the attention GPU tests at head dim 128 (the Gluon kernels and the cases
 # they take), the attention layer's and the Llama model's, then `fuseformer bench attention --quick`, in one
@@ -72,7 +73,7 @@ if [[ "$stage" == gluon ]]; then
         > "$out/sweep-gluon.log" 2>&1 || status=1
     tail -n 3 "$out/sweep-gluon.log"
 fi
-if [[ ( "$stage" == engine || "$stage" == fp8 ) ]] && ls .whl/*.whl > /dev/null 2>&1; then
+if [[ ( "$stage" == engine || "$stage" == fp8 || "$stage" == fp8train ) ]] && ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
@@ -81,9 +82,12 @@ if [[ "$stage" == fp8 ]]; then
         tests/engine/test_fp8_kv_cache.py tests/train/test_fp8.py tests/ops/test_paged_attention.py \
         tests/ops/test_reshape_and_cache.py 2>&1 | tee "$out/gpu-tests-fp8.log" | tail -n 8
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-    OUT="$out" python3 benchmarks/fp8_gemm.py --tokens 1,256,4096 --parts layers,decode 2>&1 | grep -E '^#' || status=1
+    OUT="$out" python3 benchmarks/fp8_gemm.py --tokens 1,16,256,4096 --parts layers,decode 2>&1 | grep -E '^#' || status=1
     OUT="$out" python3 benchmarks/fp8_engine.py "${FP8_CASES:-batch1,fixed,prefill}" 2>&1 | grep -v Warn | tail -n 8 || status=1
-    python3 -c "from fuseformer.train.bench import main; main()" --json "$out/bench-train-fp8.json" 2>&1 | tail -n 12 || status=1
+fi
+if [[ "$stage" == fp8train ]]; then
+    python3 -c "from fuseformer.train.bench import main; main()" --quick --json "$out/bench-train-fp8.json" 2>&1 \
+        | tail -n 12 || status=1
 fi
 if [[ "$stage" == engine ]]; then
     python3 -m pytest -q -m gpu -p no:randomly tests/engine 2>&1 | tee "$out/gpu-tests-engine.log" | tail -n 5
