@@ -71,6 +71,23 @@ def test_bf16_x_multiplies_in_fp16_clamped(device, decode_on_cpu):
     torch.testing.assert_close(big.float(), clamped @ _deq(w, s).T, rtol=2e-2, atol=1e-1)
 
 
+@pytest.mark.parametrize("t", [1, 3, 16, 40])
+def test_gpu_rule_configs_with_bf16_x(t, device, decode_on_cpu):
+    """The whole MLP at the tiles the GPU takes (the e4m3 rule: split-K 4 at T 1, 32 x 256 at T 2-16,
+    BLOCK_M 64 past 32) with bf16 x, so the fp16 MMA, the y padding and the split-K epilogue run as on
+    the GPU (under the interpreter on the CPU: its fp16 dot is right)."""
+    h, i = 256, 384
+    x = torch.randn(t, h, device=device).bfloat16()
+    wgu, sgu = _weight(2 * i, h, device)
+    wd, sd = _weight(h, i, device)
+    gu_cfg = MD.decode_config(t, i, h, True, 132, on_gpu=True, w_fp8=True)
+    down_cfg = MD.decode_config(t, h, i, False, 132, on_gpu=True, w_fp8=True)
+    out, _ = MD.mlp_decode_fwd(x, wgu, wd, "silu", gu_cfg, down_cfg, scales=(sgu, sd))
+    ref = F.fused_mlp_ref(x.double(), _deq(wgu, sgu).double(), _deq(wd, sd).double())
+    base = F.fused_mlp_ref(x, _deq(wgu, sgu).bfloat16(), _deq(wd, sd).bfloat16(), upcast=False)
+    assert_close("out", out, ref, base)
+
+
 @pytest.mark.parametrize("m", [1, 7, 33])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
 def test_fp8_weight_mlp_matches_reference(m, activation, device, decode_on_cpu):
