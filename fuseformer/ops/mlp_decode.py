@@ -141,8 +141,7 @@ def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = Tr
     - Gate-up: never split (the act would need the epilogue kernel and a (S, T, 2I) fp32 round trip).
     - Down (N = H outputs, K = I): split-K only while (N / BLOCK_N) x 2 splits still fit one program
       per SM (not at H 4096; a model with H 2048 gets 2 splits), summed by the epilogue kernel.
-    - e4m3 weights (``w_fp8``): the same bytes of weight a stage as the bf16 tile, so twice its BLOCK_K
-      (BLOCK_N where BLOCK_K is already the descriptor's 256), stages cut to fit shared memory.
+    - e4m3 weights (``w_fp8``, weight-only FP8): ``_fp8_decode_config``, run 120's sweep.
     Off the GPU (the interpreter): small tiles that exercise every mask.
     """
     bm = max(16, next_pow2(t))
@@ -175,9 +174,9 @@ def decode_config(t: int, n: int, k: int, glu: bool, sms: int, on_gpu: bool = Tr
 
 def _fp8_decode_config(t: int, n: int, k: int, glu: bool, sms: int, bm: int, bn: int, bk: int, stages: int) -> dict:
     """decode_config for e4m3 weights (weight-only FP8). Run 120 (H100, 2026-12-06, rotated weights,
-    CUDA graphs; us at T 1 / T 16 against the bf16 kernel's rule): non-GLU GEMMs want small tiles and
-    split-K to about 2 programs an SM (the widening of each e4m3 tile in registers makes a program's
-    issue rate, not its bytes in flight, the limit): T 1 BLOCK_N 64, BLOCK_K 128, 5 stages, split 4
+    CUDA graphs, the MMA then in bf16; us at T 1 / T 16 against the bf16 kernel's rule): non-GLU GEMMs
+    want small tiles and split-K to about 2 programs an SM (the widening of each e4m3 tile in registers,
+    not the bytes in flight, limits a program: hence the fp16 MMA since, not yet swept): T 1 BLOCK_N 64, BLOCK_K 128, 5 stages, split 4
     (qkv 14.9 vs bf16 23.1, o 11.0 vs 14.8, down 26.4 vs 42.6); T 2-16 BLOCK_N 32, BLOCK_K 256, 4 stages,
     split 2 (15.6 vs 22.8, 12.3 vs 14.3, 28.4 vs 41.5). Gate-up at T 1: BLOCK_N 64, BLOCK_K 256, 3
     stages, no split (51.7 vs bf16 80.7; split 2 at 128 x 128 was 50.6 but needs the epilogue kernel and
