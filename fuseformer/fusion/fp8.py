@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import fuseformer.ops as F
 from fuseformer.fusion.base import Candidate, PassResult, Skipped
 from fuseformer.layers.fp8 import Fp8GatedMLP, Fp8Linear
 
@@ -138,16 +137,6 @@ def _heads(model: nn.Module, generic: bool) -> dict[int, str]:
     return heads
 
 
-def _from_weight(w: torch.Tensor, bias: nn.Parameter | None) -> Fp8Linear:
-    """An Fp8Linear of a (N, K) weight that no nn.Linear holds (Conv1D's transposed, a packed gate/up), as
-    ``Fp8Linear.from_linear`` makes one: quantized per output channel, the bias shared."""
-    n, k = w.shape
-    new = Fp8Linear(k, n, dtype=w.dtype, device="meta")
-    new.weight, new.weight_scale = F.quantize_weight_fp8(w.detach())
-    new.bias = bias
-    return new
-
-
 def _swap(model: nn.Module, path: str, old: nn.Module, new: nn.Module):
     """(apply, undo) setting ``new`` / ``old`` at ``path`` on its parent."""
     parent_path, _, name = path.rpartition(".")
@@ -165,7 +154,7 @@ def _swap(model: nn.Module, path: str, old: nn.Module, new: nn.Module):
 def _linear_candidate(model: nn.Module, path: str, m: nn.Module, names: dict[int, str]) -> Candidate:
     conv1d = not isinstance(m, nn.Linear)
     # Conv1D computes x @ W with W (K, N): the FP8 GEMM takes W^T (N, K), transposed once here.
-    new = _from_weight(m.weight.t().contiguous(), m.bias) if conv1d else Fp8Linear.from_linear(m)
+    new = Fp8Linear.from_weight(m.weight.t().contiguous(), m.bias) if conv1d else Fp8Linear.from_linear(m)
     name = names[id(m.weight)]
 
     def weights() -> dict[str, torch.Tensor]:
@@ -228,11 +217,8 @@ def _take_over_mlp(model: nn.Module, c: Candidate, names: dict[int, str], result
         return
     inter = down.in_features
     new = Fp8GatedMLP(down.out_features, inter, act, dtype=down.weight.dtype, device="meta")
-    # Quantized per output channel, so the packed (2I, H) rows are the gate's and the up's own, stacked.
-    quantized = [F.quantize_weight_fp8(m.weight.detach()) for m in gate_up]
-    new.gate_up_proj = Fp8Linear(down.out_features, 2 * inter, dtype=down.weight.dtype, device="meta")
-    new.gate_up_proj.weight = torch.cat([q for q, _ in quantized])
-    new.gate_up_proj.weight_scale = torch.cat([s for _, s in quantized])
+    # Quantized per output channel: the packed (2I, H) rows are the gate's and the up's own, stacked.
+    new.gate_up_proj = Fp8Linear.from_weight(torch.cat([m.weight.detach() for m in gate_up]))
     new.down_proj = Fp8Linear.from_linear(down)
     gate_up_names = [names[id(m.weight)] for m in gate_up]
     down_name = names[id(down.weight)]

@@ -129,10 +129,17 @@ class Fp8Linear(nn.Module):
         device, writing its dtype; the bias is shared (the same Parameter)."""
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"Fp8Linear.from_linear: expected an nn.Linear, got {type(linear).__name__}")
-        w = linear.weight.detach()
-        new = cls(linear.in_features, linear.out_features, dtype=w.dtype, device="meta")
+        return cls.from_weight(linear.weight, linear.bias)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: nn.Parameter | None = None) -> Fp8Linear:
+        """An Fp8Linear of a (N, K) weight quantized per output channel, on its device, writing its dtype;
+        ``bias`` shared. Rows quantize independently, so a packed weight (gate and up stacked) gives the
+        packed quantizations of its parts."""
+        w = weight.detach()
+        new = cls(w.shape[1], w.shape[0], dtype=w.dtype, device="meta")
         new.weight, new.weight_scale = F.quantize_weight_fp8(w)
-        new.bias = linear.bias
+        new.bias = bias
         return new
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -207,20 +214,18 @@ class Fp8RMSNorm(nn.Module):
         return f"({self.hidden_size},), eps={self.eps}{offset}"
 
 
-# Past this many tokens Fp8GatedMLP runs two cuBLASLt FP8 GEMMs with the GLU and a quantization between
-# them instead of our Triton gate-up GEMM with both in its epilogue: H100, 2026-12-06 (8B MLP, CUDA
-# graphs), the fused Triton path ran 170 us at M 256 and 2,052 us at M 4096 against bf16 fused_mlp's
-# 174 and 2,129 (~700 TFLOP/s: the Triton FP8 GEMM reaches half of cuBLASLt's FP8 rate), while
-# _scaled_mm ran the o projection at ~1.15 PFLOP/s. Decode keeps the fused path (engine, batch 1: FP8
-# 1.06x bf16 with it).
-FUSED_GLU_MAX_M = 64
-
-
 class Fp8GatedMLP(nn.Module):
-    """``down_proj(act(gate_proj(x)) * up_proj(x))`` in FP8: the gate-up GEMM with act * mul and the
-    quantization of the product in its epilogue (``fp8_gemm_glu``, per 128-column group scales), then
-    the down GEMM (``fp8_gemm``) reading those groups. At decode (``decode_weight_only(x)``) both GEMMs
-    read x unquantized: ``fp8_weight_mlp``.
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` in FP8. Three paths:
+
+    - decode (``decode_weight_only(x)``): both GEMMs read x unquantized, ``fp8_weight_mlp``;
+    - CUDA otherwise, per-token scales: cuBLASLt's FP8 gate-up GEMM to the model's dtype, the GLU, a
+      per-token quantization, cuBLASLt's down GEMM (``_unfused``). H100, 2026-12-06 (8B MLP, CUDA graphs):
+      our Triton FP8 GEMMs ran ~700 TFLOP/s, half of cuBLASLt's rate (the o projection's ~1.15 PFLOP/s),
+      so the fused gate-up below (170 us at M 256, 2,052 at M 4096) only tied bf16's fused_mlp (174,
+      2,129); prefill 1 x 4096 went from 1.05x to 1.25x bf16 on this path (run 120);
+    - elsewhere (the CPU's references, group-scaled inputs): the gate-up GEMM with act * mul and the
+      quantization of the product in its epilogue (``fp8_gemm_glu``, per 128-column group scales), then
+      the down GEMM (``fp8_gemm``) reading those groups.
 
     Sub-modules as the MLP it replaces: ``gate_up_proj`` (an :class:`Fp8Linear` (2I, H), rows [0, I) the
     gate and [I, 2I) the up projection) and ``down_proj`` (an Fp8Linear (H, I)); no biases.
@@ -265,7 +270,7 @@ class Fp8GatedMLP(nn.Module):
                                    down.weight, down.weight_scale, self.act)  # fmt: skip
             return out.to(down.out_dtype).view(*x.shape[:-1], self.hidden_size)
         q, s = _as_rows(x, self.hidden_size, "Fp8GatedMLP")
-        if q.shape[0] > FUSED_GLU_MAX_M and q.is_cuda and s.shape[-1] == 1:
+        if q.is_cuda and s.shape[-1] == 1:
             out = self._unfused(q, s)
         else:
             h, h_scale = F.fp8_gemm_glu(q, s, gate_up.weight, gate_up.weight_scale, activation=self.act)  # (M, I)
@@ -273,7 +278,7 @@ class Fp8GatedMLP(nn.Module):
         return out.view(*x.shape[:-1], self.hidden_size)
 
     def _unfused(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """Past decode: the gate-up GEMM to the model's dtype (cuBLASLt's FP8 GEMM where it applies), the
+        """On CUDA past decode: the gate-up GEMM to the model's dtype (cuBLASLt's FP8 GEMM where it applies), the
         GLU, a per-token quantization, the down GEMM (cuBLASLt again): (M, K) e4m3, (M, 1) -> (M, H)."""
         gate_up, down = self.gate_up_proj, self.down_proj
         gu = F.fp8_gemm(q, s, gate_up.weight, gate_up.weight_scale, out_dtype=gate_up.out_dtype)  # (M, 2I)

@@ -121,23 +121,8 @@ def fp8_weight_mlp_fwd(
 # --------------------------------------------------------------------------------------------
 # Registration: custom ops for torch.compile (opaque, with fakes); eager calls run the launchers
 # --------------------------------------------------------------------------------------------
-def _gemm_impl(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return fp8_weight_gemm_fwd(x, w, w_scale, bias)
-
-
-def _mlp_impl(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    gate_up_scale: torch.Tensor,
-    w_down: torch.Tensor,
-    down_scale: torch.Tensor,
-    activation: str,
-) -> torch.Tensor:
-    return fp8_weight_mlp_fwd(x, w_gate_up, gate_up_scale, w_down, down_scale, activation)
-
-
-_gemm_op = torch.library.custom_op("fuseformer::fp8_weight_gemm", mutates_args=())(_gemm_impl)
-_mlp_op = torch.library.custom_op("fuseformer::fp8_weight_mlp", mutates_args=())(_mlp_impl)
+_gemm_op = torch.library.custom_op("fuseformer::fp8_weight_gemm", mutates_args=())(fp8_weight_gemm_fwd)
+_mlp_op = torch.library.custom_op("fuseformer::fp8_weight_mlp", mutates_args=())(fp8_weight_mlp_fwd)
 
 
 @_gemm_op.register_fake
@@ -191,7 +176,7 @@ def fp8_weight_gemm(
     supported = _kernel_applies(x, w)
     if choose_backend(_OP, x.device, supported, "the decode kernel takes 1..64 fp16/bf16 rows") == "reference":
         return fp8_weight_gemm_ref(x, w, w_scale, bias)
-    return call_op(_gemm_op, _gemm_impl, x, w, w_scale.contiguous(), bias)
+    return call_op(_gemm_op, fp8_weight_gemm_fwd, x, w, w_scale.contiguous(), bias)
 
 
 def fp8_weight_mlp(
@@ -232,4 +217,4 @@ def fp8_weight_mlp(
     if choose_backend(_MLP_OP, x.device, supported, why) == "reference":
         return fp8_weight_mlp_ref(x, w_gate_up, gate_up_scale, w_down, down_scale, activation)
     args = (x, w_gate_up, gate_up_scale.contiguous(), w_down, down_scale.contiguous(), activation)
-    return call_op(_mlp_op, _mlp_impl, *args)
+    return call_op(_mlp_op, fp8_weight_mlp_fwd, *args)

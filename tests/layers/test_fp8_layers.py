@@ -161,7 +161,7 @@ def test_fp8_gated_mlp_matches_dequantized_reference(hidden, inter, activation):
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
 def test_fp8_gated_mlp_unfused_path_matches_its_reference(activation):
-    """Past FUSED_GLU_MAX_M tokens on CUDA: gate-up GEMM, GLU in the model's dtype, per-token quantization,
+    """On CUDA past decode (per-token scales): gate-up GEMM, GLU in the model's dtype, per-token quantization,
     down GEMM. Here through its method (the CPU takes the fused path), against the same steps in fp64."""
     ref_mlp = GatedMLP(64, 96, activation)
     with torch.no_grad():

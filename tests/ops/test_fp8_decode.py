@@ -11,7 +11,7 @@ import torch
 
 import fuseformer
 import fuseformer.ops as F
-from fuseformer.layers.fp8 import Fp8GatedMLP, Fp8Linear, Fp8RMSNorm, decode_weight_only
+from fuseformer.layers.fp8 import Fp8Activation, Fp8GatedMLP, Fp8Linear, Fp8RMSNorm, decode_weight_only
 from fuseformer.layers.mlp import GatedMLP
 from fuseformer.testing import assert_close
 
@@ -219,11 +219,14 @@ def test_fp8_mlp_at_decode_close_to_bf16(device, decode_on_cpu):
     dtype = _dtype(device)
     ref_mlp, mlp = _mlp(device, dtype)
     x = torch.randn(4, 96, device=device).to(dtype)
+    w_gu, w_d = ref_mlp.gate_up_proj.weight.detach().double(), ref_mlp.down_proj.weight.detach().double()
+    exact = F.fused_mlp_ref(x.double(), w_gu, w_d).float()
     with fuseformer.use_backend("triton"), torch.no_grad():
-        exact = ref_mlp(x.float().to(dtype)).float()
         w_only = mlp(x).float()
-    err = (w_only - exact).abs().max() / exact.abs().max()
+        w8a8 = mlp(Fp8Activation(*F.quantize_fp8(x))).float()  # a quantized input takes the W8A8 path
+    err = (w_only - exact).norm() / exact.norm()
     assert err < 0.06, err
+    assert err < (w8a8 - exact).norm() / exact.norm(), (err, w8a8)
 
 
 # --------------------------------------------------------------------------------------------
