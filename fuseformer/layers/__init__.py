@@ -2,8 +2,9 @@
 
 from fuseformer.layers.activations import GeGLU, SwiGLU
 from fuseformer.layers.attention import Attention
+from fuseformer.layers.linear import Linear
 from fuseformer.layers.mlp import GatedMLP
 from fuseformer.layers.norms import LayerNorm, RMSNorm
 from fuseformer.layers.rotary import RotaryEmbedding
 
-__all__ = ["Attention", "GatedMLP", "GeGLU", "LayerNorm", "RMSNorm", "RotaryEmbedding", "SwiGLU"]
+__all__ = ["Attention", "GatedMLP", "GeGLU", "LayerNorm", "Linear", "RMSNorm", "RotaryEmbedding", "SwiGLU"]

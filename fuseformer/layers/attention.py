@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import fuseformer.ops as F
+from fuseformer.layers.linear import Linear
 from fuseformer.layers.norms import RMSNorm
 
 
@@ -68,8 +69,8 @@ class Attention(nn.Module):
         self.causal, self.window_size, self.softmax_scale = causal, tuple(window_size), softmax_scale
         self.interleaved_rotary = interleaved_rotary
         factory = dict(device=device, dtype=dtype)
-        self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias, **factory)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias, **factory)
+        self.qkv_proj = Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias, **factory)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias, **factory)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=norm_eps, **factory)

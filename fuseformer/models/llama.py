@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fuseformer.ops as F
-from fuseformer.layers import RMSNorm
+from fuseformer.layers import Linear, RMSNorm
 from fuseformer.layers.rotary import rope_inv_freq as _rope_inv_freq
 from fuseformer.models.attention_metadata import AttentionMetadata  # also re-exported: its old home
 from fuseformer.models.config import ModelConfig
@@ -47,8 +47,8 @@ class Attention(nn.Module):
         self.softcap = config.attn_logit_softcapping or 0.0
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -106,8 +106,8 @@ class MLP(nn.Module):
         super().__init__()
         self.act = config.hidden_act  # "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU): fused_mlp's names
         # rows [0, I) gate, [I, 2I) up
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The gate-up GEMM with act * mul in its epilogue, then the down GEMM; for inference at up to
@@ -193,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.base_model_class(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
