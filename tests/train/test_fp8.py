@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from fuseformer.train import TrainConfig, Trainer
 from fuseformer.train.cli import add_train_parser
@@ -99,13 +98,14 @@ def test_fp8_checkpoint_resumes(tmp_path, model_config, corpus):
 
 
 def test_fp8_skips_unaligned_layers_and_refuses_when_none_fit(model_config):
+    from fuseformer.layers import Linear
     from fuseformer.models.loader import empty_model
 
     # hidden 32 but intermediate 40: gate-up (80 x 32) converts, down (32 x 40) does not.
     lm = empty_model(model_config(intermediate_size=40), torch.float32, "cpu")
     names = apply_fp8_training(lm)
     assert "model.layers.0.mlp.gate_up_proj" in names and "model.layers.0.mlp.down_proj" not in names
-    assert type(lm.model.layers[0].mlp.down_proj) is nn.Linear
+    assert type(lm.model.layers[0].mlp.down_proj) is Linear  # the model's own, not a Float8Linear
     odd = empty_model(
         model_config(hidden_size=36, num_attention_heads=2, num_key_value_heads=1, intermediate_size=40),
         torch.float32,
