@@ -4,9 +4,10 @@
 streamed the weight at 8-10 GB/s on one thread and did not use a second (AMD EPYC, torch 2.13.0+cpu,
 MKL 2024.2, fp32). The same product written as ``(W @ x^T)^T`` with x padded to two rows is a GEMM of
 two columns: 17-19 GB/s on one thread, and it uses the second. Over 40 weights streamed from memory,
-one row (benchmarks/cpu_linear.py, 2026-12-06): gate-up 3072x576 29.1 -> 16.0 ms, qkv 960x576
-9.5 -> 6.4 ms, a 49152x576 LM head (two copies) 24.3 -> 13.0 ms; a wide weight (down 576x1536) was
-slower that way (11.2 -> 13.6 ms), and from 8 rows on the two forms are within ~15% either way. Hence
+one row, 1 / 2 threads (benchmarks/cpu_linear.py, BENCHMARKS.md 2026-12-06): gate-up 3072x576
+26.0 -> 13.8 / 26.3 -> 10.3 ms, qkv 960x576 8.7 -> 5.1 / 9.0 -> 2.9 ms, a 49152x576 LM head (two
+copies) 22.2 -> 11.6 / 21.9 -> 5.8 ms. Wide weights (N < K) went either way (Qwen2-0.5B's down
+896x4864: 15.4 -> 27.2 ms at one thread), and from 8 rows on the forms are within ~15% both ways. Hence
 the rule below; everything else is ``F.linear``.
 """
 
