@@ -176,13 +176,16 @@ def _fp8_decode_config(t: int, n: int, k: int, glu: bool, sms: int, bm: int, bn:
     """decode_config for e4m3 weights (weight-only FP8). Run 120 (H100, 2026-12-06, rotated weights,
     CUDA graphs, the MMA then in bf16; us at T 1 / T 16 against the bf16 kernel's rule): non-GLU GEMMs
     want small tiles and split-K to about 2 programs an SM (the widening of each e4m3 tile in registers,
-    not the bytes in flight, limits a program: hence the fp16 MMA since, not yet swept): T 1 BLOCK_N 64, BLOCK_K 128, 5 stages, split 4
-    (qkv 14.9 vs bf16 23.1, o 11.0 vs 14.8, down 26.4 vs 42.6); T 2-16 BLOCK_N 32, BLOCK_K 256, 4 stages,
-    split 2 (15.6 vs 22.8, 12.3 vs 14.3, 28.4 vs 41.5). Gate-up at T 1: BLOCK_N 64, BLOCK_K 256, 3
-    stages, no split (51.7 vs bf16 80.7; split 2 at 128 x 128 was 50.6 but needs the epilogue kernel and
-    gives up the down GEMM's programmatic launch). T 17-64 (wgmma): level with bf16 at best (qkv 22.9 vs
-    22.0, down 37.3 vs 42.0 at BLOCK_N 128, BLOCK_K 64, split 8); elsewhere the bf16 rule's bytes a
-    stage (twice BLOCK_K, or BLOCK_N where BLOCK_K is 256) within shared memory."""
+    not the bytes in flight, limits a program): T 1 BLOCK_N 64, BLOCK_K 128, 5 stages, split 4;
+    T 2-16 BLOCK_N 32, BLOCK_K 256, 4 stages, split 2. Gate-up: BLOCK_N 64, BLOCK_K 256, 3 stages, no
+    split (split 2 at 128 x 128 was level but needs the epilogue kernel and gives up the down GEMM's
+    programmatic launch). T 17-64 (wgmma): BLOCK_N 128, BLOCK_K 64, split 8; elsewhere the bf16 rule's
+    bytes a stage (twice BLOCK_K, or BLOCK_N where BLOCK_K is 256) within shared memory.
+    The MMA (run 121, H100, us, fp16 / bf16 MMA, bf16 kernel): fp16 (e4m3 -> fp16 is one cvt for two
+    elements, x rounded once a tile) at T 1 (qkv 14.0 / 15.0, o 10.4 / 11.1, down 24.8 / 26.9; bf16 23.2,
+    14.7, 42.2), in gate-up at every T (T 1 46.1 / 52.3, T 16 45.4 / 52.6, T 64 57.3 / 88.2; bf16 ~81) and
+    at T 17-64 (qkv 21.3 / 22.8, down 34.6 / 37.2); bf16 for the T 2-16 non-GLU tile, whose x tile is half
+    its weight tile (T 16: qkv 17.4 / 15.6, o 14.0 / 12.3, down 35.6 / 28.4)."""
     if glu:
         if bm == 16:
             bn, bk, stages = 64, 256, 3
@@ -195,6 +198,9 @@ def _fp8_decode_config(t: int, n: int, k: int, glu: bool, sms: int, bm: int, bn:
         while blocks * split * 2 < 3 * sms and k_tiles >= 8 * split:
             split *= 2
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages)
+    if not glu and bm == 16 and t > 1:
+        # Run 121: at BLOCK_N 32 rounding x to fp16 costs more than the cheaper widening of the weights saves.
+        cfg["FP16_MMA"] = False
     while cfg["num_stages"] > 2 and decode_smem_bytes(cfg, glu, 2, 1) + 4096 > SM90_SMEM_BYTES:
         cfg["num_stages"] -= 1
     return cfg

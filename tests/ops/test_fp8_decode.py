@@ -75,13 +75,17 @@ def test_bf16_x_multiplies_in_fp16_clamped(device, decode_on_cpu):
 def test_gpu_rule_configs_with_bf16_x(t, device, decode_on_cpu):
     """The whole MLP at the tiles the GPU takes (the e4m3 rule: split-K 4 at T 1, 32 x 256 at T 2-16,
     BLOCK_M 64 past 32) with bf16 x, so the fp16 MMA, the y padding and the split-K epilogue run as on
-    the GPU (under the interpreter on the CPU: its fp16 dot is right)."""
+    the GPU (under the interpreter on the CPU: its fp16 dot is right; the down GEMM's bf16 MMA at T 2-16
+    runs in fp16 there)."""
     h, i = 256, 384
     x = torch.randn(t, h, device=device).bfloat16()
     wgu, sgu = _weight(2 * i, h, device)
     wd, sd = _weight(h, i, device)
     gu_cfg = MD.decode_config(t, i, h, True, 132, on_gpu=True, w_fp8=True)
     down_cfg = MD.decode_config(t, h, i, False, 132, on_gpu=True, w_fp8=True)
+    assert down_cfg.get("FP16_MMA", True) == (not 2 <= t <= 16) and "FP16_MMA" not in gu_cfg  # run 121's rule
+    if device == "cpu":  # the interpreter's bf16 dot is wrong: the T 2-16 tile's bf16 MMA is checked on the GPU
+        down_cfg = {**down_cfg, "FP16_MMA": True}
     out, _ = MD.mlp_decode_fwd(x, wgu, wd, "silu", gu_cfg, down_cfg, scales=(sgu, sd))
     ref = F.fused_mlp_ref(x.double(), _deq(wgu, sgu).double(), _deq(wd, sd).double())
     base = F.fused_mlp_ref(x, _deq(wgu, sgu).bfloat16(), _deq(wd, sd).bfloat16(), upcast=False)
