@@ -3,12 +3,12 @@
 Random-weight checkpoints of real small shapes (SmolLM-135M: Llama architecture; Qwen2-0.5B: qkv bias,
 vocab 151936), written with transformers' ``save_pretrained`` into a temporary directory, so nothing is
 downloaded. Each case runs one prompt of ``--prompt`` tokens to ``--new`` new tokens (greedy, EOS
-ignored) in fp32 on the CPU, with ``torch.set_num_threads(n)`` for each ``--threads``. The two
+ignored) in fp32 (``--dtype bfloat16``: bf16) on the CPU, with ``torch.set_num_threads(n)`` for each ``--threads``. The two
 implementations alternate in the same process (``--reps`` times each, the order swapped every rep) so
 that load from other processes on a shared machine falls on both alike; the figures are medians, and
 the ratio is ours / HF's tok/s (the median of the per-rep ratios is printed beside it).
 
-HF runs as users get it: ``AutoModelForCausalLM.from_pretrained(dir, dtype=float32)`` (SDPA attention,
+HF runs as users get it: ``AutoModelForCausalLM.from_pretrained(dir, dtype=float32)`` (``--dtype``) (SDPA attention,
 the default dynamic cache), ``generate(do_sample=False, max_new_tokens=N, min_new_tokens=N)``.
 tok/s counts new tokens over the whole call (prefill included), as a user times ``generate``.
 
@@ -88,7 +88,9 @@ def _time(fn) -> tuple[float, list[int]]:
     return time.perf_counter() - t0, tokens
 
 
-def run_shape(shape: str, threads: list[int], prompt_len: int, new: int, reps: int) -> list[dict]:
+def run_shape(
+    shape: str, threads: list[int], prompt_len: int, new: int, reps: int, dtype: str = "float32"
+) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from fuseformer import LLM, SamplingParams
@@ -96,8 +98,8 @@ def run_shape(shape: str, threads: list[int], prompt_len: int, new: int, reps: i
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(shape, Path(tmp))
-        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-        ours = LLM(tmp, dtype="float32", device="cpu")
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, dtype)).eval()
+        ours = LLM(tmp, dtype=dtype, device="cpu")
         g = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, SHAPES[shape]["vocab_size"], (prompt_len,), generator=g).tolist()
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -133,6 +135,7 @@ def run_shape(shape: str, threads: list[int], prompt_len: int, new: int, reps: i
             record = {
                 "shape": shape,
                 "threads": n,
+                "dtype": dtype,
                 "prompt": prompt_len,
                 "new_tokens": new,
                 "reps": reps,
@@ -156,6 +159,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both models' dtype")
     p.add_argument("--out", type=Path, default=None, help="write the records here as JSON")
     args = p.parse_args()
     import transformers
@@ -169,7 +173,7 @@ def main() -> None:
     print(json.dumps(meta), flush=True)
     records = []
     for shape in args.shapes:
-        records += run_shape(shape, args.threads, args.prompt, args.new, args.reps)
+        records += run_shape(shape, args.threads, args.prompt, args.new, args.reps, args.dtype)
     if args.out is not None:
         args.out.write_text(json.dumps({**meta, "results": records}, indent=1) + "\n")
 

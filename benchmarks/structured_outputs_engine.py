@@ -18,8 +18,10 @@ Every constrained output must parse and validate (``jsonschema``, when installed
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import sys
 import tempfile
 import time
@@ -40,7 +42,18 @@ SCHEMA = {
 }
 
 
-def run(llm, prompts: list[list[int]], out_len: int, constrained: set[int]) -> dict:
+def _print_profile(prof: cProfile.Profile, seconds: float) -> None:
+    """The host's own time (tottime) by function, the top 14, and the time it spent waiting for the
+    device (CUDA event/stream synchronize): little waiting means the host bounds the run."""
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((v[2], f"{k[0].split('/')[-1]}:{k[1]}({k[2]})", v[1]) for k, v in stats.items()), reverse=True)
+    waits = sum(v[2] for k, v in stats.items() if "synchronize" in k[2])
+    print(f"  host profile: {seconds:.2f} s wall, {waits:.2f} s waiting for the device")
+    for tottime, name, calls in rows[:14]:
+        print(f"  {tottime:7.3f} s {calls:>8} calls  {name}")
+
+
+def run(llm, prompts: list[list[int]], out_len: int, constrained: set[int], profile: bool = False) -> dict:
     from fuseformer.engine.sampling_params import SamplingParams
     from fuseformer.engine.structured_outputs import StructuredOutputsParams
 
@@ -57,11 +70,17 @@ def run(llm, prompts: list[list[int]], out_len: int, constrained: set[int]) -> d
     ]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    prof = cProfile.Profile() if profile else None
     start = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     outs = llm.generate(prompts, params, use_tqdm=False)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    if prof is not None:
+        prof.disable()
+        _print_profile(prof, seconds)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     bad = []
     try:
@@ -91,6 +110,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--model", default=None, help="a model directory (default: the 8B shape, random)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrinks requests and lengths (smoke runs)")
+    parser.add_argument("--profile", action="store_true", help="cProfile each run: the host's time and its waits")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from fuseformer.engine.llm import LLM
@@ -119,7 +139,7 @@ def main() -> None:
     runs = [("free", set()), ("half json_schema", half), ("free again", set())]
     records = []
     for name, constrained in runs:
-        r = run(llm, prompts, length, constrained)
+        r = run(llm, prompts, length, constrained, args.profile)
         r["run"] = name
         records.append(r)
         print(f"{name:<18} {r['output_tok_s']:>9.0f} out tok/s  {r['seconds']:.2f} s  invalid {len(r['invalid'])}")

@@ -51,7 +51,7 @@ import triton.language as tl
 from fuseformer.ops._attention_common import tanh
 from fuseformer.ops._fp8_kv_cache import FP8_KV_DTYPE, UNSUPPORTED_WHY, check_cache_scales, dequantize, is_fp8
 from fuseformer.ops._paged_attention_cpu import _paged_attention_cpu
-from fuseformer.ops._utils import FLOAT_DTYPES, check_shape, check_tensor, empty, next_pow2, sm_count
+from fuseformer.ops._utils import FLOAT_DTYPES, KERNEL_DTYPES, check_shape, check_tensor, empty, next_pow2, sm_count
 from fuseformer.runtime import autotune
 from fuseformer.runtime.backend import choose_backend, forced_backend
 
@@ -616,8 +616,9 @@ def paged_attention(
     k_scale, v_scale, supported = check_cache_scales(_OP, k_cache, v_cache, q.dtype, k_scale, v_scale, q.device, "q")
     backend = choose_backend(_OP, q.device, supported, UNSUPPORTED_WHY)
     if backend == "reference":
-        # fp32 only: SDPA's CPU kernel rounds its probabilities to bf16/fp16 there, the reference keeps fp32.
-        cpu = q.is_cpu and q.dtype == torch.float32 and forced_backend() is None
+        # In bf16/fp16 SDPA's CPU kernel rounds its probabilities to that dtype, as eager attention (§3's
+        # baseline) does; the reference keeps fp32. Within §3 (test_paged_attention_cpu_path_matches_reference).
+        cpu = q.is_cpu and q.dtype in KERNEL_DTYPES and forced_backend() is None
         run_ref = _paged_attention_cpu if cpu else paged_attention_ref
         args = (q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, causal, window, softcap)
         return run_ref(*args, k_scale=k_scale, v_scale=v_scale)

@@ -90,10 +90,13 @@ def test_linear_is_a_drop_in_nn_linear():
     torch.testing.assert_close(ours.bias.grad, plain.bias.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 3, 7])
-def test_fused_mlp_fp32_cpu_path(rows, monkeypatch):
-    x = torch.randn(rows, 16)
-    w_gate_up, w_down = torch.randn(64, 16) * 0.3, torch.randn(16, 32) * 0.3
+def test_fused_mlp_cpu_path(rows, dtype, monkeypatch):
+    """fused_mlp's reference backend on CPU tensors (_fused_mlp_cpu: GEMMs in x's dtype, the activation
+    in fp32) within §3 of the fp64 MLP, eager PyTorch in x's dtype the baseline; forced, the reference."""
+    x = torch.randn(rows, 16).to(dtype)
+    w_gate_up, w_down = (torch.randn(64, 16) * 0.3).to(dtype), (torch.randn(16, 32) * 0.3).to(dtype)
     # Under TRITON_INTERPRET the tests' CPU tensors go to Triton; choose "reference" as a CPU-only install would.
     monkeypatch.setattr(mlp_module, "choose_backend", lambda *args: "reference")
     ran = []
@@ -101,6 +104,7 @@ def test_fused_mlp_fp32_cpu_path(rows, monkeypatch):
     monkeypatch.setattr(mlp_module, "_fused_mlp_cpu", lambda *a: ran.append("cpu") or real_cpu(*a))
     out = fuseformer.ops.fused_mlp(x, w_gate_up, w_down)
     ref = mlp_module.fused_mlp_ref(x.double(), w_gate_up.double(), w_down.double())
+    assert out.dtype == dtype
     assert_close("y", out, ref, mlp_module.fused_mlp_ref(x, w_gate_up, w_down, upcast=False))
     assert ran == ["cpu"]
     with fuseformer.use_backend("reference"):  # a forced reference runs fused_mlp_ref itself
