@@ -4,9 +4,9 @@ Random-weight checkpoints of real small shapes (SmolLM-135M: Llama architecture;
 vocab 151936), written with transformers' ``save_pretrained`` into a temporary directory, so nothing is
 downloaded. Each case runs one prompt of ``--prompt`` tokens to ``--new`` new tokens (greedy, EOS
 ignored) in fp32 (``--dtype bfloat16``: bf16) on the CPU, with ``torch.set_num_threads(n)`` for each
-``--threads``. The two implementations alternate in the same process (``--reps`` times each, the order swapped every rep) so
-that load from other processes on a shared machine falls on both alike; the figures are medians, and
-the ratio is ours / HF's tok/s (the median of the per-rep ratios is printed beside it).
+``--threads``. The two implementations alternate in the same process (``--reps`` times each, the
+order swapped every rep) so that load from other processes on a shared machine falls on both alike;
+the figures are medians, and the ratio is ours / HF's tok/s (the median of the per-rep ratios is printed beside it).
 
 HF runs as users get it: ``AutoModelForCausalLM.from_pretrained(dir, dtype=float32)`` (``--dtype``) (SDPA attention,
 the default dynamic cache), ``generate(do_sample=False, max_new_tokens=N, min_new_tokens=N)``.
