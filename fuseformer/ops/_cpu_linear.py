@@ -24,16 +24,11 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     fp32 CPU tensors with at most ``SMALL_ROWS`` rows and N >= K (a contiguous weight) run as
     ``(weight @ x^T)^T`` (one row padded to two: MKL's one-column product is its slow gemv); the result
     is the same product in another summation order. Anything else is ``F.linear`` as it is."""
+    if not x.is_cpu or x.dtype != torch.float32:  # first: the GPU's eager steps pay only this check
+        return torch.nn.functional.linear(x, weight, bias)
     n, k = weight.shape
     rows = x.numel() // k if k else 0
-    if not (
-        0 < rows <= SMALL_ROWS
-        and n >= k
-        and x.is_cpu
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and weight.is_contiguous()
-    ):
+    if not (0 < rows <= SMALL_ROWS and n >= k and weight.dtype == torch.float32 and weight.is_contiguous()):
         return torch.nn.functional.linear(x, weight, bias)
     x2 = x.reshape(rows, k)
     if rows == 1:
