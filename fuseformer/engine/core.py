@@ -263,11 +263,19 @@ class EngineCore:
     def finish_step(self, handle: StepHandle, output_processor: OutputProcessor) -> list[RequestOutput]:
         """The second half of ``step``: wait for the launched step, apply its tokens, and return the
         deltas ``output_processor`` makes of them; the requests a stop string ended are finished here."""
+        self._launch_sampling(handle)  # a step ahead whose sampling is still deferred: launched now
         start = time.perf_counter()
         result = self.runner.collect(handle.launched)
         collected = time.perf_counter()
         sched = self.scheduler
         updates = sched.update_from_output(handle.scheduler_output, result.sampled_token_ids, result.logprobs)
+        ahead = self._ahead
+        if ahead is not None and ahead.launched.logits is not None:
+            # The step ahead samples from these outputs (deferred_sampling); its grammars have taken
+            # this step's tokens, so their bitmask fills now, beside the output processing below.
+            start_ahead = time.perf_counter()
+            self.runner.start_sampling(ahead.launched)
+            ahead.launch_ms += 1e3 * (time.perf_counter() - start_ahead)
         outputs, stopped = output_processor.process(updates)
         if stopped:
             sched.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -279,10 +287,14 @@ class EngineCore:
         return handle
 
     def _launch_ahead(self, handle: StepHandle) -> bool:
-        """Schedule and launch the step after ``handle`` now, if the scheduler can (``schedule_ahead``)."""
-        if handle.launched.output is None:
+        """Schedule and launch the step after ``handle`` now, if the scheduler can (``schedule_ahead``).
+        A deferred sampling of ``handle``'s (a grammar's mask, filling since ``finish_step`` applied the
+        previous tokens) is launched after the scheduling, whose Python runs beside the fill, and
+        before the next step, whose input tokens it samples."""
+        if handle.launched.output is None and handle.launched.logits is None:
             return False
         ahead = self.scheduler.schedule_ahead(handle.scheduler_output)
+        self._launch_sampling(handle)
         if ahead is None:
             return False
         self._ahead = self._launch(lambda: ahead, handle.launched.output.sampled_token_ids)
@@ -292,16 +304,24 @@ class EngineCore:
     def _finish_with_ahead(self, handle: StepHandle, output_processor: OutputProcessor) -> list[RequestOutput]:
         outputs = self.finish_step(handle, output_processor)
         ahead = self._ahead
-        if ahead is not None and ahead.launched.logits is not None:
-            # Its sampling reads the outputs (deferred_sampling): they hold handle's tokens now, and its
-            # forward is still on the device, so this host work (a grammar's mask) overlaps it.
-            start = time.perf_counter()
-            self.runner.launch_sampling(ahead.launched)
-            ahead.launch_ms += 1e3 * (time.perf_counter() - start)
+        if ahead is not None and ahead.launched.mask_fill is None:
+            # Its sampling reads the outputs (deferred_sampling: penalties, min_tokens, ...): they hold
+            # handle's tokens now, and its forward is still on the device. One with its grammars' mask
+            # filling (finish_step) is launched by the next step's _launch_ahead, after the scheduling.
+            self._launch_sampling(ahead)
         if self._ahead is not None and not self.scheduler.has_unfinished_requests():
             # Every request of the step ahead finished: it has nothing to report.
             self.finish_step(self._take_ahead(), output_processor)
         return outputs
+
+    def _launch_sampling(self, handle: StepHandle) -> None:
+        """Launch a deferred sampling of ``handle``'s (``ModelRunner.launch_sampling``), if it has one
+        waiting: the requests' outputs hold the previous step's tokens by then."""
+        if handle.launched.logits is None:
+            return
+        start = time.perf_counter()
+        self.runner.launch_sampling(handle.launched)
+        handle.launch_ms += 1e3 * (time.perf_counter() - start)
 
     def _launch_admitted(self) -> StepHandle:
         """``launch_step(admit_only=True)``; with ``prefill_stream`` on CUDA, on a stream of its own.

@@ -109,6 +109,9 @@ class LaunchedStep:
     # A step whose sampling is deferred (``SchedulerOutput.deferred_sampling``): its logits on the
     # device, waiting for ``ModelRunner.launch_sampling``; None once sampled (and for other steps).
     logits: torch.Tensor | None = None
+    # Its grammar rows' bitmask filling on the grammar compiler's thread, and those rows
+    # (``ModelRunner.start_sampling``); ``launch_sampling`` waits for it.
+    mask_fill: tuple | None = None
 
     def ready(self) -> bool:
         """The device work has finished (always, off CUDA)."""
@@ -554,6 +557,20 @@ class ModelRunner:
             self.launch_sampling(step)
         return step
 
+    def start_sampling(self, step: LaunchedStep) -> None:
+        """Begin the host work of a deferred step's sampler that can run beside the caller's: the
+        bitmask of its rows with a grammar, filled on the grammar compiler's thread (GIL released)
+        while the caller goes on (``EngineCore`` processes the previous step's outputs meanwhile).
+        The requests' outputs must hold the previous step's tokens; ``launch_sampling`` waits for it.
+        Their grammars must not be used until then."""
+        if step.logits is None or step.mask_fill is not None:
+            return
+        running = RequestStatus.RUNNING
+        rows = [i for i, r in enumerate(step.requests) if r.grammar is not None and r.status is running]
+        if rows:
+            matchers = [step.requests[i].grammar for i in rows]
+            step.mask_fill = (matchers[0].compiler.fill_bitmask_async(matchers), rows)
+
     @torch.inference_mode()
     def launch_sampling(self, step: LaunchedStep) -> None:
         """Enqueue the sampler of a launched step whose sampling was deferred (``LaunchedStep.logits``),
@@ -577,7 +594,8 @@ class ModelRunner:
             eos_token_ids=[r.eos_token_ids for r in sampling],
             bad_words_token_ids=[r.bad_words_token_ids for r in sampling],
         )
-        md.bitmask, md.bitmask_rows = self._grammar_bitmask(sampling)
+        md.bitmask, md.bitmask_rows = self._grammar_bitmask(sampling, step.mask_fill)
+        step.mask_fill = None
         step.output = out = sample(logits, md)
         if self.device.type == "cuda":
             # The results come to pinned host memory in the stream, before the event: reading them
@@ -659,17 +677,25 @@ class ModelRunner:
             tensors = tuple(_to_host(t) for t in tensors)
         return _PromptLogprobs(entries, tensors)
 
-    def _grammar_bitmask(self, sampling: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _grammar_bitmask(
+        self, sampling: list, started: tuple | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The bitmask of the sampling rows with a grammar ((R, W) int32) and their rows ((R,) int64, None
-        when every row has one), on the device; (None, None) when none has. Called after the forward
-        and the logits are queued: filling it on the host (~0.3 ms at 64 rows) overlaps them, and the
-        copy from pinned memory does not wait for them. A free row is not touched."""
-        running = RequestStatus.RUNNING
-        rows = [i for i, r in enumerate(sampling) if r.grammar is not None and r.status is running]
-        if not rows:
-            return None, None
-        matchers = [sampling[i].grammar for i in rows]
-        bitmask = to_device(matchers[0].compiler.fill_bitmask(matchers), self.device)
+        when every row has one), on the device; (None, None) when none has. ``started``: the fill that
+        ``start_sampling`` began (the rows that were running then: one finished since keeps its row, and
+        its token is dropped). Called after the forward and the logits are queued: filling on the host
+        overlaps them, and the copy from pinned memory does not wait for them. A free row is not touched."""
+        if started is not None:
+            fill, rows = started
+            bitmask = fill.result()
+        else:
+            running = RequestStatus.RUNNING
+            rows = [i for i, r in enumerate(sampling) if r.grammar is not None and r.status is running]
+            if not rows:
+                return None, None
+            matchers = [sampling[i].grammar for i in rows]
+            bitmask = matchers[0].compiler.fill_bitmask(matchers)
+        bitmask = to_device(bitmask, self.device)
         if len(rows) == len(sampling):
             return bitmask, None
         return bitmask, to_device(torch.tensor(rows, dtype=torch.int64), self.device)

@@ -18,7 +18,7 @@ from fuseformer import LLM
 from fuseformer.engine.cli import DEFAULT_MODEL
 from fuseformer.engine.sampler import SamplingMetadata, sample
 from fuseformer.engine.sampling_params import SamplingParams
-from fuseformer.engine.structured_outputs import StructuredOutputsError, StructuredOutputsParams
+from fuseformer.engine.structured_outputs import GrammarCompiler, StructuredOutputsError, StructuredOutputsParams
 from fuseformer.testing import CONSTRAINT_CHOICES as CHOICES
 from fuseformer.testing import CONSTRAINT_REGEX as REGEX
 from fuseformer.testing import CONSTRAINT_SCHEMA as SCHEMA
@@ -184,10 +184,13 @@ def test_n_completions_each_have_their_own_matcher(llm):
     assert len(out.outputs) == 6 and all(c.text in CHOICES for c in out.outputs)
 
 
-def test_async_scheduling_runs_constrained_requests_ahead_with_the_synchronous_outputs():
+def test_async_scheduling_runs_constrained_requests_ahead_with_the_synchronous_outputs(monkeypatch):
     """A constrained request is scheduled ahead with its sampling deferred until the previous token has
     advanced its grammar: the same tokens as synchronous steps (greedy and seeded sampling, beside
-    free requests), and the steps are scheduled ahead."""
+    free requests), and the steps are scheduled ahead, their bitmasks filled on the fill thread."""
+    fills = []
+    fill_async = GrammarCompiler.fill_bitmask_async
+    monkeypatch.setattr(GrammarCompiler, "fill_bitmask_async", lambda self, *a: fills.append(1) or fill_async(self, *a))
     spec = StructuredOutputsParams(json=SCHEMA)
     params = [_params(spec, temperature=0), _params(spec, temperature=1.0, seed=3)]
     params += [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(FREE_PROMPTS)
@@ -198,7 +201,9 @@ def test_async_scheduling_runs_constrained_requests_ahead_with_the_synchronous_o
             llm = LLM(DEFAULT_MODEL, device="cpu", num_kv_blocks=200, async_scheduling=a)
             outs[a] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             if a:
-                assert llm.num_steps_ahead > 10
+                assert llm.num_steps_ahead > 10 and len(fills) > 10
+            else:
+                assert not fills
     assert outs[True] == outs[False]
     for tokens in outs[True][:2]:
         jsonschema.validate(json.loads(llm.tokenizer.decode(tokens)), SCHEMA)

@@ -303,7 +303,25 @@ def test_batch_fill_equals_row_fills_and_vocab_padding(tokenizer):
         compiler.fill_bitmask(matchers, torch.zeros(2, 3, dtype=torch.int32))
     with pytest.raises(ValueError, match="below the tokenizer's"):
         GrammarCompiler(tokenizer, vocab_size=100)
+    # On the fill thread (the engine's path): the same rows, a row of its own per matcher, repeatedly.
+    for rows in (matchers, matchers[1:2], matchers[::-1]):
+        fill = compiler.fill_bitmask_async(rows)
+        assert torch.equal(fill.result(), compiler.fill_bitmask(rows)) and fill.done()
+    errored = compiler.matcher(specs[1])
+    assert not errored.accept_tokens(tokenizer.encode("{", add_special_tokens=False))  # only EOS from here
+    fill = compiler.fill_bitmask_async([errored])  # no row for llguidance: done at once
+    assert fill.done() and _allowed(fill.result()[0], compiler.vocab_size) == tokenizer.eos_token_ids
+    with pytest.raises(ValueError, match="out must be"):
+        compiler.fill_bitmask_async(matchers, torch.zeros(2, 3, dtype=torch.int32))
+    # An error in the fill thread reaches result(): a matcher of a narrower vocabulary's compiler.
+    other = GrammarCompiler(tokenizer)
+    other.compile(specs[0]).result(timeout=10)
+    fill = compiler.fill_bitmask_async([other.matcher(specs[0]), matchers[0]])
+    with pytest.raises(ValueError):
+        fill.result()
+    assert torch.equal(compiler.fill_bitmask_async(matchers).result(), batch)  # the thread lives on
     compiler.close()
+    other.close()
 
 
 # ---- the mask on the logits --------------------------------------------------------------------------
