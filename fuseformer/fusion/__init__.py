@@ -3,7 +3,8 @@
 Known Hugging Face architectures go through ``fusion/hf.py`` (and ``hf_classic.py`` for GPT-2, BERT,
 RoBERTa), which use transformers' own extension points; any other module through the torch.fx
 pattern pass of ``fusion/fx.py``. With ``fp8=True``, ``fusion/fp8.py`` then adds the FP8 linear layers
-(inference). Every replacement is made on the one model instance given, checked against a float64 copy
+(inference); last, ``fusion/linear.py`` gives a float32 CPU model's remaining linears the CPU's faster
+decode product. Every replacement is made on the one model instance given, checked against a float64 copy
 (``fusion/verify.py``; FP8 ones by their own criterion there), and reverted when over tolerance.
 """
 
@@ -53,7 +54,12 @@ def optimize(
             ``model(...)``. None: built from the model's config (token ids, 2 x 16; 2 x 48 with
             ``fp8``) or its first layer's width.
         include, exclude: kinds of replacement to make or to leave: ``"norm"``, ``"mlp"``,
-            ``"attention"``, ``"loss"``, ``"fp8"`` (made only with ``fp8=True``).
+            ``"attention"``, ``"loss"``, ``"linear"``, ``"fp8"`` (made only with ``fp8=True``).
+            ``"linear"``: on a model whose parameters are float32 on the CPU, each ``torch.nn.Linear``
+            (exactly that class) that no other replacement covers becomes a ``fuseformer.layers.Linear``
+            (the same object, its class set on this instance), whose decode steps (<= 4 rows) take the
+            CPU's faster form of the same product (``ops/_cpu_linear.py``): faster HF ``generate`` on a
+            CPU. Elsewhere none is made (one "left as it is" line says why).
         fp8: inference only. The linear layers of the transformer blocks (any other module: every
             ``nn.Linear`` but an LM head) become FP8 (``fuseformer.layers.fp8``: e4m3 weights with a
             scale per output channel, activations quantized per token), as replacements of kind
@@ -125,6 +131,10 @@ def optimize(
         from fuseformer.fusion import fp8 as fp8_pass
 
         fp8_pass.add_candidates(model, result)
+    if "linear" in kinds:  # last: it leaves the linears that any candidate above replaces or reads
+        from fuseformer.fusion import linear as linear_pass
+
+        linear_pass.add_candidates(model, result)
     report = OptimizeReport(model_name=type(model).__name__, training=training, verified=verify, fp8=fp8)
     report.skipped = list(result.skipped)
     cands = list(result.candidates)

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-# The kinds of replacement, as ``include``/``exclude`` name them. "fp8" (linear layers with e4m3
-# weights, ``fusion/fp8.py``) is made only by ``optimize(model, fp8=True)``.
-KINDS = ("norm", "mlp", "attention", "loss", "fp8")
+# The kinds of replacement, as ``include``/``exclude`` name them. "linear" (a float32 CPU model's
+# nn.Linear as layers.Linear, ``fusion/linear.py``) is made for any model, after the other kinds. "fp8"
+# (linear layers with e4m3 weights, ``fusion/fp8.py``) is made only by ``optimize(model, fp8=True)``.
+KINDS = ("norm", "mlp", "attention", "loss", "linear", "fp8")
 
 
 @dataclass(eq=False, kw_only=True)

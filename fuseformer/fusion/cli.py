@@ -21,7 +21,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument(
-        "--include", default=None, help="comma-separated kinds to fuse: norm,mlp,attention,loss,fp8 (default all)"
+        "--include",
+        default=None,
+        help="comma-separated kinds to fuse: norm,mlp,attention,loss,linear,fp8 (default all)",
     )
     p.add_argument("--exclude", default=None, help="comma-separated kinds to leave as they are (default none)")
     p.add_argument(

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import fuseformer  # noqa: E402
 from fuseformer.fusion import fp8 as fp8_pass  # noqa: E402
+from fuseformer.layers import Linear  # noqa: E402
 from fuseformer.layers.fp8 import FP8_DTYPE, Fp8GatedMLP, Fp8Linear  # noqa: E402
 from fuseformer.ops import quantize_fp8_ref  # noqa: E402
 
@@ -82,13 +83,15 @@ def test_llama_linears_fp8_lm_head_kept_outputs_within_bound():
         mlp = layer.mlp
         assert isinstance(mlp, Fp8GatedMLP) and mlp.act == "silu"
         assert mlp.gate_up_proj.weight.shape == (192, 64) and mlp.gate_up_proj.weight.dtype == FP8_DTYPE
-    assert model.lm_head is head and type(head) is nn.Linear and head.weight.dtype == torch.float32
+    # The head stays fp32 (on this CPU model the "linear" kind's layers.Linear, the same object: not FP8).
+    assert model.lm_head is head and type(head) is Linear and head.weight.dtype == torch.float32
     assert model.model.embed_tokens is embed
     # Within the FP8 criterion, and each a real replacement (an error above the fp32 floor: FP8 rounding).
     rows = fp8_rows(report)
     assert len(rows) == 10 and all(r.status == "kept" for r in rows), report
     assert all(1e-5 < r.max_error <= r.tolerance for r in rows), report
-    assert report.counts() == {"norm": 5, "attention": 2, "fp8": 10}  # the MLPs are FP8, not "mlp"
+    assert report.counts() == {"norm": 5, "attention": 2, "fp8": 10, "linear": 1}  # the MLPs are FP8, not "mlp"
+    assert [r.path for r in report.replacements if r.kind == "linear"] == ["lm_head"]
     reasons = {s.path: s.reason for s in report.skipped if s.kind == "fp8"}
     assert "LM head" in reasons["lm_head"] and "lookup" in reasons["model.embed_tokens"]
     # What FP8 cost: about 1% of the logits, against the original's ~1e-7.
@@ -205,7 +208,7 @@ def test_two_models_one_fp8_one_not():
             la, lb, want = a(x).logits, b(x).logits, base(x).logits
     assert ra.fp8 and not rb.fp8 and "fp8" not in rb.counts()
     assert isinstance(a.model.layers[0].self_attn.q_proj, Fp8Linear)
-    assert type(b.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert type(b.model.layers[0].self_attn.q_proj) is Linear  # not FP8: the "linear" kind (fp32 CPU model)
     assert "forward" in b.model.layers[0].mlp.__dict__  # b's MLP: fused_mlp (bf16 path), not FP8
     assert rel(lb, want) < 1e-5 < 1e-3 < rel(la, want) < 0.05
 
@@ -254,8 +257,8 @@ def test_not_multiple_of_16_skipped_and_mlp_fusion_kept():
         report = fuseformer.optimize(model, fp8=True)
     skipped = {s.path: s.reason for s in report.skipped if s.kind == "fp8"}
     assert "not multiples of 16" in skipped["model.layers.0.mlp"]
-    assert report.counts() == {"norm": 5, "mlp": 2, "attention": 2, "fp8": 8}
-    assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
+    assert report.counts() == {"norm": 5, "mlp": 2, "attention": 2, "fp8": 8, "linear": 1}  # linear: lm_head
+    assert type(model.model.layers[0].mlp.down_proj) is nn.Linear  # the "mlp" fusion's, not "linear"
 
 
 def test_gpt2_conv1d_and_bert():
@@ -279,7 +282,9 @@ def test_gpt2_conv1d_and_bert():
     for m in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
         assert isinstance(m, Fp8Linear) and m.weight.dtype == FP8_DTYPE
     assert block.attn.c_attn.weight.shape == (192, 64)  # Conv1D's (in, out) weight as (out, in)
-    assert type(gpt2.lm_head) is nn.Linear and gpt2.lm_head.weight is gpt2.transformer.wte.weight
+    # Not FP8; on this fp32 CPU model the "linear" kind's layers.Linear.
+    assert type(gpt2.lm_head) is Linear and gpt2.lm_head.weight is gpt2.transformer.wte.weight
+    assert rg.counts()["linear"] == 1 and rb.counts()["linear"] == 1  # GPT-2's head, BERT's pooler.dense
     assert all(r.status == "kept" for r in rg.replacements + rb.replacements), (rg, rb)
     assert rg.counts()["fp8"] == 8 and 1e-3 < rel(got, want) < 0.05
     layer = bert.encoder.layer[0]
@@ -336,12 +341,13 @@ def test_custom_modules_get_fp8_linears_through_the_generic_path():
             got_lm, got_stack = lm(idx), stack(x)
     for b in lm.blocks:
         assert all(isinstance(m, Fp8Linear) for m in (b.gate, b.up, b.down))
-        assert type(b.side) is nn.Linear
-    assert type(lm.head) is nn.Linear
+        assert type(b.side) is Linear  # not FP8; the "linear" kind's (an fp32 CPU model)
+    assert type(lm.head) is Linear
     assert r_lm.counts()["fp8"] == 6 and r_lm.counts().get("mlp") == 2  # swiglu between the FP8 linears
+    assert r_lm.counts()["linear"] == 3 and r_stack.counts()["linear"] == 1
     reasons = {s.path: s.reason for s in r_lm.skipped if s.kind == "fp8"}
     assert "vocabulary" in reasons["head"] and "not multiples of 16" in reasons["blocks.0.side"]
-    assert isinstance(stack[0], Fp8Linear) and isinstance(stack[2], Fp8Linear) and type(stack[4]) is nn.Linear
+    assert isinstance(stack[0], Fp8Linear) and isinstance(stack[2], Fp8Linear) and type(stack[4]) is Linear
     assert all(r.status == "kept" for r in r_lm.replacements + r_stack.replacements), (r_lm, r_stack)
     assert 1e-3 < rel(got_lm, want_lm) < 0.05 and 1e-3 < rel(got_stack, want_stack) < 0.05
     r_lm.revert(), r_stack.revert()

@@ -403,8 +403,14 @@ def test_end_to_end_optimize():
     report = fuseformer.optimize(model, training=True, sample_inputs=(idx, tgt))
     kept = [r for r in report.replacements if r.status == "kept"]
     assert {r.kind for r in kept} == set(KINDS) - {"fp8"}, report  # fp8 only with optimize(fp8=True)
+    # "linear": every nn.Linear the traced code still calls; not the LM head, whose weight the fused loss reads.
+    linears = {r.path for r in kept if r.kind == "linear"}
+    assert linears == {
+        f"blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.w1", "mlp.w2", "mlp.w3")
+    }
     assert list(model.state_dict()) == keys
     loss, loss0 = model(idx, tgt), base(idx, tgt)
     assert abs(loss.item() - loss0.item()) < 1e-4
     fuseformer.revert(model)
     assert "forward" not in model.__dict__ and not hasattr(model, fxpass.CONTAINER)
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))

@@ -163,6 +163,11 @@ def _generate_cases(model, base, kw):
     assert torch.equal(model.generate(xr, attention_mask=right, **kw), base.generate(xr, attention_mask=right, **kw))
 
 
+# The "linear" kind on these fp32 CPU models (fusion/linear.py): the attention projections (q/k/v/o, or
+# Phi-3's qkv/o) of the 2 layers and the LM head; the MLPs' linears are the "mlp" fusion's.
+LINEARS = {"llama": 2 * 4 + 1, "gemma3_text": 2 * 4 + 1, "phi3": 2 * 2 + 1}
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "phi3"])
 def test_optimize_report_and_revert(model_type):
     model = make(model_type)
@@ -171,13 +176,15 @@ def test_optimize_report_and_revert(model_type):
     report = fuseformer.optimize(model, training=False, sample_inputs={"input_ids": x})
     kept = [r for r in report.replacements if r.status == "kept"]
     n_norm, n_mlp, n_attn = EXPECTED[model_type]
-    assert len(kept) == n_norm + n_mlp + n_attn, report
+    assert len(kept) == n_norm + n_mlp + n_attn + LINEARS[model_type], report
+    assert report.counts()["linear"] == LINEARS[model_type]
     assert any(s.kind == "loss" for s in report.skipped)
     report.revert()
     with torch.no_grad():
         assert torch.equal(model(x).logits, base(x).logits)
     assert "forward" not in model.model.layers[0].__dict__
     assert model.model.layers[0].self_attn.config is model.config
+    assert all(type(m) is not fuseformer.layers.Linear for m in model.modules())
 
 
 def test_gemma2_skips_softcapping():

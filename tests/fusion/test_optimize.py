@@ -133,16 +133,25 @@ def test_second_optimize_is_a_no_op_and_revert_restores(stub_pass):
 def test_include_exclude_reach_the_pass(stub_pass):
     stub_pass.update({"a": 1.0})
     net = Net()
-    report = fuseformer.optimize(net, sample_inputs=torch.randn(1, 4, 32), exclude=["mlp"])
+    report = fuseformer.optimize(net, sample_inputs=torch.randn(1, 4, 32), exclude=["mlp", "linear"])
     assert report.replacements == [] and isinstance(net.a, Block)
     assert "nothing to fuse" not in str(report)  # it has a skipped entry
+    # Without the stub's "a": Net's four nn.Linear (fp32, CPU) are the "linear" kind's (fusion/linear.py).
+    report = fuseformer.optimize(Net(), sample_inputs=torch.randn(1, 4, 32), exclude=["mlp"])
+    assert [r.path for r in report.replacements if r.kind == "linear"] == ["a.fc1", "a.fc2", "b.fc1", "b.fc2"]
+    assert report.counts() == {"linear": 4}
 
 
 def test_verify_false_marks_unverified(stub_pass):
     stub_pass.update({"a": 1.5})
     net = Net()
     report = fuseformer.optimize(net, verify=False)
-    assert [r.status for r in report.replacements] == ["unverified"]
+    # The stub's "a", then b's linears, which no stub candidate covers (the "linear" kind, fusion/linear.py).
+    assert [(r.path, r.status) for r in report.replacements] == [
+        ("a", "unverified"),
+        ("b.fc1", "unverified"),
+        ("b.fc2", "unverified"),
+    ]
     assert isinstance(net.a, Scaled)
 
 
