@@ -118,6 +118,11 @@ class LaunchedStep:
         return self.done is None or self.done.query()
 
 
+def _grammar_rows(sampling: list) -> list[int]:
+    """The sampling rows whose request is running with a grammar."""
+    return [i for i, r in enumerate(sampling) if r.grammar is not None and r.status is RequestStatus.RUNNING]
+
+
 @dataclass(slots=True)
 class _PromptLogprobs:
     """A step's prompt logprobs (``SamplingParams.prompt_logprobs``): ``entries`` (request, positions,
@@ -558,15 +563,10 @@ class ModelRunner:
         return step
 
     def start_sampling(self, step: LaunchedStep) -> None:
-        """Begin the host work of a deferred step's sampler that can run beside the caller's: the
-        bitmask of its rows with a grammar, filled on the grammar compiler's thread (GIL released)
-        while the caller goes on (``EngineCore`` processes the previous step's outputs meanwhile).
-        The requests' outputs must hold the previous step's tokens; ``launch_sampling`` waits for it.
-        Their grammars must not be used until then."""
-        if step.logits is None or step.mask_fill is not None:
-            return
-        running = RequestStatus.RUNNING
-        rows = [i for i, r in enumerate(step.requests) if r.grammar is not None and r.status is running]
+        """Start filling a deferred step's grammar bitmask on the grammar compiler's thread (GIL released),
+        beside the caller's work; the outputs must hold the previous step's tokens. ``launch_sampling``
+        waits for it; the grammars must not be used until then."""
+        rows = _grammar_rows(step.requests) if step.logits is not None and step.mask_fill is None else []
         if rows:
             matchers = [step.requests[i].grammar for i in rows]
             step.mask_fill = (matchers[0].compiler.fill_bitmask_async(matchers), rows)
@@ -681,21 +681,14 @@ class ModelRunner:
         self, sampling: list, started: tuple | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The bitmask of the sampling rows with a grammar ((R, W) int32) and their rows ((R,) int64, None
-        when every row has one), on the device; (None, None) when none has. ``started``: the fill that
-        ``start_sampling`` began (the rows that were running then: one finished since keeps its row, and
-        its token is dropped). Called after the forward and the logits are queued: filling on the host
-        overlaps them, and the copy from pinned memory does not wait for them. A free row is not touched."""
-        if started is not None:
-            fill, rows = started
-            bitmask = fill.result()
-        else:
-            running = RequestStatus.RUNNING
-            rows = [i for i, r in enumerate(sampling) if r.grammar is not None and r.status is running]
-            if not rows:
-                return None, None
-            matchers = [sampling[i].grammar for i in rows]
-            bitmask = matchers[0].compiler.fill_bitmask(matchers)
-        bitmask = to_device(bitmask, self.device)
+        when every row has one), on the device; (None, None) when none has. ``started``: ``start_sampling``'s
+        fill (a row finished since keeps its mask; its token is dropped). The copy from pinned memory does
+        not wait for the queued forward. A free row is not touched."""
+        fill, rows = started if started is not None else (None, _grammar_rows(sampling))
+        if not rows:
+            return None, None
+        matchers = [sampling[i].grammar for i in rows]
+        bitmask = to_device(fill.result() if fill else matchers[0].compiler.fill_bitmask(matchers), self.device)
         if len(rows) == len(sampling):
             return bitmask, None
         return bitmask, to_device(torch.tensor(rows, dtype=torch.int64), self.device)
