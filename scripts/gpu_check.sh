@@ -25,6 +25,11 @@
 # weights: batch1, fixed, prefill). fp8train: the training benchmark (--quick) with its float8 cases at the
 # Llama-1B shape beside bf16 (needs torchao: carry its wheel in .whl/), a call of its own.
 #
+# optimize (not part of all): issue 26 in one device call (~9 min): the fusion GPU tests (one process), the
+# BERT ablation (benchmarks/optimize_ablation.py: each kind alone, host time and syncs per forward), and
+# `fuseformer bench optimize`'s encoder, prefill and generate cases (peers in the same process); the training
+# case (HF + Liger: carry its wheel in .whl/) is OPTIMIZE_CASES=train, a call of its own.
+#
 # attention (not part of all): the attention GPU tests at head dim 128 (the Gluon kernels and the cases
 # they take), the attention layer's and the Llama model's, then `fuseformer bench attention --quick`, in one
 # device call (~5 min; run 83 ran the tests in 158 s).
@@ -73,7 +78,8 @@ if [[ "$stage" == gluon ]]; then
         > "$out/sweep-gluon.log" 2>&1 || status=1
     tail -n 3 "$out/sweep-gluon.log"
 fi
-if [[ ( "$stage" == engine || "$stage" == fp8 || "$stage" == fp8train ) ]] && ls .whl/*.whl > /dev/null 2>&1; then
+if [[ ( "$stage" == engine || "$stage" == fp8 || "$stage" == fp8train || "$stage" == optimize ) ]] \
+    && ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
@@ -94,6 +100,18 @@ if [[ "$stage" == engine ]]; then
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     python3 benchmarks/structured_outputs_engine.py --out "$out/structured_outputs_engine.json" 2>&1 | tail -n 5 || status=1
     OUT="$out" python3 benchmarks/engine_workloads.py "${WORKLOADS:-mix,prefix,fixed}" 2>&1 | grep -v Warn | tail -n 8 || status=1
+fi
+if [[ "$stage" == optimize ]]; then
+    python3 -m pytest -q -m gpu -p no:randomly tests/fusion 2>&1 | tee "$out/gpu-tests-fusion.log" | tail -n 5
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    python3 benchmarks/optimize_ablation.py --cases bert --out "$out" 2>&1 | grep -v Warn | tail -n 10 || status=1
+    python3 -c "
+import json, sys
+from fuseformer.bench.optimize import bench_optimize, format_table
+records = bench_optimize(cases=tuple(sys.argv[2].split(',')))
+print(format_table(records))
+json.dump(records, open(sys.argv[1], 'w'), indent=1)
+" "$out/bench-optimize.json" "${OPTIMIZE_CASES:-encoder,prefill,generate}" 2>&1 | grep -v Warn | tail -n 16 || status=1
 fi
 if [[ "$stage" == serve ]]; then
     # The serving checks in one device call (~7 min): the GPU tests of the engine and the serving
