@@ -9,6 +9,7 @@ import ast
 import json
 import re
 import threading
+import time
 from pathlib import Path
 
 import jsonschema
@@ -322,6 +323,33 @@ def test_batch_fill_equals_row_fills_and_vocab_padding(tokenizer):
     assert torch.equal(compiler.fill_bitmask_async(matchers).result(), batch)  # the thread lives on
     compiler.close()
     other.close()
+
+
+def test_the_async_fill_runs_beside_the_callers_python(tokenizer, monkeypatch):
+    """fill_bitmask_async returns once the fill thread is inside the library (its pool runs with the GIL
+    released: here a sleep stands in for it), and the caller's Python runs meanwhile, not stalled
+    behind the fill thread for the interpreter's switch interval."""
+    compiler = GrammarCompiler(tokenizer)
+    spec = StructuredOutputsParams(regex=REGEX)
+    compiler.compile(spec).result(timeout=10)
+    matchers = [compiler.matcher(spec) for _ in range(3)]
+    expected = compiler.fill_bitmask(matchers)
+    fill_live = GrammarCompiler._fill_live
+
+    def slow(self, live, out):
+        time.sleep(0.3)  # releases the GIL, as llguidance's pool does
+        fill_live(self, live, out)
+
+    monkeypatch.setattr(GrammarCompiler, "_fill_live", slow)
+    start = time.perf_counter()
+    fill = compiler.fill_bitmask_async(matchers)
+    handed = time.perf_counter() - start
+    spins = 0
+    while not fill.done():
+        spins += 1
+    assert handed < 0.15 and spins > 1000, (handed, spins)
+    assert torch.equal(fill.result(), expected)
+    compiler.close()
 
 
 # ---- the mask on the logits --------------------------------------------------------------------------
