@@ -268,14 +268,18 @@ class EngineCore:
         result = self.runner.collect(handle.launched)
         collected = time.perf_counter()
         sched = self.scheduler
-        updates = sched.update_from_output(handle.scheduler_output, result.sampled_token_ids, result.logprobs)
         ahead = self._ahead
-        if ahead is not None and ahead.launched.logits is not None:
-            # The step ahead samples from these outputs (deferred_sampling); its grammars have taken
-            # this step's tokens, so their bitmask fills now, beside the output processing below.
+        early = ahead is not None and ahead.launched.logits is not None
+        if early:
+            # The step ahead samples from this step's tokens (deferred_sampling): its grammars take them
+            # first, and its bitmask fills beside the update and output processing below.
             start_ahead = time.perf_counter()
+            sched.advance_grammars(handle.scheduler_output, result.sampled_token_ids)
             self.runner.start_sampling(ahead.launched)
             ahead.launch_ms += 1e3 * (time.perf_counter() - start_ahead)
+        updates = sched.update_from_output(
+            handle.scheduler_output, result.sampled_token_ids, result.logprobs, grammars_advanced=early
+        )
         outputs, stopped = output_processor.process(updates)
         if stopped:
             sched.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

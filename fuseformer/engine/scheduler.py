@@ -300,6 +300,7 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         sampled_token_ids: dict[str, list[int]],
         logprobs: dict[str, list[PositionLogprobs]] | None = None,
+        grammars_advanced: bool = False,
     ) -> list[RequestUpdate]:
         """Advance the step's requests by their computed tokens; append the sampled tokens of those
         whose last token was reached (``sample``); finish those that hit a stop condition.
@@ -309,6 +310,7 @@ class Scheduler:
                 decoding); entries for requests that did not sample are ignored.
             logprobs: request id -> per sampled token, {token id: Logprob}, holding at least the
                 sampled token (for requests that asked for logprobs).
+            grammars_advanced: ``advance_grammars`` has given these tokens to the grammars already.
 
         Returns: an update for every request that appended tokens or finished (those whose grammar
         failed to compile since the last call first). A request with a grammar has it advanced by
@@ -328,7 +330,7 @@ class Scheduler:
                 raise ValueError(f"update_from_output: no sampled token for request {req.request_id!r}")
             lps = logprobs.get(req.request_id) if logprobs else None
             status = None
-            if req.grammar is not None:
+            if req.grammar is not None and not grammars_advanced:
                 req.grammar.accept_tokens(new_tokens)  # a rejected token: only EOS is allowed next
             for j, tok in enumerate(new_tokens):
                 req.output_token_ids.append(tok)
@@ -347,6 +349,18 @@ class Scheduler:
                 RequestUpdate(req.request_id, list(new_tokens), status is not None, finish_reason, req.stop_reason)
             )
         return updates
+
+    def advance_grammars(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> None:
+        """Give the step's sampled tokens to its requests' grammars now, before ``update_from_output``
+        (then called with ``grammars_advanced=True``), so that the next step's bitmask can fill while
+        the rest of the update runs (``EngineCore.finish_step``). The same requests as there."""
+        running = RequestStatus.RUNNING
+        for s in scheduler_output.scheduled:
+            req = s.request
+            if not s.sample or req.grammar is None or req.status is not running:
+                continue
+            if self.requests.get(req.request_id) is req and sampled_token_ids.get(req.request_id):
+                req.grammar.accept_tokens(sampled_token_ids[req.request_id])
 
     # ---- helpers ---------------------------------------------------------------------------
 
