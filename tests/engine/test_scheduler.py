@@ -390,3 +390,39 @@ def test_random_workload(seed):
     sched.kv.pool.check_invariants()
     stats = sched.get_stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_grammars_advanced_once_whether_early_or_in_the_update():
+    """``advance_grammars`` gives each sampling request's grammar its tokens before the update, which then
+    leaves them; a request that does not sample this step, or finished since, is passed over both ways."""
+
+    class Grammar:
+        ready, error = True, None
+
+        def __init__(self):
+            self.taken = []
+
+        def accept_tokens(self, tokens):
+            self.taken += tokens
+            return True
+
+    for early in (False, True):
+        sched = Scheduler(_config(max_num_batched_tokens=6))
+        reqs = [
+            Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=3, ignore_eos=True))
+            for rid, n in (("a", 2), ("b", 3), ("c", 9))
+        ]
+        for r in reqs:
+            r.grammar = Grammar()
+            sched.add_request(r)
+        for step in range(3):
+            out = sched.schedule()
+            sampled = {s.request_id: [10 * step + i] for i, s in enumerate(out.scheduled) if s.sample}
+            if step == 1:
+                sched.abort("b")  # finished while its step is in flight
+            if early:
+                sched.advance_grammars(out, sampled)
+            sched.update_from_output(out, sampled, grammars_advanced=early)
+        # c's prompt (9 tokens) is chunked: its first step samples nothing.
+        assert [r.grammar.taken for r in reqs] == [r.output_token_ids for r in reqs], early
+        assert reqs[0].grammar.taken and not reqs[1].grammar.taken[1:] and len(reqs[2].grammar.taken) == 1
