@@ -26,11 +26,13 @@ ImportError that says how to install it. ``grammar`` takes llguidance's Lark dia
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import threading
+import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as _wait_futures
 from dataclasses import dataclass
@@ -273,6 +275,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._fills: queue.SimpleQueue[MaskFill | None] | None = None  # fill_bitmask_async's thread's jobs
+        self._stop_fills: weakref.finalize | None = None  # ends that thread (close, or this compiler freed)
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """The compiled grammar of ``spec``, as a Future (done at once when cached). Its exception, when
@@ -322,12 +325,13 @@ class GrammarCompiler:
         if not live:
             fill._done.set()
             return fill
-        fill._live = live
+        fill._work = functools.partial(self._fill_live, live, out)  # dropped once done: no ref to self kept
         if self._fills is None:
             self._fills = queue.SimpleQueue()
             threading.Thread(
-                target=self._fill_loop, args=(self._fills,), name="fuseformer-grammar-fill", daemon=True
+                target=_fill_loop, args=(self._fills,), name="fuseformer-grammar-fill", daemon=True
             ).start()
+            self._stop_fills = weakref.finalize(self, self._fills.put, None)
         self._fills.put(fill)
         fill._started.wait()
         return fill
@@ -335,9 +339,9 @@ class GrammarCompiler:
     def close(self) -> None:
         """Stop the compile thread (compiles in progress finish first) and the fill thread."""
         self._executor.shutdown(wait=True)
-        if self._fills is not None:
-            self._fills.put(None)
-            self._fills = None
+        if self._stop_fills is not None:
+            self._stop_fills()
+            self._fills = self._stop_fills = None
 
     def _prepare_fill(self, matchers: Sequence[GrammarMatcher], out: torch.Tensor | None) -> tuple[torch.Tensor, list]:
         """``out`` checked (allocated when None), the rows that allow only EOS written, and the others
@@ -370,17 +374,6 @@ class GrammarCompiler:
             self._parallel = _llguidance().LLExecutor()
         self._parallel.unsafe_compute_mask_ptr(live, out.data_ptr(), words * 4, out.shape[0])
 
-    def _fill_loop(self, jobs: queue.SimpleQueue) -> None:
-        while (fill := jobs.get()) is not None:
-            fill._started.set()
-            try:
-                self._fill_live(fill._live, fill.bitmask)
-            except BaseException as exc:  # re-raised by result()
-                fill._error = exc
-            finally:
-                fill._live = None
-                fill._done.set()
-
     def _compile(self, spec: StructuredOutputsParams):
         llg = _llguidance()
         if self._lltokenizer is None:
@@ -394,14 +387,28 @@ class GrammarCompiler:
         return compiled
 
 
+def _fill_loop(jobs: queue.SimpleQueue) -> None:
+    """The fill thread of a GrammarCompiler (a function: the thread holds no reference to the compiler,
+    which stops it when freed or closed)."""
+    while (fill := jobs.get()) is not None:
+        fill._started.set()
+        try:
+            fill._work()
+        except BaseException as exc:  # re-raised by result()
+            fill._error = exc
+        finally:
+            fill._work = None
+            fill._done.set()
+
+
 class MaskFill:
     """A batch's bitmask filling on ``GrammarCompiler``'s fill thread (``fill_bitmask_async``)."""
 
-    __slots__ = ("bitmask", "_live", "_started", "_done", "_error")
+    __slots__ = ("bitmask", "_work", "_started", "_done", "_error")
 
     def __init__(self, bitmask: torch.Tensor) -> None:
         self.bitmask = bitmask
-        self._live: list | None = None
+        self._work: Callable[[], None] | None = None
         self._started = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None

@@ -6,10 +6,12 @@ every JSON-schema output parses and validates, every choice is one of the choice
 matches, and the tool-choice grammars give outputs the tool parsers read as calls."""
 
 import ast
+import gc
 import json
 import re
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import jsonschema
@@ -350,6 +352,28 @@ def test_the_async_fill_runs_beside_the_callers_python(tokenizer, monkeypatch):
     assert handed < 0.15 and spins > 1000, (handed, spins)
     assert torch.equal(fill.result(), expected)
     compiler.close()
+
+
+def test_a_freed_compiler_ends_its_fill_thread(tokenizer):
+    """The fill thread holds no reference to its compiler: an LLM dropped without close() leaves
+    neither the compiler (its 128k-token tables) nor the thread behind."""
+
+    def fill_threads():
+        return sum(t.name == "fuseformer-grammar-fill" and t.is_alive() for t in threading.enumerate())
+
+    before = fill_threads()
+    compiler = GrammarCompiler(tokenizer)
+    spec = StructuredOutputsParams(regex=REGEX)
+    compiler.compile(spec).result(timeout=10)
+    compiler.fill_bitmask_async([compiler.matcher(spec), compiler.matcher(spec)]).result()
+    assert fill_threads() == before + 1
+    gone = weakref.ref(compiler)
+    del compiler
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while fill_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone() is None and fill_threads() == before
 
 
 # ---- the mask on the logits --------------------------------------------------------------------------
