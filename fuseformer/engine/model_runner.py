@@ -109,8 +109,7 @@ class LaunchedStep:
     # A step whose sampling is deferred (``SchedulerOutput.deferred_sampling``): its logits on the
     # device, waiting for ``ModelRunner.launch_sampling``; None once sampled (and for other steps).
     logits: torch.Tensor | None = None
-    # Its grammar rows' bitmask filling on the grammar compiler's thread, and those rows
-    # (``ModelRunner.start_sampling``); ``launch_sampling`` waits for it.
+    # (MaskFill, rows): its grammar rows' bitmask filling (``start_sampling``); ``launch_sampling`` waits.
     mask_fill: tuple | None = None
 
     def ready(self) -> bool:
@@ -118,9 +117,10 @@ class LaunchedStep:
         return self.done is None or self.done.query()
 
 
-def _grammar_rows(sampling: list) -> list[int]:
-    """The sampling rows whose request is running with a grammar."""
-    return [i for i, r in enumerate(sampling) if r.grammar is not None and r.status is RequestStatus.RUNNING]
+def _grammars(sampling: list) -> tuple[list[int], list]:
+    """The sampling rows whose request is running with a grammar, and those grammars."""
+    rows = [i for i, r in enumerate(sampling) if r.grammar is not None and r.status is RequestStatus.RUNNING]
+    return rows, [sampling[i].grammar for i in rows]
 
 
 @dataclass(slots=True)
@@ -563,12 +563,10 @@ class ModelRunner:
         return step
 
     def start_sampling(self, step: LaunchedStep) -> None:
-        """Start filling a deferred step's grammar bitmask on the grammar compiler's thread (GIL released),
-        beside the caller's work; the outputs must hold the previous step's tokens. ``launch_sampling``
-        waits for it; the grammars must not be used until then."""
-        rows = _grammar_rows(step.requests) if step.logits is not None and step.mask_fill is None else []
+        """Start filling a deferred step's grammar bitmask on the compiler's thread (GIL released), beside the
+        caller's work (the outputs hold the previous tokens; the grammars untouched until launch_sampling)."""
+        rows, matchers = _grammars(step.requests) if step.logits is not None and step.mask_fill is None else ([], [])
         if rows:
-            matchers = [step.requests[i].grammar for i in rows]
             step.mask_fill = (matchers[0].compiler.fill_bitmask_async(matchers), rows)
 
     @torch.inference_mode()
@@ -677,18 +675,19 @@ class ModelRunner:
             tensors = tuple(_to_host(t) for t in tensors)
         return _PromptLogprobs(entries, tensors)
 
-    def _grammar_bitmask(
-        self, sampling: list, started: tuple | None = None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _grammar_bitmask(self, sampling: list, started: tuple | None = None) -> tuple[torch.Tensor | None, ...]:
         """The bitmask of the sampling rows with a grammar ((R, W) int32) and their rows ((R,) int64, None
         when every row has one), on the device; (None, None) when none has. ``started``: ``start_sampling``'s
-        fill (a row finished since keeps its mask; its token is dropped). The copy from pinned memory does
-        not wait for the queued forward. A free row is not touched."""
-        fill, rows = started if started is not None else (None, _grammar_rows(sampling))
-        if not rows:
-            return None, None
-        matchers = [sampling[i].grammar for i in rows]
-        bitmask = to_device(fill.result() if fill else matchers[0].compiler.fill_bitmask(matchers), self.device)
+        fill (a row finished since keeps its mask; its token is dropped). Free rows are not touched."""
+        if started is not None:
+            fill, rows = started
+            bitmask = fill.result()
+        else:
+            rows, matchers = _grammars(sampling)
+            if not rows:
+                return None, None
+            bitmask = matchers[0].compiler.fill_bitmask(matchers)
+        bitmask = to_device(bitmask, self.device)
         if len(rows) == len(sampling):
             return bitmask, None
         return bitmask, to_device(torch.tensor(rows, dtype=torch.int64), self.device)
