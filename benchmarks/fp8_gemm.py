@@ -150,7 +150,8 @@ def _copies(nbytes: int) -> int:
 def decode_rows(tokens, copy: float, rule_only: bool = False) -> list[dict]:
     """M <= 64 as the engine's graphs run it: each backend and candidate over rotated weight copies;
     % of copy bandwidth for the e4m3 weight bytes (bf16 rows: their bf16 bytes). ``rule_only``: the
-    weight-only rule's tile in fp16 and bf16 MMA against bf16, no sweep and no W8A8 rows."""
+    weight-only rule's tile in fp16 and bf16 MMA against bf16 and against W8A8 through ``_scaled_mm``
+    (the quantization of x included), no sweep of the Triton W8A8 tiles."""
     from fuseformer.ops.mlp_decode import DOWN_DECODE, GATE_UP_DECODE, _decode_gemm, decode_candidates, decode_plan
 
     rows = []
@@ -194,6 +195,12 @@ def decode_rows(tokens, copy: float, rule_only: bool = False) -> list[dict]:
                 rec["w8_top3"] = [(round(us, 1), cfg) for us, cfg in w8[:3]]
                 rec["w8_best_pct_copy"] = 100 * n * k / (w8[0][0] * 1e-6) / 1e12 / copy
             rec["bf16_decode_pct_copy"] = 100 * 2 * n * k / (rec["bf16_decode_us"] * 1e-6) / 1e12 / copy
+            if not glu and G.scaled_mm_applies(n, k, False, torch.bfloat16):
+                # W8A8 as the prefill path runs it: x quantized per token, then cuBLASLt's rowwise _scaled_mm.
+                sm = dict(backend="scaled_mm")
+                rec["w8a8_scaled_mm_us"] = _rotating_us(
+                    lambda i: lambda: G.fp8_gemm_fwd(*F.quantize_fp8(x), *wq[i], None, torch.bfloat16, sm), c
+                )
             if rule_only:
                 print(json.dumps(rec), flush=True)
                 rows.append(rec)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -144,8 +145,10 @@ def _run_ours(
     case: dict,
     device: str,
     impl: str = "fuseformer LLM",
+    after_build: Callable[[Any], None] | None = None,
     **llm_kwargs,
 ) -> Record:
+    """One run of ours; ``after_build(llm)`` may change the engine before the timed run (A/B variants)."""
     from fuseformer.engine.llm import LLM
     from fuseformer.engine.sampling_params import SamplingParams
 
@@ -153,12 +156,15 @@ def _run_ours(
     start = time.perf_counter()
     llm = LLM(model, device=device, max_model_len=max_len, **llm_kwargs)
     build_s = time.perf_counter() - start
+    if after_build is not None:
+        after_build(llm)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in output_lens]
     core = llm.core
     extra: Record = {"startup_s": build_s, "warm_up_s": core.warm_up_seconds}
-    graphs = core.runner.decode_graphs
+    graphs, pieces = core.runner.decode_graphs, core.runner.piecewise_graphs
     try:
         replays_before = sum(graphs.replays.values()) if graphs is not None else 0
+        pieces_before = sum(pieces.replays.values()) if pieces is not None else 0
         steps_before, ahead_before = core.runner.num_steps, core.num_steps_ahead
         kinds_before = core.step_log.totals()
         _sync(device)
@@ -176,10 +182,16 @@ def _run_ours(
                 graph_capture_s=graphs.capture_seconds,
                 graph_pool_mib=graphs.pool_bytes / 2**20,
             )
+        if pieces is not None:
+            extra |= dict(
+                piece_steps=sum(pieces.replays.values()) - pieces_before,
+                piece_capture_s=pieces.capture_seconds,
+                piece_pool_mib=pieces.pool_bytes / 2**20,
+            )
         extra["prefix_hit_rate"] = core.scheduler.kv.prefix_cache_hit_rate
     finally:
         num_blocks = core.runner.num_blocks
-        del llm, core, graphs  # the graphs hold the cache and their memory pool
+        del llm, core, graphs, pieces  # the graphs hold the cache and their memory pool
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()

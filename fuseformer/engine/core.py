@@ -361,6 +361,8 @@ class EngineCore:
         tokens = handle.scheduler_output.num_batched_tokens
         if handle.launched.graphed:
             kind = "graph"
+        elif handle.launched.pieces:
+            kind = "pieces"
         elif tokens == len(scheduled):
             kind = "decode"
         else:

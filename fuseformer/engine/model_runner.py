@@ -6,23 +6,30 @@ varlen batch (input ids, positions, ``cu_seqlens_q``, context lengths, slot mapp
 runs the model, computes logits only for the rows that sample (each request's last scheduled token
 when it reaches the end of its sequence), and samples on the device.
 
-CUDA graphs (``cuda_graphs=True``, vLLM's default, its ``enforce_eager=False``): a decode-only step
-(every scheduled request computes exactly one token) replays a graph of the model forward captured
-at engine start for a padded batch size, instead of launching ~14 kernels per layer from Python; see
-``_DecodeGraphs``. Steps with a prefill chunk, and decode steps larger than the largest captured
-size, run eagerly. Logits and sampling always run eagerly, on the graph's output rows.
+CUDA graphs (``cuda_graphs=True``, vLLM's default, its ``enforce_eager=False``), captured at engine
+start (engine/cuda_graphs.py): a decode-only step (every scheduled request computes exactly one token)
+replays a graph of the model forward for a padded batch size, instead of launching ~14 kernels per
+layer from Python (``DecodeGraphs``); a step with prefill chunks of up to 512 tokens replays graph
+pieces for a padded token count with each layer's attention launched between them
+(``PiecewiseGraphs``). Larger steps run eagerly. Logits and sampling always run eagerly, on the
+forward's output rows.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
+from fuseformer.engine.cuda_graphs import (
+    MAX_GRAPH_BATCH,
+    DecodeGraphs,
+    PiecewiseGraphs,
+    graph_batch_sizes,
+    piecewise_sizes,
+)
 from fuseformer.engine.outputs import PositionLogprobs
 from fuseformer.engine.request import RequestStatus
 from fuseformer.engine.sampler import (
@@ -31,10 +38,9 @@ from fuseformer.engine.sampler import (
     position_logprobs,
     prompt_logprobs,
     sample,
-    staged,
     to_device,
 )
-from fuseformer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from fuseformer.engine.scheduler import SchedulerOutput
 from fuseformer.models.attention_metadata import AttentionMetadata
 from fuseformer.models.config import ModelConfig
 
@@ -95,13 +101,15 @@ class ModelRunnerOutput:
 class LaunchedStep:
     """A step whose device work is enqueued (``ModelRunner.launch``): the requests that sample, their
     parameters, the sampler's device output (None when nothing samples), a CUDA event recorded after
-    it (None off CUDA: the work is done already), and whether the forward replayed a decode graph."""
+    it (None off CUDA: the work is done already), and whether the forward replayed a decode graph
+    (``graphed``) or graph pieces (``pieces``)."""
 
     requests: list
     params: list
     output: object | None
     done: torch.cuda.Event | None
     graphed: bool
+    pieces: bool = False
     # On CUDA: the output's sampled ids, logprob ids, logprobs and sampled ranks (None where absent),
     # copied to pinned host memory before ``done``.
     host: tuple | None = None
@@ -150,150 +158,6 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-MAX_GRAPH_BATCH = 512  # the largest decode step captured as a CUDA graph
-
-
-def graph_batch_sizes(max_batch: int) -> list[int]:
-    """The decode batch sizes captured as CUDA graphs, vLLM's pattern: 1, 2, 4, every multiple of 8
-    up to 256, then every multiple of 16, and ``max_batch`` itself. A step of n decodes replays the
-    smallest size >= n, so padding wastes at most 7 rows (15 above 256)."""
-    sizes = [b for b in (1, 2, 4) if b < max_batch]
-    sizes += [b for b in range(8, min(max_batch, 256) + 1, 8)] + [b for b in range(272, max_batch + 1, 16)]
-    if not sizes or sizes[-1] != max_batch:
-        sizes.append(max_batch)
-    return sizes
-
-
-class _DecodeGraphs:
-    """The model forward of decode-only steps over static input buffers, one CUDA graph per padded
-    batch size.
-
-    Static buffers, sized for the largest batch ``Bmax`` (each graph reads the first B rows):
-    input_ids, positions, slot_mapping (Bmax,) int64; context_lens (Bmax,) int32; cu_seqlens_q
-    (Bmax+1,) int32 = 0, 1, ..., Bmax (one query per row, padding included: constant);
-    block_tables (Bmax, max_blocks) int32. A step of n decodes takes the smallest size B >= n, copies
-    its rows into rows [0, n) and pads rows [n, B) so they are harmless: input id 0, position 0,
-    slot -1 (``reshape_and_cache`` skips it: nothing is written), context length 1 and block-table
-    column 0 = the null block 0 (never handed to a request), so a padded row attends to slot 0 of the
-    null block and its output row is finite garbage that nothing reads. Only columns [0, width) of
-    the block table are rewritten each step (width: the step's longest table): the attention kernel
-    reads a row's columns below ceil(context_len / block_size) only, and those are rewritten.
-
-    ``capture=True`` (CUDA): ``capture()`` warms each size up (Triton JIT, cuBLAS heuristics, the
-    ops' launch-config caches: nothing may compile or sync inside capture) and captures it, largest
-    first, all graphs in one memory pool (a smaller graph reuses the larger ones' intermediates;
-    graphs replay one at a time). ``capture=False`` (the CPU tests): ``run`` calls the forward on the
-    same padded static buffers, so the padding is tested without CUDA.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        sizes: list[int],
-        *,
-        max_blocks_per_seq: int,
-        block_size: int,
-        device: torch.device,
-        capture: bool,
-    ) -> None:
-        if capture and device.type != "cuda":
-            raise ValueError(f"_DecodeGraphs: CUDA graphs need a CUDA device, got {device}")
-        self.model, self.kv_caches = model, kv_caches
-        self.sizes = sorted(sizes)
-        self.block_size, self.max_blocks, self.device, self.use_graphs = block_size, max_blocks_per_seq, device, capture
-        b = self.sizes[-1]
-        i64 = dict(dtype=torch.int64, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
-        # rows: input_ids, positions, slot_mapping: one host-to-device copy per step for the three.
-        self._ids_pos_slots = torch.tensor([[0] * b, [0] * b, [-1] * b], **i64)
-        self.input_ids, self.positions, self.slot_mapping = self._ids_pos_slots.unbind(0)
-        self.context_lens = torch.ones(b, **i32)
-        self.cu_seqlens_q = torch.arange(b + 1, **i32)
-        self.block_tables = torch.zeros(b, max_blocks_per_seq, **i32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # size -> (B, H) hidden states the graph writes
-        self.replays: dict[int, int] = dict.fromkeys(self.sizes, 0)  # steps run per size
-        self.padded_rows = 0  # padding rows computed, over all steps (the cost of fixed sizes)
-        self.pool_bytes = 0  # GPU memory the graphs' pool holds (measured after capture)
-        self.capture_seconds = 0.0
-
-    def _forward(self, b: int) -> torch.Tensor:
-        meta = AttentionMetadata(
-            cu_seqlens_q=self.cu_seqlens_q[: b + 1],
-            max_seqlen_q=1,
-            kv_caches=self.kv_caches,
-            context_lens=self.context_lens[:b],
-            slot_mapping=self.slot_mapping[:b],
-            block_tables=self.block_tables[:b],
-        )
-        return self.model(self.input_ids[:b], self.positions[:b], meta)
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Warm up and capture every size (no-op without ``capture``). The static buffers hold
-        padding meanwhile (slots -1), so neither the warm-ups nor the graphs write the KV cache."""
-        if not self.use_graphs:
-            return
-        start = time.perf_counter()
-        torch.cuda.synchronize(self.device)
-        reserved = torch.cuda.memory_reserved(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.sizes):  # largest first: the smaller ones fit in its freed memory
-            self._forward(b)  # warm-up, outside capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._forward(b)
-            self.graphs[b] = graph
-        torch.cuda.synchronize(self.device)
-        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
-        self.capture_seconds = time.perf_counter() - start
-
-    def padded_size(self, scheduled: list[ScheduledRequest]) -> int | None:
-        """The captured size for this step, or None when it must run eagerly: a request computes more
-        than one token (a prefill chunk), more requests than the largest size, or a longer block table
-        than the static one."""
-        n = len(scheduled)
-        if n > self.sizes[-1]:
-            return None
-        for s in scheduled:
-            if len(s.token_ids) != 1 or len(s.block_ids) > self.max_blocks:
-                return None
-        return self.sizes[bisect.bisect_left(self.sizes, n)]
-
-    def run(self, scheduled: list[ScheduledRequest], b: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Load the step into rows [0, n) of the static buffers, pad [n, B), replay the size-``b``
-        graph (or run the forward, without graphs). ``input_ids`` (n,) on the device: the rows'
-        input tokens instead of their ``token_ids`` (a step scheduled ahead). Returns hidden states
-        (B, H); rows [0, n) are the step's, in scheduled order; the tensor is overwritten by the next
-        run. The copies come from pinned memory: they never wait for a step still on the device."""
-        bs, pad = self.block_size, b - len(scheduled)
-        ids, pos, slots, ctx, tables = [], [], [], [], []
-        for s in scheduled:
-            p = s.start_position
-            ids.append(s.token_ids[0])
-            pos.append(p)
-            slots.append(s.block_ids[p // bs] * bs + p % bs)
-            ctx.append(p + 1)
-            tables.append(s.block_ids)
-        width = max(len(t) for t in tables)
-        rows = [t + (0,) * (width - len(t)) for t in tables] + [(0,) * width] * pad
-        # Host-to-device copies, stream-ordered before the replay that reads them.
-        dev = self.device
-        ids_pos_slots = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
-        self._ids_pos_slots[:, :b].copy_(staged(ids_pos_slots, dev), non_blocking=True)
-        if input_ids is not None:
-            self._ids_pos_slots[0, : len(scheduled)].copy_(input_ids)
-        self.context_lens[:b].copy_(staged(torch.tensor(ctx + [1] * pad, dtype=torch.int32), dev), non_blocking=True)
-        self.block_tables[:b, :width].copy_(staged(torch.tensor(rows, dtype=torch.int32), dev), non_blocking=True)
-        self.replays[b] += 1
-        self.padded_rows += pad
-        if not self.use_graphs:
-            return self._forward(b)
-        self.graphs[b].replay()
-        return self.outputs[b]
-
-
 class ModelRunner:
     """Executes scheduled steps of ``model`` (one the registry builds: ``fuseformer.models.registry``) over
     its own paged KV cache.
@@ -304,10 +168,11 @@ class ModelRunner:
         cache_config: KV cache sizing.
         max_num_batched_tokens, max_num_seqs: the scheduler's limits (size the memory profile of a step).
         max_model_len: prompt + output tokens of one request at most (the width of the graphs' block table).
-        cuda_graphs: capture decode-only steps as CUDA graphs at start (see ``_DecodeGraphs``), after
-            the KV cache is allocated (the cache is a graph input); the cache sizing leaves room for
-            the graphs' memory pool. Needs a CUDA device: True elsewhere raises ValueError (the graphs
-            are what was asked for; silently running eager would hide it).
+        cuda_graphs: capture decode-only steps as CUDA graphs, and steps with prefill chunks of up to 512
+            tokens as graph pieces, at start (engine/cuda_graphs.py), after the KV cache is allocated (the
+            cache is a graph input); the cache sizing leaves room for the graphs' memory pool. Needs a
+            CUDA device: True elsewhere raises ValueError (the graphs are what was asked for; silently
+            running eager would hide it).
     """
 
     def __init__(
@@ -342,6 +207,11 @@ class ModelRunner:
         # Decode steps of up to 512 requests replay graphs (vLLM's capture limit); larger ones run eagerly.
         graphed = min(max_num_seqs, max_num_batched_tokens, MAX_GRAPH_BATCH)
         self.graph_sizes = graph_batch_sizes(graphed) if cuda_graphs else []
+        # Steps with prefill chunks, as graph pieces up to 512 tokens; not where the rotary frequencies
+        # read the step's metadata (dynamic rope: computed inside the first piece).
+        rs = config.rope_scaling
+        dynamic_rope = rs is not None and rs.get("rope_type") == "dynamic"
+        self.piecewise_sizes = piecewise_sizes(max_num_batched_tokens) if cuda_graphs and not dynamic_rope else []
         self.kv_cache_dtype = KV_CACHE_DTYPES[cache_config.kv_cache_dtype] or self.dtype  # e4m3: 2x the blocks
         if self.kv_cache_dtype.itemsize == 1 and self.device.type == "cuda":
             if torch.cuda.get_device_capability(self.device) < (8, 9):  # Triton has no e4m3 before sm_89
@@ -351,32 +221,58 @@ class ModelRunner:
         kw = dict(dtype=self.kv_cache_dtype, device=self.device)
         self.kv_caches = [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in range(config.num_hidden_layers)]
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' RNGs, by request id
-        self.decode_graphs: _DecodeGraphs | None = None
-        self.num_steps = 0  # non-empty steps run (graph replays: decode_graphs.replays)
+        self.decode_graphs: DecodeGraphs | None = None
+        self.piecewise_graphs: PiecewiseGraphs | None = None
+        self.num_steps = 0  # non-empty steps run (graph replays: decode_graphs.replays, piecewise_graphs.replays)
         if cuda_graphs:
-            self.decode_graphs = self.make_decode_graphs(self.graph_sizes, capture=True)
-            self.decode_graphs.capture()
-            g = self.decode_graphs
+            pool = torch.cuda.graph_pool_handle()  # one pool: the graphs replay one at a time
+            g = self.decode_graphs = self.make_decode_graphs(self.graph_sizes, capture=True)
+            g.capture(pool)
+            pieces = ""
+            if self.piecewise_sizes:
+                p = self.piecewise_graphs = self.make_piecewise_graphs(self.piecewise_sizes, capture=True)
+                p.capture(pool)
+                pieces = (
+                    f" and {sum(map(len, p.graphs.values()))} graph pieces (steps with prefill chunks of "
+                    f"{p.sizes[0]}-{p.sizes[-1]} tokens) in {p.capture_seconds:.1f} s, {p.pool_bytes / 2**30:.2f} GiB"
+                )
             print(
                 f"fuseformer: captured {len(g.graphs)} CUDA graphs (decode steps of {g.sizes[0]}-{g.sizes[-1]} "
-                f"requests) in {g.capture_seconds:.1f} s, {g.pool_bytes / 2**30:.2f} GiB; "
+                f"requests) in {g.capture_seconds:.1f} s, {g.pool_bytes / 2**30:.2f} GiB{pieces}; "
                 "enforce_eager=True runs without them",
                 file=sys.stderr,
                 flush=True,
             )
 
-    def make_decode_graphs(self, sizes: list[int], *, capture: bool) -> _DecodeGraphs:
+    def make_decode_graphs(self, sizes: list[int], *, capture: bool) -> DecodeGraphs:
         """Static buffers (and, with ``capture``, CUDA graphs) over this runner's model and cache for
         decode steps of ``sizes``; block tables ceil(max_model_len / block_size) wide (at most the
         blocks there are). ``capture=False`` runs the padded static-buffer path without graphs (tests
         on the CPU set it as ``decode_graphs``)."""
         max_blocks = min(math.ceil(self.max_model_len / self.block_size), self.num_blocks - 1)
-        return _DecodeGraphs(
+        return DecodeGraphs(
             self.model,
             self.kv_caches,
             sizes,
             max_blocks_per_seq=max_blocks,
             block_size=self.block_size,
+            device=self.device,
+            capture=capture,
+        )
+
+    def make_piecewise_graphs(self, sizes: list[int], *, capture: bool) -> PiecewiseGraphs:
+        """Static buffers (and, with ``capture``, graph pieces) over this runner's model and cache for
+        steps with prefill chunks of up to ``sizes[-1]`` tokens; ``capture=False`` runs the same buffers
+        and split without graphs (tests on the CPU set it as ``piecewise_graphs``)."""
+        c = self.config
+        return PiecewiseGraphs(
+            self.model,
+            self.kv_caches,
+            sizes,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            dtype=self.dtype,
             device=self.device,
             capture=capture,
         )
@@ -406,14 +302,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _graph_pool_estimate(self) -> int:
-        """Bytes the decode graphs' pool will take: the activation peak of a forward of the largest
-        graph size (measured here, as that many 1-token sequences without the cache: the same
-        activation shapes as a decode), plus each graph's output rows (kept), plus 128 MiB for the
+        """Bytes the CUDA graphs will take: the activation peak of a forward of the largest graph size
+        (decode batch or piecewise token count; measured here, as that many 1-token sequences without
+        the cache: the activation shapes of a decode, and of the pieces, attention aside), plus each
+        graph's output rows (kept), the pieces' static q, k, v, o buffers, plus 128 MiB for the
         capture stream's cuBLAS and cuBLASLt workspaces (allocated in the pool during capture, up to
         32 MiB each on Hopper) and the allocator's rounding (20 MiB segments for 1-10 MB tensors).
         For the 8B shape at 256 rows: ~30 MB + 35 MB + 128 MiB, 0.1% of an H200; the pool actually
-        taken is ``decode_graphs.pool_bytes``."""
-        b = self.graph_sizes[-1]
+        taken is ``decode_graphs.pool_bytes`` + ``piecewise_graphs.pool_bytes``."""
+        b = max(self.graph_sizes[-1], *self.piecewise_sizes)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(self.device)
@@ -424,8 +321,10 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         torch.cuda.empty_cache()
-        outputs = sum(self.graph_sizes) * self.config.hidden_size * self.dtype.itemsize
-        return peak + outputs + 128 * 2**20
+        c = self.config
+        outputs = (sum(self.graph_sizes) + sum(self.piecewise_sizes)) * c.hidden_size * self.dtype.itemsize
+        qkvo = max(self.piecewise_sizes, default=0) * 2 * (c.num_attention_heads + c.num_key_value_heads) * c.head_dim
+        return peak + outputs + qkvo * self.dtype.itemsize + 128 * 2**20
 
     @torch.inference_mode()
     def _profile_step(self) -> int:
@@ -504,9 +403,10 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(
         self, scheduler_output: SchedulerOutput, prev_tokens: torch.Tensor | None
-    ) -> tuple[torch.Tensor, list[int], bool]:
-        """``forward``, and whether a captured graph replayed. ``prev_tokens``: the previous step's
-        sampled tokens on the device, for a step scheduled ahead (its input ids are rows of them)."""
+    ) -> tuple[torch.Tensor, list[int], str]:
+        """``forward``, and how it ran: "graph" (a decode graph replayed), "pieces" (graph pieces replayed)
+        or "eager". ``prev_tokens``: the previous step's sampled tokens on the device, for a step
+        scheduled ahead (its input ids are rows of them)."""
         self.num_steps += 1
         graphs = self.decode_graphs
         scheduled = scheduler_output.scheduled
@@ -522,9 +422,14 @@ class ModelRunner:
         b = graphs.padded_size(scheduled) if graphs is not None else None
         if b is not None:
             hidden = graphs.run(scheduled, b, input_ids)
-            return hidden, [i for i, s in enumerate(scheduled) if s.sample], graphs.use_graphs
+            return hidden, [i for i, s in enumerate(scheduled) if s.sample], "graph" if graphs.use_graphs else "eager"
         ids, positions, meta, sample_rows = self.prepare(scheduler_output)
-        return self.model(ids if input_ids is None else input_ids, positions, meta), sample_rows, False
+        ids = ids if input_ids is None else input_ids
+        pieces = self.piecewise_graphs
+        t = pieces.padded_size(ids.shape[0]) if pieces is not None else None
+        if t is not None:
+            return pieces.run(ids, positions, meta, t), sample_rows, "pieces" if pieces.use_graphs else "eager"
+        return self.model(ids, positions, meta), sample_rows, "eager"
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; sample a token for each request whose ``sample`` is set."""
@@ -543,7 +448,8 @@ class ModelRunner:
             self.generators.pop(rid, None)
         if scheduler_output.is_empty:
             return LaunchedStep([], [], None, None, False)
-        hidden, sample_rows, graphed = self._forward(scheduler_output, prev_tokens)
+        hidden, sample_rows, how = self._forward(scheduler_output, prev_tokens)
+        graphed, pieces = how == "graph", how == "pieces"
         prompt = self._prompt_logprobs(scheduler_output, hidden)
         sampling = [s.request for s in scheduler_output.scheduled if s.sample]
         if not sampling:
@@ -551,13 +457,13 @@ class ModelRunner:
             if prompt is not None and self.device.type == "cuda":
                 done = torch.cuda.Event(enable_timing=True)
                 done.record()
-            return LaunchedStep([], [], None, done, graphed, prompt=prompt)
+            return LaunchedStep([], [], None, done, graphed, pieces, prompt=prompt)
         if graphed and sample_rows == list(range(len(sample_rows))):
             logits = self.model.compute_logits(hidden[: len(sample_rows)])  # a decode graph's first rows
         else:
             logits = self.model.compute_logits(hidden, to_device(torch.tensor(sample_rows), self.device))
         params = [r.sampling_params for r in sampling]
-        step = LaunchedStep(sampling, params, None, None, graphed, prompt=prompt, logits=logits)
+        step = LaunchedStep(sampling, params, None, None, graphed, pieces, prompt=prompt, logits=logits)
         if not scheduler_output.deferred_sampling:
             self.launch_sampling(step)
         return step

@@ -1,8 +1,9 @@
 """Where an engine's steps spend their time, by kind of step (``EngineCore.step_log``, also ``LLM.step_log``).
 
 Each step is one ``StepRecord``: its kind ("graph": a decode step replayed from a CUDA graph;
-"decode": a decode-only step run eagerly; "prefill": prompt chunks only; "mixed": prompt chunks and
-decoding requests), its tokens and requests, and three host intervals:
+"pieces": a step with prompt chunks replayed as CUDA graph pieces around attention; "decode": a
+decode-only step run eagerly; "prefill": prompt chunks only, eagerly; "mixed": prompt chunks and
+decoding requests, eagerly), its tokens and requests, and three host intervals:
 
 - ``launch_ms``: scheduling and enqueuing the device work (``EngineCore.launch_step``);
 - ``wait_ms``: waiting for the device and reading the sampled tokens (``ModelRunner.collect``);

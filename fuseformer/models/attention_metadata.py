@@ -6,6 +6,7 @@ varlen forward without cache, or attention over the paged KV cache). No model co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,10 @@ class AttentionMetadata:
     slot_mapping: (T,) int64, flat slot block * block_size + offset where each new token's K/V is
         written; -1 skips (with kv_caches).
     block_tables: (B, max_blocks) int32, each sequence's blocks in order (with kv_caches).
+    split: with kv_caches, set by the engine's graph pieces (``engine/cuda_graphs.PiecewiseGraphs``):
+        each attention layer calls ``split(layer, q, k, v)`` and uses what it returns (T, Hq, D)
+        instead of attending over the cache itself; the pieces run ``layer.attend_cache`` between
+        them. None: the layer attends.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -31,6 +36,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
+    split: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def varlen(cls, seqlens: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:

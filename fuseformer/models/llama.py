@@ -90,15 +90,22 @@ class Attention(nn.Module):
             cu, n = meta.cu_seqlens_q, meta.max_seqlen_q
             window = (self.window - 1, 0) if self.window > 0 else (-1, -1)
             o = F.flash_attention(q, k, v, True, self.scale, window, cu, cu, n, n, softcap=self.softcap)
+        elif meta.split is not None:  # the engine's graph pieces attend between them
+            o = meta.split(self, q, k, v)
         else:
-            k_cache, v_cache = meta.kv_caches[self.layer]
-            F.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-            o = F.paged_attention(
-                q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                self.scale, causal=True, window=self.window, max_seqlen_q=meta.max_seqlen_q, softcap=self.softcap,
-                k_scale=self.k_scale, v_scale=self.v_scale,
-            )  # fmt: skip
+            o = self.attend_cache(q, k, v, meta)
         return self.o_proj(o.reshape(t, -1))
+
+    def attend_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Write the new tokens' k, v (T, Hkv, D) into this layer's paged cache, then attend q (T, Hq, D)
+        over the cache -> (T, Hq, D)."""
+        k_cache, v_cache = meta.kv_caches[self.layer]
+        F.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        return F.paged_attention(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+            self.scale, causal=True, window=self.window, max_seqlen_q=meta.max_seqlen_q, softcap=self.softcap,
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
 
 
 class MLP(nn.Module):

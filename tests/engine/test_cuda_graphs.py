@@ -1,11 +1,15 @@
-"""Decode steps on CUDA graphs (ModelRunner's ``_DecodeGraphs``): padded static buffers, fallback to eager.
+"""The engine's CUDA graphs (engine/cuda_graphs.py): decode steps (``DecodeGraphs``) and steps with prefill
+chunks as graph pieces around attention (``PiecewiseGraphs``); padded static buffers, fallback to eager.
 
 On the CPU the padded static-buffer path runs without graphs (``make_decode_graphs(capture=False)``):
 every step of a scheduler-driven run (chunked prefills next to decodes, batch sizes that pad, batches
 past the largest size) gives the hidden states of the eager path by DESIGN.md §3 (against an fp64
 run, the eager one as baseline), writes the KV cache only at the step's own slots (the rest bitwise
 unchanged, the null block included), and runs eagerly exactly when a step is not decode-only or is
-too large. Through ``LLM`` (preemption, prefix caching) the greedy tokens are the eager ones. On a
+too large. The graph pieces likewise (``make_piecewise_graphs(capture=False)``: the same static buffers
+and the same split of the forward at each attention layer, attention run inside it): every step with
+a prefill chunk up to the largest size runs through them, larger ones eagerly. Through ``LLM``
+(preemption, prefix caching) the greedy tokens are the eager ones. On a
 GPU the same with captured graphs, and end to end from a checkpoint: ``LLM(cuda_graphs=True)``
 gives the greedy tokens of ``cuda_graphs=False``, except at near-ties of the eager run's logprobs.
 """
@@ -18,8 +22,9 @@ import pytest
 import torch
 
 import fuseformer
+from fuseformer.engine.cuda_graphs import graph_batch_sizes, piecewise_sizes
 from fuseformer.engine.llm import LLM
-from fuseformer.engine.model_runner import CacheConfig, ModelRunner, graph_batch_sizes
+from fuseformer.engine.model_runner import CacheConfig, ModelRunner
 from fuseformer.engine.request import Request
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import Scheduler, SchedulerConfig
@@ -40,6 +45,14 @@ def test_graph_batch_sizes():
     sizes = graph_batch_sizes(256)
     assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 256 and len(sizes) == 35
     assert graph_batch_sizes(300)[-4:] == [256, 272, 288, 300]
+
+
+def test_piecewise_sizes():
+    assert piecewise_sizes(8) == [8]
+    assert piecewise_sizes(16) == [16]
+    assert piecewise_sizes(100) == [16, 32, 64, 96, 100]
+    assert piecewise_sizes(512) == [16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512]
+    assert piecewise_sizes(8192) == piecewise_sizes(512)  # larger steps run eagerly
 
 
 def test_cuda_graphs_need_a_cuda_device():
@@ -89,19 +102,26 @@ def test_llm_fast_by_default_on_cuda_only(monkeypatch):
         assert (asked["cuda_graphs"], asked["async_scheduling"]) == expected, kwargs
 
 
-def _drive(device, dtype, backend, sizes, capture):
-    """One scheduler drives three runners over the same model: eager, padded (``sizes``; CUDA graphs
-    when ``capture``) and an fp64 eager reference. Every step is checked; returns step counts."""
+def _drive(device, dtype, backend, sizes, capture, piece_sizes=None):
+    """One scheduler drives three runners over the same model: eager, padded (decode ``sizes`` and, with
+    ``piece_sizes``, graph pieces; CUDA graphs when ``capture``) and an fp64 eager reference. Every step
+    is checked; returns step counts."""
     model, config = _model(device, dtype)
     ref_model = copy.deepcopy(model).double()
     cache = CacheConfig(block_size=4, num_kv_blocks=40)
     eager, padded, ref = (ModelRunner(m, config, cache) for m in (model, model, ref_model))
     padded.decode_graphs = graphs = padded.make_decode_graphs(sizes, capture=capture)
+    pieces = padded.piecewise_graphs = (
+        padded.make_piecewise_graphs(piece_sizes, capture=capture) if piece_sizes else None
+    )
     gen = torch.Generator().manual_seed(1)
     for k, v in padded.kv_caches:  # random, not zeros: a write anywhere but the step's slots shows
         k.copy_(torch.randn(k.shape, generator=gen))
         v.copy_(torch.randn(v.shape, generator=gen))
-    graphs.capture()
+    pool = torch.cuda.graph_pool_handle() if capture else None
+    graphs.capture(pool)
+    if pieces is not None:
+        pieces.capture(pool)
     sched = Scheduler(
         SchedulerConfig(num_blocks=40, block_size=4, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64)
     )
@@ -109,11 +129,12 @@ def _drive(device, dtype, backend, sizes, capture):
     for i, (n, max_tokens) in enumerate(prompts):
         ids = torch.randint(0, config.vocab_size, (n,), generator=gen).tolist()
         sched.add_request(Request(str(i), ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
-    counts = dict(graph=0, mixed=0, too_large=0)
+    counts = dict(graph=0, mixed=0, too_large=0, pieces=0)
     while sched.has_unfinished_requests():
         out = sched.schedule()
         before = [(k.clone(), v.clone()) for k, v in padded.kv_caches]
         replays = sum(graphs.replays.values())
+        piece_replays = sum(pieces.replays.values()) if pieces is not None else 0
         with _backend(backend):
             h_eager, rows = eager.forward(out)
             h_padded, rows_padded = padded.forward(out)
@@ -126,9 +147,14 @@ def _drive(device, dtype, backend, sizes, capture):
         counts["graph"] += used_graph
         counts["mixed"] += not decode_only
         counts["too_large"] += decode_only and not used_graph
+        used_pieces = pieces is not None and sum(pieces.replays.values()) == piece_replays + 1
+        assert used_pieces == (pieces is not None and not used_graph and t <= max(piece_sizes)), (n, t)
+        counts["pieces"] += used_pieces
         assert rows_padded == rows
         if used_graph:
             assert h_padded.shape[0] == min(b for b in sizes if b >= n)
+        if used_pieces:
+            assert h_padded.shape[0] == min(p for p in piece_sizes if p >= t)
         assert_close("hidden", h_padded[:t], h_ref, h_eager)
 
         slots = eager.prepare(out)[2].slot_mapping.cpu()
@@ -164,6 +190,18 @@ def test_padded_decode_matches_eager_and_writes_only_its_slots(backend, dtype):
     counts, graphs = _drive("cpu", dtype, backend, sizes=[2, 4], capture=False)
     assert counts["graph"] > 0 and counts["mixed"] > 0 and counts["too_large"] > 0, counts
     assert graphs.replays[2] > 0 and graphs.replays[4] > 0 and graphs.padded_rows > 0
+
+
+@pytest.mark.parametrize(
+    "backend, dtype",
+    [("reference", torch.float32), ("auto", torch.float16)],
+    ids=["reference-fp32", "kernels-fp16"],  # kernels: interpreted on the CPU
+)
+def test_pieces_match_eager_and_write_only_their_slots(backend, dtype):
+    """Steps with prefill chunks of up to 12 tokens through the graph pieces' static buffers (padded to 8
+    or 12), the 13-16-token ones eagerly, decode steps through the decode graphs."""
+    counts, graphs = _drive("cpu", dtype, backend, sizes=[2, 4], capture=False, piece_sizes=[8, 12])
+    assert counts["pieces"] > 0 and counts["graph"] > 0 and counts["mixed"] > counts["pieces"], counts
 
 
 def _near_tie_or_equal(eager, graphs, tol):
@@ -210,6 +248,25 @@ def test_padded_decode_through_llm_changes_no_token():
     assert llm.core.scheduler.kv.pool.num_free_blocks == 39
 
 
+def test_pieces_through_llm_change_no_token():
+    """The same run with the steps that carry prefill chunks through graph pieces of 8, 16 and 24 tokens
+    (without graphs: the static buffers and the split), decode steps through the decode buffers."""
+    model, _ = _model()
+    prompts, params = _workload(TINY_LLAMA["vocab_size"], 12)
+    kw = dict(num_kv_blocks=40, block_size=4, max_model_len=64, max_num_batched_tokens=24, max_num_seqs=12)
+    with fuseformer.use_backend("reference"):
+        expected = LLM(model, **kw).generate(prompts, params, use_tqdm=False)
+        llm = LLM(model, **kw)
+        runner = llm.core.runner
+        runner.decode_graphs = runner.make_decode_graphs([1, 2, 4, 8], capture=False)
+        runner.piecewise_graphs = pieces = runner.make_piecewise_graphs([8, 16, 24], capture=False)
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert _near_tie_or_equal(expected, got, tol=1e-4) == len(prompts)
+    assert llm.core.scheduler.num_preemptions > 0 and llm.core.scheduler.kv.pool.prefix_stats.hits > 0
+    assert sum(c > 0 for c in pieces.replays.values()) >= 2 and pieces.padded_rows > 0, pieces.replays
+    assert llm.core.scheduler.kv.pool.num_free_blocks == 39
+
+
 # ---- on a GPU: captured graphs ---------------------------------------------------------------
 
 
@@ -221,6 +278,16 @@ def test_graph_decode_matches_eager_and_writes_only_its_slots_gpu(dtype):
     counts, graphs = _drive("cuda", dtype, "auto", sizes=[1, 2, 4], capture=True)
     assert counts["graph"] > 0 and counts["mixed"] > 0 and counts["too_large"] > 0, counts
     assert set(graphs.graphs) == {1, 2, 4} and graphs.padded_rows > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_pieces_match_eager_and_write_only_their_slots_gpu(dtype):
+    """The CPU pieces test with captured graphs: steps with prefill chunks of up to 12 tokens replay
+    graph pieces (3 for the 2-layer model), attention launched between them; every step's hidden states
+    and cache writes by §3 against fp64, eager as baseline."""
+    counts, graphs = _drive("cuda", dtype, "auto", sizes=[2, 4], capture=True, piece_sizes=[8, 12])
+    assert counts["pieces"] > 0 and counts["graph"] > 0 and counts["mixed"] > counts["pieces"], counts
 
 
 def _llama_checkpoint(path, dtype="float32", **overrides):
@@ -256,8 +323,9 @@ def test_cuda_graphs_greedy_equals_eager_gpu(dtype, tol, tmp_path):
     eager = LLM(tmp_path, **kw)
     expected = eager.generate(prompts, params, use_tqdm=False)
     llm = LLM(tmp_path, cuda_graphs=True, **kw)
-    graphs = llm.core.runner.decode_graphs
+    graphs, pieces = llm.core.runner.decode_graphs, llm.core.runner.piecewise_graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 8, 16, 24, 32]  # min(max_num_seqs, max_num_batched_tokens)
+    assert sorted(pieces.graphs) == [16, 32] and all(len(p) == 3 for p in pieces.graphs.values())
     assert all(k.count_nonzero() == 0 and v.count_nonzero() == 0 for k, v in llm.core.runner.kv_caches)
     got = llm.generate(prompts, params, use_tqdm=False)
     identical = _near_tie_or_equal(expected, got, tol)
@@ -265,6 +333,7 @@ def test_cuda_graphs_greedy_equals_eager_gpu(dtype, tol, tmp_path):
     assert all(len(o.outputs[0].token_ids) == p.max_tokens for o, p in zip(got, params))
     assert llm.core.scheduler.num_preemptions > 0 and llm.core.scheduler.kv.pool.prefix_stats.hits > 0
     assert sum(c > 0 for c in graphs.replays.values()) >= 4 and graphs.padded_rows > 0, graphs.replays
+    assert sum(pieces.replays.values()) > 0, pieces.replays  # the chunked prefills beside decodes
     assert llm.core.scheduler.kv.pool.num_free_blocks == 59
 
 
@@ -287,8 +356,9 @@ def test_cache_sizing_leaves_room_for_the_graph_pool_gpu():
         max_num_seqs=128,
         cuda_graphs=True,
     )
-    graphs = runner.decode_graphs
-    assert 0 < graphs.pool_bytes <= runner._graph_pool_estimate(), (graphs.pool_bytes, runner._graph_pool_estimate())
+    graphs, pieces = runner.decode_graphs, runner.piecewise_graphs
+    taken, estimate = graphs.pool_bytes + pieces.pool_bytes, runner._graph_pool_estimate()
+    assert 0 < taken <= estimate, (graphs.pool_bytes, pieces.pool_bytes, estimate)
     sched = Scheduler(
         SchedulerConfig(num_blocks=runner.num_blocks, block_size=16, max_num_batched_tokens=4096, max_num_seqs=128)
     )
