@@ -207,11 +207,9 @@ class ModelRunner:
         # Decode steps of up to 512 requests replay graphs (vLLM's capture limit); larger ones run eagerly.
         graphed = min(max_num_seqs, max_num_batched_tokens, MAX_GRAPH_BATCH)
         self.graph_sizes = graph_batch_sizes(graphed) if cuda_graphs else []
-        # Steps with prefill chunks, as graph pieces up to 512 tokens; not where the rotary frequencies
-        # read the step's metadata (dynamic rope: computed inside the first piece).
-        rs = config.rope_scaling
-        dynamic_rope = rs is not None and rs.get("rope_type") == "dynamic"
-        self.piecewise_sizes = piecewise_sizes(max_num_batched_tokens) if cuda_graphs and not dynamic_rope else []
+        # Steps with prefill chunks, as graph pieces up to 512 tokens (where the model allows it).
+        pieces = cuda_graphs and self._pieces_unsupported() is None
+        self.piecewise_sizes = piecewise_sizes(max_num_batched_tokens) if pieces else []
         self.kv_cache_dtype = KV_CACHE_DTYPES[cache_config.kv_cache_dtype] or self.dtype  # e4m3: 2x the blocks
         if self.kv_cache_dtype.itemsize == 1 and self.device.type == "cuda":
             if torch.cuda.get_device_capability(self.device) < (8, 9):  # Triton has no e4m3 before sm_89
@@ -264,6 +262,9 @@ class ModelRunner:
         """Static buffers (and, with ``capture``, graph pieces) over this runner's model and cache for
         steps with prefill chunks of up to ``sizes[-1]`` tokens; ``capture=False`` runs the same buffers
         and split without graphs (tests on the CPU set it as ``piecewise_graphs``)."""
+        why = self._pieces_unsupported()
+        if why is not None:
+            raise ValueError(f"ModelRunner: no graph pieces for this model: {why}")
         c = self.config
         return PiecewiseGraphs(
             self.model,
@@ -276,6 +277,13 @@ class ModelRunner:
             device=self.device,
             capture=capture,
         )
+
+    def _pieces_unsupported(self) -> str | None:
+        """Why this model's steps cannot replay graph pieces, or None."""
+        rs = self.config.rope_scaling
+        if rs is not None and rs.get("rope_type") == "dynamic":
+            return "its rotary frequencies (rope_scaling 'dynamic') read the step's metadata in the first piece"
+        return None
 
     # ---- KV cache sizing -------------------------------------------------------------------
 

@@ -267,6 +267,64 @@ def test_pieces_through_llm_change_no_token():
     assert llm.core.scheduler.kv.pool.num_free_blocks == 39
 
 
+_TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=64, max_position_embeddings=128)  # fmt: skip
+# What makes each tiny config exercise its architecture's attention (windows, bias, q/k norms, soft-caps).
+_EXTRA = {
+    "MistralForCausalLM": dict(sliding_window=3),
+    "Qwen2ForCausalLM": dict(use_sliding_window=True, sliding_window=3, max_window_layers=1),
+    "Qwen3ForCausalLM": dict(head_dim=16),
+    "GemmaForCausalLM": dict(head_dim=8, num_key_value_heads=1),
+    "Gemma2ForCausalLM": dict(head_dim=8, sliding_window=3, attn_logit_softcapping=2.0),
+}
+
+
+def _tiny(architecture, **extra):
+    transformers = pytest.importorskip("transformers")
+    from fuseformer.models import registry
+    from fuseformer.models.config import ModelConfig
+
+    hf = transformers.AutoConfig.for_model(
+        registry.ARCHITECTURES[architecture].model_type, **(_TINY | _EXTRA.get(architecture, {}) | extra)
+    )
+    hf.architectures = [architecture]
+    torch.manual_seed(0)
+    return registry.build_model(ModelConfig.from_hf(hf.to_dict())).eval()
+
+
+def _architectures():
+    from fuseformer.models import registry
+
+    return registry.supported_architectures()
+
+
+@pytest.mark.parametrize("architecture", _architectures())
+def test_pieces_serve_every_architecture(architecture):
+    """Each registered architecture (sliding windows, q/k/v bias, q/k norms, Gemma2's soft-cap and
+    post-norms) gives the eager engine's greedy tokens with its steps' attention split off into the
+    graph pieces (without graphs on the CPU), chunked prefills beside decodes."""
+    model = _tiny(architecture)
+    prompts, params = _workload(_TINY["vocab_size"], 8)
+    kw = dict(num_kv_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=8)
+    with fuseformer.use_backend("reference"):
+        expected = LLM(model, **kw).generate(prompts, params, use_tqdm=False)
+        llm = LLM(model, **kw)
+        llm.core.runner.piecewise_graphs = pieces = llm.core.runner.make_piecewise_graphs([8, 16], capture=False)
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert _near_tie_or_equal(expected, got, tol=1e-4) == len(prompts)
+    assert pieces.replays[8] > 0 and pieces.replays[16] > 0
+
+
+def test_no_pieces_for_dynamic_rope():
+    """Dynamic NTK rope reads the step's sequence lengths inside the first piece: such a model gets no
+    graph pieces (its steps with prefill chunks run eagerly under cuda_graphs) and asking says why."""
+    model = _tiny("LlamaForCausalLM", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    runner = ModelRunner(model, model.config, CacheConfig(block_size=4, num_kv_blocks=8))
+    assert runner._pieces_unsupported() is not None
+    with pytest.raises(ValueError, match="no graph pieces for this model: .*dynamic"):
+        runner.make_piecewise_graphs([8], capture=False)
+
+
 # ---- on a GPU: captured graphs ---------------------------------------------------------------
 
 
