@@ -101,16 +101,15 @@ class DecodeGraphs:
         return self.model(self.input_ids[:b], self.positions[:b], meta)
 
     @torch.inference_mode()
-    def capture(self, pool=None) -> None:
-        """Warm up and capture every size (no-op without ``capture``) in ``pool`` (a
-        ``torch.cuda.graph_pool_handle``; None: a new one). The static buffers hold padding meanwhile
-        (slots -1), so neither the warm-ups nor the graphs write the KV cache."""
+    def capture(self) -> None:
+        """Warm up and capture every size (no-op without ``capture``). The static buffers hold
+        padding meanwhile (slots -1), so neither the warm-ups nor the graphs write the KV cache."""
         if not self.use_graphs:
             return
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):  # largest first: the smaller ones fit in its freed memory
             self._forward(b)  # warm-up, outside capture
             graph = torch.cuda.CUDAGraph()
@@ -195,8 +194,10 @@ class PiecewiseGraphs:
     an earlier step (valid, so every row stays finite), nothing writes the KV cache for them, their
     attention output rows are stale, and nothing reads their hidden states.
 
-    All sizes and the decode graphs share one memory pool (graphs replay one at a time); the tensors
-    that cross pieces within a size are held by the capture until its last piece ends. The q, k, v and
+    All sizes share one memory pool (they replay one at a time), not the decode graphs' pool: a step
+    launched on a side stream behind a decode graph in flight (``EngineCore.step_with_arrivals``) may
+    replay pieces while that graph runs. The tensors that cross pieces within a size are held by the
+    capture until its last piece ends. The q, k, v and
     o buffers are outside the pool: (T, Hq + 2 Hkv + Hq, D), 10 MB for the 8B shape at 512 tokens;
     the copies into and out of them cost ~4 us a layer at 512 tokens.
 
@@ -272,16 +273,16 @@ class PiecewiseGraphs:
         return self.model(self.input_ids[:t], self.positions[:t], meta)
 
     @torch.inference_mode()
-    def capture(self, pool=None) -> None:
-        """Warm up and capture every size, largest first, in ``pool`` (a ``torch.cuda.graph_pool_handle``;
-        None: a new one); a no-op without ``capture``. The warm-ups skip attention (nothing to compile
-        there: it runs eagerly at each step) and write no KV cache."""
+    def capture(self) -> None:
+        """Warm up and capture every size, largest first, in one memory pool (a no-op without
+        ``capture``). The warm-ups skip attention (nothing to compile there: it runs eagerly at each
+        step) and write no KV cache."""
         if not self.use_graphs:
             return
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
-        self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)  # capture needs a stream other than the default
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -223,13 +223,14 @@ class ModelRunner:
         self.piecewise_graphs: PiecewiseGraphs | None = None
         self.num_steps = 0  # non-empty steps run (graph replays: decode_graphs.replays, piecewise_graphs.replays)
         if cuda_graphs:
-            pool = torch.cuda.graph_pool_handle()  # one pool: the graphs replay one at a time
             g = self.decode_graphs = self.make_decode_graphs(self.graph_sizes, capture=True)
-            g.capture(pool)
+            g.capture()
             pieces = ""
             if self.piecewise_sizes:
+                # A pool of their own: a prefill launched on a side stream behind a decode graph in flight
+                # (EngineCore.step_with_arrivals) replays pieces while that graph runs.
                 p = self.piecewise_graphs = self.make_piecewise_graphs(self.piecewise_sizes, capture=True)
-                p.capture(pool)
+                p.capture()
                 pieces = (
                     f" and {sum(map(len, p.graphs.values()))} graph pieces (steps with prefill chunks of "
                     f"{p.sizes[0]}-{p.sizes[-1]} tokens) in {p.capture_seconds:.1f} s, {p.pool_bytes / 2**30:.2f} GiB"
@@ -312,10 +313,11 @@ class ModelRunner:
     def _graph_pool_estimate(self) -> int:
         """Bytes the CUDA graphs will take: the activation peak of a forward of the largest graph size
         (decode batch or piecewise token count; measured here, as that many 1-token sequences without
-        the cache: the activation shapes of a decode, and of the pieces, attention aside), plus each
-        graph's output rows (kept), the pieces' static q, k, v, o buffers, plus 128 MiB for the
-        capture stream's cuBLAS and cuBLASLt workspaces (allocated in the pool during capture, up to
-        32 MiB each on Hopper) and the allocator's rounding (20 MiB segments for 1-10 MB tensors).
+        the cache: the activation shapes of a decode, and of the pieces, attention aside), once per pool
+        (decode graphs, pieces) with 128 MiB for its capture stream's cuBLAS and cuBLASLt workspaces
+        (allocated in the pool during capture, up to 32 MiB each on Hopper) and the allocator's rounding
+        (20 MiB segments for 1-10 MB tensors), plus each graph's output rows (kept) and the pieces'
+        static q, k, v, o buffers.
         For the 8B shape at 256 rows: ~30 MB + 35 MB + 128 MiB, 0.1% of an H200; the pool actually
         taken is ``decode_graphs.pool_bytes`` + ``piecewise_graphs.pool_bytes``."""
         b = max(self.graph_sizes[-1], *self.piecewise_sizes)
@@ -332,7 +334,8 @@ class ModelRunner:
         c = self.config
         outputs = (sum(self.graph_sizes) + sum(self.piecewise_sizes)) * c.hidden_size * self.dtype.itemsize
         qkvo = max(self.piecewise_sizes, default=0) * 2 * (c.num_attention_heads + c.num_key_value_heads) * c.head_dim
-        return peak + outputs + qkvo * self.dtype.itemsize + 128 * 2**20
+        pools = 2 if self.piecewise_sizes else 1
+        return pools * (peak + 128 * 2**20) + outputs + qkvo * self.dtype.itemsize
 
     @torch.inference_mode()
     def _profile_step(self) -> int:

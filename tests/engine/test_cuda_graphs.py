@@ -118,10 +118,9 @@ def _drive(device, dtype, backend, sizes, capture, piece_sizes=None):
     for k, v in padded.kv_caches:  # random, not zeros: a write anywhere but the step's slots shows
         k.copy_(torch.randn(k.shape, generator=gen))
         v.copy_(torch.randn(v.shape, generator=gen))
-    pool = torch.cuda.graph_pool_handle() if capture else None
-    graphs.capture(pool)
+    graphs.capture()
     if pieces is not None:
-        pieces.capture(pool)
+        pieces.capture()
     sched = Scheduler(
         SchedulerConfig(num_blocks=40, block_size=4, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64)
     )
@@ -427,3 +426,45 @@ def test_cache_sizing_leaves_room_for_the_graph_pool_gpu():
         sched.update_from_output(out, runner.execute(out).sampled_token_ids)
     assert graphs.replays[128] == 2  # the two decode steps of the 128 requests
     assert torch.cuda.memory_reserved() <= util * total
+
+
+@pytest.mark.gpu
+def test_pieces_on_a_side_stream_behind_a_decode_graph_gpu(tmp_path):
+    """A request that arrives while a decode graph runs gets its prefill launched at once on a side stream
+    (``step_with_arrivals``, ``prefill_stream``) through graph pieces, which have a memory pool of their
+    own; every request's greedy tokens are those of the eager engine running it alone."""
+    cfg = _llama_checkpoint(tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg["vocab_size"], (n,), generator=gen).tolist() for n in (20, 24, 9)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    kw = dict(device="cuda", num_kv_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=32)
+    eager = LLM(tmp_path, enforce_eager=True, **kw)
+    expected = [eager.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    llm = LLM(tmp_path, cuda_graphs=True, async_scheduling=False, prefill_stream=True, **kw)
+    pieces = llm.runner.piecewise_graphs
+    llm.add_request("0", {"prompt_token_ids": prompts[0]}, params)
+    llm.step()  # its prefill (pieces), then decode graphs
+    arriving = list(enumerate(prompts))[1:]
+
+    def arrivals(timeout):
+        if not arriving:
+            return False
+        i, p = arriving.pop(0)
+        llm.add_request(str(i), {"prompt_token_ids": p}, params)
+        return True
+
+    outputs, early = {}, 0
+    before = sum(pieces.replays.values())
+    while llm.has_unfinished_requests():
+        outs, launched = llm.step_with_arrivals(arrivals, poll_s=0.05)
+        early += launched
+        for o in outs:
+            outputs.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+    assert early >= 1 and sum(pieces.replays.values()) > before
+    got = [outputs[str(i)] for i in range(len(prompts))]
+    for e, g in zip(expected, got):
+        assert len(g) == 12
+        if e.outputs[0].token_ids != g:  # only at a near-tie of the eager run's top two
+            j = next(i for i, (a, b) in enumerate(zip(e.outputs[0].token_ids, g)) if a != b)
+            lp = e.outputs[0].logprobs[j]
+            assert g[j] in lp and lp[e.outputs[0].token_ids[j]].logprob - lp[g[j]].logprob <= 1e-3
