@@ -197,9 +197,9 @@ class PiecewiseGraphs:
     All sizes share one memory pool (they replay one at a time), not the decode graphs' pool: a step
     launched on a side stream behind a decode graph in flight (``EngineCore.step_with_arrivals``) may
     replay pieces while that graph runs. The tensors that cross pieces within a size are held by the
-    capture until its last piece ends. The q, k, v and
-    o buffers are outside the pool: (T, Hq + 2 Hkv + Hq, D), 10 MB for the 8B shape at 512 tokens;
-    the copies into and out of them cost ~4 us a layer at 512 tokens.
+    capture until its last piece ends. The q, k, v and o buffers are outside the pool: (T, Hq + 2 Hkv
+    + Hq, D), 10 MB for the 8B shape at 512 tokens; the copies into and out of them cost ~4 us a layer
+    at 512 tokens.
 
     Models whose rotary frequencies read the metadata (``rope_scaling`` "dynamic") are not captured
     (the runner leaves such steps eager). ``capture=False`` (the CPU tests): ``run`` calls the forward
