@@ -166,7 +166,7 @@ def _run_ours(
         replays_before = sum(graphs.replays.values()) if graphs is not None else 0
         pieces_before = sum(pieces.replays.values()) if pieces is not None else 0
         steps_before, ahead_before = core.runner.num_steps, core.num_steps_ahead
-        kinds_before = core.step_log.totals()
+        kinds_before, count_before = core.step_log.totals(), core.step_log.count
         _sync(device)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -174,6 +174,16 @@ def _run_ours(
         seconds = time.perf_counter() - start
         extra["steps"] = core.runner.num_steps - steps_before
         extra["step_kinds"] = totals_since(core.step_log.totals(), kinds_before)  # where the time went
+        # The longest launches (a kernel compiled inside the run shows here: the warm-up missed it).
+        slowest = sorted(core.step_log.since(count_before), key=lambda r: r.launch_ms)[-5:]
+        extra["slowest_launches"] = [
+            dict(kind=r.kind, tokens=r.tokens, seqs=r.seqs, launch_ms=round(r.launch_ms, 2)) for r in slowest
+        ]
+        if len(prompts) == 1:  # the first request after start against a later one (issue 28: within 1.5x)
+            vocab = model.config.vocab_size
+            later = [[(t + 1) % vocab for t in prompts[0]]]  # other tokens: no prefix-cache hit
+            again = llm.generate(later, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+            extra["later_ttft_ms"] = 1e3 * again[0].metrics.time_to_first_token
         if core.async_scheduling:
             extra["steps_ahead"] = core.num_steps_ahead - ahead_before
         if graphs is not None:
@@ -203,6 +213,8 @@ def _run_ours(
         for o in outs
         if len(o.outputs[0].token_ids) > 1
     ]
+    if "later_ttft_ms" in extra:
+        extra["first_ttft_ratio"] = 1e3 * ttft[0] / extra["later_ttft_ms"]
     return _record(
         impl,
         case,

@@ -53,6 +53,8 @@ def test_bench_engine_code_paths_on_cpu():
         assert r["mean_ttft_ms"] > 0 and r["output_tok_s"] > 0
     assert by[("prefix", "fuseformer LLM")]["prefix_hit_rate"] > 0.5
     assert by[("batch1", "fuseformer LLM")]["decode_tb_s"] > 0
+    assert by[("batch1", "fuseformer LLM")]["first_ttft_ratio"] > 0  # first request after start / a later one
+    assert all(len(by[(w, "fuseformer LLM")]["slowest_launches"]) > 0 for w in WORKLOADS)
     for key in (("fixed", "HF generate_batch"), ("fixed", "HF generate bs 64"), ("batch1", "HF generate bs 1")):
         assert "error" in by[key] or by[key]["output_tokens"] == by[(key[0], "fuseformer LLM")]["output_tokens"]
     assert "fuseformer LLM" in format_table(records)
