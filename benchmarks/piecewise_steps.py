@@ -6,7 +6,7 @@ every timed step is a mixed step of D + P tokens. Wall time over ``--steps`` ste
 pieces on, off (the runner's ``piecewise_graphs`` set aside: those steps eager, as before the pieces)
 and on again, in one engine. JSON to $OUT/piecewise_steps.json.
 
-    OUT=/tmp/out python3 benchmarks/piecewise_steps.py [--cases 8x24,32x96,64x128,128x128,256x256] [--steps 30]
+    OUT=/tmp/out python3 benchmarks/piecewise_steps.py [--cases 8x24,32x96,64x128,128x128,160x100,256x256] [--steps 30]
 """
 
 import argparse
@@ -69,7 +69,7 @@ def timed_steps(llm: LLM, decodes: int, prompt: int, steps: int, rng: random.Ran
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--cases", default="8x24,32x96,64x128,128x128,256x256")
+    p.add_argument("--cases", default="8x24,32x96,64x128,128x128,160x100,256x256")
     p.add_argument("--steps", type=int, default=30)
     args = p.parse_args()
     llm = LLM(model_8b(), device="cuda", max_model_len=4096)
