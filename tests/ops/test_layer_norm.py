@@ -1,5 +1,7 @@
 """layer_norm: the Triton kernels against the fp64 reference (DESIGN.md §3), bad input, compile."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as TF
@@ -319,3 +321,44 @@ def test_layer_norm_custom_op_passes_opcheck(residual, device):
     r = torch.randn(5, 40, device=device, requires_grad=True) if residual else None
     with fuseformer.use_backend("triton"):
         torch.library.opcheck(_layer_norm_fwd_op, (x, w, b, r, 1e-5))
+
+
+# The CPU path (what the reference backend runs on fp32 CPU tensors unless the reference is forced):
+# torch's fused layer_norm after the residual add, outputs and gradients against the fp64 reference.
+@pytest.mark.parametrize("shape", [(1, 768), (3, 123), (2, 3, 64)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("weight, bias", [(False, False), (True, False), (True, True)])
+def test_layer_norm_cpu_path_matches_reference(shape, residual, weight, bias, monkeypatch):
+    ln = importlib.import_module("fuseformer.ops.layer_norm")
+    monkeypatch.setattr(ln, "choose_backend", lambda *args: "reference")  # as on a CPU-only install
+    calls = []
+    real = ln.layer_norm_ref
+    monkeypatch.setattr(ln, "layer_norm_ref", lambda *a, **k: calls.append(1) or real(*a, **k))
+    n = shape[-1]
+    leaves = [
+        torch.randn(shape),
+        (1 + 0.5 * torch.randn(n)) if weight else None,
+        torch.randn(n) if bias else None,
+        torch.randn(shape) if residual else None,
+    ]
+
+    def run(fn, cast, **kw):
+        args = [t.detach().to(cast).requires_grad_() if t is not None else None for t in leaves]
+        out = fn(args[0], args[1], args[2], 1e-5, args[3], **kw)
+        return (list(out) if residual else [out]), [a for a in args if a is not None]
+
+    outs, args = run(F.layer_norm, torch.float32)
+    assert calls == []  # the CPU path, not the reference
+    refs, ref_args = run(F.layer_norm_ref, torch.float64)
+    bases, base_args = run(F.layer_norm_ref, torch.float32, upcast=False)
+    for name, o, rf, b in zip(["y", "h"], outs, refs, bases):
+        assert o.dtype == torch.float32
+        assert_close(name, o, rf, b)
+    grads = [torch.randn(o.shape) for o in outs]
+    for res in (outs, refs, bases):
+        torch.autograd.backward(res, [g.to(res[0].dtype) for g in grads])
+    for a, rf, b in zip(args, ref_args, base_args):
+        assert_close("grad", a.grad, rf.grad, b.grad)
+    with fuseformer.use_backend("reference"):  # forced: the reference itself
+        F.layer_norm(leaves[0], leaves[1], leaves[2], 1e-5, leaves[3])
+    assert calls == [1]
