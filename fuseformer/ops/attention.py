@@ -68,7 +68,7 @@ from fuseformer.ops._utils import (
     read_offsets,
 )
 from fuseformer.ops.attention_bwd import flash_attention_bwd, flash_attention_bwd_op
-from fuseformer.runtime.backend import choose_backend
+from fuseformer.runtime.backend import choose_backend, forced_backend
 
 _OP = "flash_attention"
 MAX_HEAD_DIM = 256
@@ -505,6 +505,17 @@ def _check_lengths(name: str, cu: torch.Tensor, total: int, max_seqlen: int | No
     return longest
 
 
+def _sdpa_serves(q, k, varlen, return_lse, softcap, left, right) -> bool:
+    """Whether the CPU path (torch's SDPA) computes this call exactly as the reference would: a CPU
+    tensor below fp64, the reference not forced, no packed sequences, lse, soft-cap or window, non-empty
+    sequences, and a causal mask only where Sq == Sk."""
+    if not q.is_cpu or q.dtype == torch.float64 or forced_backend() is not None:
+        return False
+    if varlen or return_lse or softcap or left != -1 or q.shape[1] == 0 or k.shape[1] == 0:
+        return False
+    return right == -1 or (right == 0 and q.shape[1] == k.shape[1])
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -601,6 +612,15 @@ def flash_attention(
     supported = q.dtype in _ATTN_KERNEL_DTYPES
     backend = choose_backend(_OP, q.device, supported, "fp32/fp64 attention runs on the reference")
     if backend == "reference":
+        if _sdpa_serves(q, k, varlen, return_lse, softcap, left, right):
+            # The CPU path: ATen's fused attention instead of the reference's materialized scores and masks
+            # (BERT-base layers on a CPU, 2026-12-07: the reference made optimize's attention kind slower than
+            # eager). SDPA's causal mask is aligned top-left: taken only where Sq == Sk (the two agree).
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=right == 0, scale=scale,
+                enable_gqa=hq != hkv,
+            )  # fmt: skip
+            return out.transpose(1, 2)
         return flash_attention_ref(
             q, k, v, False, scale, (left, right), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse,
             softcap,

@@ -672,3 +672,55 @@ def test_flash_attention_gluon_hd64_gpu(b, s, hq, hkv, causal, gluon_dq, monkeyp
     monkeypatch.setattr(bwd_mod, "_GLUON_BWD", True)
     _check(b, s, s, hq, hkv, 64, "cuda", causal=causal, dtype=torch.bfloat16)
     assert calls == ["forward", "backward_dkdv"] + (["backward_dq"] if gluon_dq else [])
+
+
+# The CPU path (what the reference backend runs on CPU tensors unless the reference is forced): torch's
+# SDPA where it computes what the reference does, outputs and gradients against the fp64 reference.
+@pytest.mark.parametrize(
+    "sq, sk, hq, hkv, causal",
+    [(7, 7, 4, 4, False), (7, 7, 4, 2, True), (5, 9, 2, 1, False), (1, 1, 4, 1, True), (33, 33, 8, 2, True)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_attention_cpu_path_matches_reference(sq, sk, hq, hkv, causal, dtype, monkeypatch):
+    monkeypatch.setattr(attn_mod, "choose_backend", lambda *args: "reference")  # as on a CPU-only install
+    calls = []
+    real = attn_mod.flash_attention_ref
+    monkeypatch.setattr(attn_mod, "flash_attention_ref", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(sq * 100 + sk)
+    leaves = [torch.randn(2, s, h, 16, generator=gen) for s, h in ((sq, hq), (sk, hkv), (sk, hkv))]
+
+    def run(fn, cast, **kw):
+        args = [t.detach().to(cast).requires_grad_() for t in leaves]
+        return fn(*args, causal=causal, softmax_scale=0.3, **kw), args
+
+    out, args = run(F.flash_attention, dtype)
+    assert calls == [] and out.dtype == dtype  # the CPU path, not the reference
+    ref, ref_args = run(F.flash_attention_ref, torch.float64)
+    base, base_args = run(F.flash_attention_ref, dtype, upcast=False)
+    assert_close("out", out, ref, base)
+    grad = torch.randn(out.shape, generator=gen)
+    for o in (out, ref, base):
+        o.backward(grad.to(o.dtype))
+    for name, a, r, b in zip("qkv", args, ref_args, base_args):
+        assert_close(f"d{name}", a.grad, r.grad, b.grad)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(causal=True, k_len=9),  # SDPA's causal mask is top-left: Sq != Sk takes the reference
+        dict(window_size=(2, 0)),
+        dict(softcap=5.0),
+        dict(return_lse=True),
+    ],
+)
+def test_flash_attention_cpu_path_leaves_the_rest_to_the_reference(kwargs, monkeypatch):
+    monkeypatch.setattr(attn_mod, "choose_backend", lambda *args: "reference")
+    calls = []
+    real = attn_mod.flash_attention_ref
+    monkeypatch.setattr(attn_mod, "flash_attention_ref", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kwargs = dict(kwargs)
+    sk = kwargs.pop("k_len", 5)
+    q, k, v = torch.randn(1, 5, 2, 8), torch.randn(1, sk, 2, 8), torch.randn(1, sk, 2, 8)
+    F.flash_attention(q, k, v, **kwargs)
+    assert calls == [1]
