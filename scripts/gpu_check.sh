@@ -16,8 +16,9 @@
 # engine (not part of all): one device call (~8 min) for issues 28-29: the engine's GPU tests (one process),
 # mixed steps with and without graph pieces (benchmarks/piecewise_steps.py), the structured-outputs cost
 # (benchmarks/structured_outputs_engine.py; needs llguidance: carry its wheel in .whl/, installed from there
-# when present), and the mix, prefix and fixed workloads with the defaults, enforce_eager and the defaults
-# without graph pieces (benchmarks/engine_workloads.py; WORKLOADS=mix,prefix to shorten), JSON in OUT_DIR.
+# when present), and the mix, prefix and fixed workloads with the defaults and the defaults without graph
+# pieces (benchmarks/engine_workloads.py; WORKLOADS=mix,prefix to shorten, WORKLOAD_FLAGS="--eager
+# --no-pieces" to add enforce_eager), JSON in OUT_DIR.
 #
 # fp8 (not part of all): issue 31 in one device call (~8 min): the FP8 GPU tests (the ops incl. weight-only
 # decode, the built-in model's accuracy, the FP8 KV cache, the 200-step FP8 training run) in one process;
@@ -101,7 +102,7 @@ if [[ "$stage" == engine ]]; then
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     OUT="$out" python3 benchmarks/piecewise_steps.py 2>&1 | grep -v Warn | tail -n 6 || status=1
     python3 benchmarks/structured_outputs_engine.py --out "$out/structured_outputs_engine.json" 2>&1 | tail -n 5 || status=1
-    OUT="$out" python3 benchmarks/engine_workloads.py "${WORKLOADS:-mix,prefix,fixed}" --no-pieces 2>&1 | grep -v Warn | tail -n 8 || status=1
+    OUT="$out" python3 benchmarks/engine_workloads.py "${WORKLOADS:-mix,prefix,fixed}" ${WORKLOAD_FLAGS:---no-pieces} 2>&1 | grep -v Warn | tail -n 8 || status=1
 fi
 if [[ "$stage" == optimize ]]; then
     python3 -m pytest -q -m gpu -p no:randomly tests/fusion 2>&1 | tee "$out/gpu-tests-fusion.log" | tail -n 5

@@ -351,6 +351,8 @@ def format_table(records: list[Record]) -> str:
                 f"  ({r['graph_steps']}/{r['steps']} steps on graphs, capture {r['graph_capture_s']:.1f} s, "
                 f"warm-up {r['warm_up_s']:.1f} s, pool {r['graph_pool_mib']:.0f} MiB)"
             )
+        if "piece_steps" in r:
+            line += f"  ({r['piece_steps']} steps on graph pieces, capture {r['piece_capture_s']:.1f} s)"
         lines.append(line)
     return "\n".join(lines)
 
