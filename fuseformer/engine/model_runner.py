@@ -230,11 +230,18 @@ class ModelRunner:
                 # A pool of their own: a prefill launched on a side stream behind a decode graph in flight
                 # (EngineCore.step_with_arrivals) replays pieces while that graph runs.
                 p = self.piecewise_graphs = self.make_piecewise_graphs(self.piecewise_sizes, capture=True)
-                p.capture()
-                pieces = (
-                    f" and {sum(map(len, p.graphs.values()))} graph pieces (steps with prefill chunks of "
-                    f"{p.sizes[0]}-{p.sizes[-1]} tokens) in {p.capture_seconds:.1f} s, {p.pool_bytes / 2**30:.2f} GiB"
-                )
+                try:
+                    p.capture()
+                except Exception as exc:  # said, not hidden: those steps then run eagerly, as before the pieces
+                    self.piecewise_graphs = None
+                    print(f"fuseformer: capturing the graph pieces failed ({type(exc).__name__}: {exc}); steps with "
+                          "prefill chunks run eagerly", file=sys.stderr, flush=True)  # fmt: skip
+                else:
+                    pieces = (
+                        f" and {sum(map(len, p.graphs.values()))} graph pieces (steps with prefill chunks of "
+                        f"{p.sizes[0]}-{p.sizes[-1]} tokens) in {p.capture_seconds:.1f} s, "
+                        f"{p.pool_bytes / 2**30:.2f} GiB"
+                    )
             print(
                 f"fuseformer: captured {len(g.graphs)} CUDA graphs (decode steps of {g.sizes[0]}-{g.sizes[-1]} "
                 f"requests) in {g.capture_seconds:.1f} s, {g.pool_bytes / 2**30:.2f} GiB{pieces}; "
