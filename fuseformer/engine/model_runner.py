@@ -232,10 +232,13 @@ class ModelRunner:
                 p = self.piecewise_graphs = self.make_piecewise_graphs(self.piecewise_sizes, capture=True)
                 try:
                     p.capture()
-                except Exception as exc:  # said, not hidden: those steps then run eagerly, as before the pieces
+                    why = self.check_pieces()
+                except Exception as exc:
+                    why = f"{type(exc).__name__}: {exc}"
+                if why is not None:  # said, not hidden: those steps then run eagerly, as before the pieces
                     self.piecewise_graphs = None
-                    print(f"fuseformer: capturing the graph pieces failed ({type(exc).__name__}: {exc}); steps with "
-                          "prefill chunks run eagerly", file=sys.stderr, flush=True)  # fmt: skip
+                    print(f"fuseformer: the graph pieces are not used ({why}); steps with prefill chunks run "
+                          "eagerly", file=sys.stderr, flush=True)  # fmt: skip
                 else:
                     pieces = (
                         f" and {sum(map(len, p.graphs.values()))} graph pieces (steps with prefill chunks of "
@@ -285,6 +288,48 @@ class ModelRunner:
             device=self.device,
             capture=capture,
         )
+
+    @torch.inference_mode()
+    def check_pieces(self) -> str | None:
+        """Run the smallest and the largest size of ``piecewise_graphs`` as the prefill of one sequence
+        (random tokens, written into the cache's first blocks, which no request holds yet; the cache is
+        zeroed again afterwards) and the same prefill eagerly: None when the hidden states agree (within
+        1% of their largest magnitude: split-K sums may add in another order), else what differs. At
+        start, after capture: a captured piece that read or wrote the wrong memory shows here, not in a
+        user's tokens."""
+        pieces, bs = self.piecewise_graphs, self.block_size
+        gen = torch.Generator().manual_seed(0)
+        try:
+            return self._check_pieces(pieces, bs, gen)
+        finally:
+            for k, v in self.kv_caches:
+                k.zero_()
+                v.zero_()
+
+    def _check_pieces(self, pieces: PiecewiseGraphs, bs: int, gen: torch.Generator) -> str | None:
+        for t in sorted({pieces.sizes[0], pieces.sizes[-1]}):
+            blocks = math.ceil(t / bs)
+            if blocks >= self.num_blocks:  # block 0 is the null block
+                continue
+            positions = torch.arange(t)
+            table = torch.arange(1, blocks + 1)
+            meta = AttentionMetadata(
+                cu_seqlens_q=to_device(torch.tensor([0, t], dtype=torch.int32), self.device),
+                max_seqlen_q=t,
+                kv_caches=self.kv_caches,
+                context_lens=to_device(torch.tensor([t], dtype=torch.int32), self.device),
+                slot_mapping=to_device(table[positions // bs] * bs + positions % bs, self.device),
+                block_tables=to_device(table[None].to(torch.int32), self.device),
+            )
+            ids = to_device(torch.randint(0, self.config.vocab_size, (t,), generator=gen), self.device)
+            positions = to_device(positions, self.device)
+            eager = self.model(ids, positions, meta).float()
+            replayed = pieces.run(ids, positions, meta, t)[:t].float()
+            pieces.replays[t] -= 1  # not a step
+            err = float((replayed - eager).abs().max() / eager.abs().max().clamp_min(1e-30))
+            if not err <= 1e-2:
+                return f"a {t}-token prefill through the pieces is {err:.3g} off the eager forward (relative, max)"
+        return None
 
     def _pieces_unsupported(self) -> str | None:
         """Why this model's steps cannot replay graph pieces, or None."""

@@ -314,6 +314,31 @@ def test_pieces_serve_every_architecture(architecture):
     assert pieces.replays[8] > 0 and pieces.replays[16] > 0
 
 
+def test_check_pieces_passes_them_and_catches_a_wrong_one(monkeypatch):
+    """``check_pieces`` (run at start after capture) compares a prefill through the pieces with the
+    eager forward at the smallest and largest size: None for the real pieces; a reason when a piece
+    hands attention the wrong rows (here: k taken from q's buffer); the cache zero again afterwards."""
+    from fuseformer.engine import cuda_graphs
+
+    model, config = _model()
+    runner = ModelRunner(model, config, CacheConfig(block_size=4, num_kv_blocks=40))
+    runner.piecewise_graphs = pieces = runner.make_piecewise_graphs([8, 24], capture=False)
+    with fuseformer.use_backend("reference"):
+        assert runner.check_pieces() is None
+        assert pieces.replays == {8: 0, 24: 0}  # a check is not a step
+        real = cuda_graphs.PiecewiseGraphs._attend
+
+        def wrong(self, layer):
+            n, meta = self._step
+            self.o[:n].copy_(layer.attend_cache(self.q[:n], self.q[:n, : self.k.shape[1]], self.v[:n], meta))
+
+        monkeypatch.setattr(cuda_graphs.PiecewiseGraphs, "_attend", wrong)
+        why = runner.check_pieces()
+        monkeypatch.setattr(cuda_graphs.PiecewiseGraphs, "_attend", real)
+    assert why is not None and "prefill through the pieces" in why, why
+    assert all(k.count_nonzero() == 0 and v.count_nonzero() == 0 for k, v in runner.kv_caches)
+
+
 def test_no_pieces_for_dynamic_rope():
     """Dynamic NTK rope reads the step's sequence lengths inside the first piece: such a model gets no
     graph pieces (its steps with prefill chunks run eagerly under cuda_graphs) and asking says why."""
