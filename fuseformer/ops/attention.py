@@ -534,7 +534,8 @@ def flash_attention(
 
     Args:
         q: (B, Sq, Hq, D), or packed (Tq, Hq, D) with ``cu_seqlens_q``. fp16 or bf16 run in the
-            kernel; fp32 and fp64 run on the reference.
+            kernel; fp32 and fp64 run on the reference (on a CPU, torch's SDPA wherever it computes
+            the same: ``_sdpa_serves``).
         k, v: (B, Sk, Hkv, D) or packed (Tk, Hkv, D), q's dtype; Hq a multiple of Hkv (GQA/MQA).
             D <= 256, the same for q, k and v.
         causal: mask keys after the query, aligned bottom-right when Sq != Sk (query i sees keys
