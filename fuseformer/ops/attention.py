@@ -617,10 +617,11 @@ def flash_attention(
             # The CPU path: ATen's fused attention instead of the reference's materialized scores and masks
             # (BERT-base layers on a CPU, 2026-12-07: the reference made optimize's attention kind slower than
             # eager). SDPA's causal mask is aligned top-left: taken only where Sq == Sk (the two agree).
+            if hq != hkv:  # K/V heads repeated for their groups (SDPA's enable_gqa needs torch >= 2.5)
+                k, v = k.repeat_interleave(hq // hkv, dim=2), v.repeat_interleave(hq // hkv, dim=2)
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=right == 0, scale=scale,
-                enable_gqa=hq != hkv,
-            )  # fmt: skip
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=right == 0, scale=scale
+            )
             return out.transpose(1, 2)
         return flash_attention_ref(
             q, k, v, False, scale, (left, right), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse,
