@@ -454,7 +454,7 @@ def test_cache_sizing_leaves_room_for_the_graph_pool_gpu():
 
 
 @pytest.mark.gpu
-def test_pieces_on_a_side_stream_behind_a_decode_graph_gpu(tmp_path):
+def test_pieces_on_a_side_stream_behind_a_decode_graph_gpu(tmp_path, monkeypatch):
     """A request that arrives while a decode graph runs gets its prefill launched at once on a side stream
     (``step_with_arrivals``, ``prefill_stream``) through graph pieces, which have a memory pool of their
     own; every request's greedy tokens are those of the eager engine running it alone."""
@@ -468,8 +468,14 @@ def test_pieces_on_a_side_stream_behind_a_decode_graph_gpu(tmp_path):
     llm = LLM(tmp_path, cuda_graphs=True, async_scheduling=False, prefill_stream=True, **kw)
     pieces = llm.runner.piecewise_graphs
     llm.add_request("0", {"prompt_token_ids": prompts[0]}, params)
-    llm.step()  # its prefill (pieces), then decode graphs
+    outputs = {o.request_id: list(o.outputs[0].token_ids) for o in llm.step()}  # its prefill (pieces)
     arriving = list(enumerate(prompts))[1:]
+    # A tiny model's decode step may finish before the first poll: while requests are still to arrive the
+    # step in flight reads as not ready, so each arrival's prefill is launched on the side stream.
+    from fuseformer.engine.core import StepHandle
+
+    real_ready = StepHandle.ready
+    monkeypatch.setattr(StepHandle, "ready", property(lambda self: not arriving and real_ready.fget(self)))
 
     def arrivals(timeout):
         if not arriving:
@@ -478,8 +484,7 @@ def test_pieces_on_a_side_stream_behind_a_decode_graph_gpu(tmp_path):
         llm.add_request(str(i), {"prompt_token_ids": p}, params)
         return True
 
-    outputs, early = {}, 0
-    before = sum(pieces.replays.values())
+    early, before = 0, sum(pieces.replays.values())
     while llm.has_unfinished_requests():
         outs, launched = llm.step_with_arrivals(arrivals, poll_s=0.05)
         early += launched
