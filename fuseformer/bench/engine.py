@@ -288,10 +288,13 @@ def run_workload(
     device: str = "cuda",
     scale: float = 1.0,
     peers: bool = True,
+    eager: bool = True,
+    variants: dict[str, dict[str, Any]] | None = None,
     **llm_kwargs: Any,
 ) -> list[Record]:
-    """Workload ``name`` (``workload``) on ours with the defaults, with ``enforce_eager=True`` on CUDA,
-    then its peers (a run that fails is recorded with its error)."""
+    """Workload ``name`` (``workload``) on ours with the defaults, with ``enforce_eager=True`` on CUDA
+    (unless ``eager`` is False), as each of ``variants`` (impl name -> ``_run_ours`` keywords, e.g. an
+    ``after_build``), then its peers (a run that fails is recorded with its error)."""
     vocab = ours.config.vocab_size
     prompts, output_lens = workload(name, vocab, scale)
     case = dict(
@@ -299,9 +302,11 @@ def run_workload(
         input_tokens=sum(map(len, prompts)), max_output_len=max(output_lens),
     )  # fmt: skip
     runs = [("fuseformer LLM", lambda: _run_ours(ours, prompts, output_lens, case, device, **llm_kwargs))]
-    if device.startswith("cuda"):
-        eager = "fuseformer LLM enforce_eager"
-        runs.append((eager, lambda: _run_ours(ours, prompts, output_lens, case, device, eager, enforce_eager=True)))
+    if eager and device.startswith("cuda"):
+        impl = "fuseformer LLM enforce_eager"
+        runs.append((impl, lambda: _run_ours(ours, prompts, output_lens, case, device, impl, enforce_eager=True)))
+    for impl, kw in (variants or {}).items():
+        runs.append((impl, lambda impl=impl, kw=kw: _run_ours(ours, prompts, output_lens, case, device, impl, **kw)))
     if peers and name == "fixed":
         runs.append(("HF generate_batch", lambda: _run_hf_generate_batch(hf, prompts, output_lens[0], case, device)))
         runs.append(("HF generate bs 64", lambda: _run_hf_generate(hf, prompts, output_lens[0], case, device)))

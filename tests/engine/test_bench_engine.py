@@ -61,3 +61,17 @@ def test_bench_engine_code_paths_on_cpu():
     # The decode reads every weight but the input embedding (untied here).
     embed = ours.model.embed_tokens.weight
     assert decode_bytes(ours) == sum(p.numel() * 4 for p in ours.parameters()) - embed.numel() * 4
+
+
+def test_run_workload_variants_change_the_engine_before_the_timed_run():
+    """A variant (impl name -> ``_run_ours`` keywords) runs beside the defaults; its ``after_build`` gets the
+    LLM before the timed run (benchmarks/engine_workloads.py's A/B without graph pieces)."""
+    seen = []
+    with fuseformer.use_backend("reference"):
+        _, ours = build_models(SHAPE, "cpu", torch.float32)
+        records = run_workload(
+            "batch1", None, ours, device="cpu", scale=1 / 32, peers=False, num_kv_blocks=64, block_size=4,
+            variants={"ours, changed": dict(after_build=seen.append, num_kv_blocks=64, block_size=4)},
+        )  # fmt: skip
+    assert [r["impl"] for r in records] == ["fuseformer LLM", "ours, changed"]
+    assert len(seen) == 1 and seen[0].__class__.__name__ == "LLM" and "error" not in records[1]
