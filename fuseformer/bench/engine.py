@@ -33,6 +33,36 @@ import torch
 from fuseformer.engine.step_log import totals_since
 
 Record = dict[str, Any]
+
+
+class TritonCompiles:
+    """Records the Triton kernels compiled (JIT, in this process) while in use, one entry a kernel
+    specialization: its name and the argument types Triton specialized on (``repr`` of the compile
+    hook). A compile inside a timed run is a kernel the engine's warm-up missed. Triton without the
+    hook (< 3.4) records nothing (``available`` False)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.available = False
+
+    def __enter__(self) -> TritonCompiles:
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        self.available, self._knobs = True, knobs
+        self._previous = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = self._hook
+        return self
+
+    def _hook(self, *, repr: str, **_: Any) -> None:
+        self.names.append(repr[:400])
+
+    def __exit__(self, *exc: object) -> None:
+        if self.available:
+            self._knobs.runtime.jit_post_compile_hook = self._previous
+
+
 WORKLOADS = ("batch1", "fixed", "mix", "prefix")
 
 # Llama-3-8B and Llama-3.2-1B (config.json values; rope scaling left out: random weights do not care).
@@ -168,10 +198,12 @@ def _run_ours(
         steps_before, ahead_before = core.runner.num_steps, core.num_steps_ahead
         kinds_before, count_before = core.step_log.totals(), core.step_log.count
         _sync(device)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        _sync(device)
-        seconds = time.perf_counter() - start
+        with TritonCompiles() as compiles:
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            _sync(device)
+            seconds = time.perf_counter() - start
+        extra["triton_compiles"] = compiles.names
         extra["steps"] = core.runner.num_steps - steps_before
         extra["step_kinds"] = totals_since(core.step_log.totals(), kinds_before)  # where the time went
         # The longest launches (a kernel compiled inside the run shows here: the warm-up missed it).

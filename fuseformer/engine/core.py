@@ -371,7 +371,13 @@ class EngineCore:
         done = handle.launched.done
         if handle.start_event is not None and done is not None:
             gpu_ms = handle.start_event.elapsed_time(done)
-        self.step_log.add(StepRecord(kind, tokens, len(scheduled), handle.launch_ms, wait_ms, post_ms, gpu_ms))
+        launched = handle.launched
+        self.step_log.add(
+            StepRecord(
+                kind, tokens, len(scheduled), handle.launch_ms, wait_ms, post_ms, gpu_ms,
+                launched.mask_ms, launched.mask_wait_ms,
+            )  # fmt: skip
+        )
 
 
 class _Discard:

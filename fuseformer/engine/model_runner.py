@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +120,10 @@ class LaunchedStep:
     logits: torch.Tensor | None = None
     # (MaskFill, rows): its grammar rows' bitmask filling (``start_sampling``); ``launch_sampling`` waits.
     mask_fill: tuple | None = None
+    # Its grammar rows' bitmask (None when no row has a grammar): ms the grammar library took to fill it,
+    # and ms the host waited for it (all of the fill when not started ahead by ``start_sampling``).
+    mask_ms: float | None = None
+    mask_wait_ms: float | None = None
 
     def ready(self) -> bool:
         """The device work has finished (always, off CUDA)."""
@@ -561,7 +566,7 @@ class ModelRunner:
             eos_token_ids=[r.eos_token_ids for r in sampling],
             bad_words_token_ids=[r.bad_words_token_ids for r in sampling],
         )
-        md.bitmask, md.bitmask_rows = self._grammar_bitmask(sampling, step.mask_fill)
+        md.bitmask, md.bitmask_rows = self._grammar_bitmask(sampling, step)
         step.mask_fill = None
         step.output = out = sample(logits, md)
         if self.device.type == "cuda":
@@ -644,18 +649,25 @@ class ModelRunner:
             tensors = tuple(_to_host(t) for t in tensors)
         return _PromptLogprobs(entries, tensors)
 
-    def _grammar_bitmask(self, sampling: list, started: tuple | None = None) -> tuple[torch.Tensor | None, ...]:
+    def _grammar_bitmask(self, sampling: list, step: LaunchedStep) -> tuple[torch.Tensor | None, ...]:
         """The bitmask of the sampling rows with a grammar ((R, W) int32) and their rows ((R,) int64, None
-        when every row has one), on the device; (None, None) when none has. ``started``: ``start_sampling``'s
-        fill (a row finished since keeps its mask; its token is dropped). Free rows are not touched."""
-        if started is not None:
-            fill, rows = started
+        when every row has one), on the device; (None, None) when none has. Uses ``step.mask_fill`` when
+        ``start_sampling`` started it (a row finished since keeps its mask; its token is dropped), and
+        records the fill's time and the wait for it in ``step``. Free rows are not touched."""
+        start = time.perf_counter()
+        if step.mask_fill is not None:
+            fill, rows = step.mask_fill
             bitmask = fill.result()
+            step.mask_ms = 1e3 * fill.seconds
         else:
             rows, matchers = _grammars(sampling)
             if not rows:
                 return None, None
             bitmask = matchers[0].compiler.fill_bitmask(matchers)
+            step.mask_ms = None
+        step.mask_wait_ms = 1e3 * (time.perf_counter() - start)
+        if step.mask_ms is None:
+            step.mask_ms = step.mask_wait_ms
         bitmask = to_device(bitmask, self.device)
         if len(rows) == len(sampling):
             return bitmask, None

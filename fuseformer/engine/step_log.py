@@ -11,7 +11,9 @@ decoding requests, eagerly), its tokens and requests, and three host intervals:
 
 and, on CUDA, ``gpu_ms``: the device's span from the step's first enqueued work to its last (CUDA
 events; it includes the device's idle gaps while the host is still launching, so a span close to
-``launch_ms`` says the step is host-bound). The log keeps the last ``maxlen`` records and running
+``launch_ms`` says the step is host-bound). A step with structured outputs also records ``mask_ms``, how
+long the grammar library took to fill its rows' token mask, and ``mask_wait_ms``, how much of
+``launch_ms`` the host spent waiting for it (the rest of the fill ran beside other host work). The log keeps the last ``maxlen`` records and running
 totals by kind, so a benchmark can compare the offline run's steps with the server's.
 """
 
@@ -31,6 +33,8 @@ class StepRecord:
     wait_ms: float
     post_ms: float
     gpu_ms: float | None = None
+    mask_ms: float | None = None
+    mask_wait_ms: float | None = None
 
     @property
     def wall_ms(self) -> float:
@@ -50,7 +54,7 @@ class StepLog:
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
         self.count += 1
-        t = self._totals.setdefault(record.kind, [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0])
+        t = self._totals.setdefault(record.kind, [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
         t[0] += 1
         t[1] += record.tokens
         t[2] += record.launch_ms
@@ -58,6 +62,8 @@ class StepLog:
         t[4] += record.post_ms
         t[5] += record.gpu_ms or 0.0
         t[6] += record.wall_ms
+        t[7] += record.mask_ms or 0.0
+        t[8] += record.mask_wait_ms or 0.0
 
     def since(self, count: int) -> list[StepRecord]:
         """The records added after the ``count``-th (those still kept)."""
@@ -65,8 +71,9 @@ class StepLog:
         return [self.records[i] for i in range(-n, 0)] if n > 0 else []
 
     def totals(self) -> dict[str, dict[str, float]]:
-        """Per kind: steps, tokens, and the seconds of launch, wait, post, gpu and wall summed."""
-        names = ("steps", "tokens", "launch_s", "wait_s", "post_s", "gpu_s", "wall_s")
+        """Per kind: steps, tokens, and the seconds of launch, wait, post, gpu, wall, mask (the grammar
+        masks' fills) and mask_wait (the host's waits for them) summed."""
+        names = ("steps", "tokens", "launch_s", "wait_s", "post_s", "gpu_s", "wall_s", "mask_s", "mask_wait_s")
         out = {}
         for kind, t in self._totals.items():
             out[kind] = {n: (v if i < 2 else round(v / 1e3, 4)) for i, (n, v) in enumerate(zip(names, t))}
@@ -92,7 +99,7 @@ def p50_max(values: list[float]) -> dict[str, float]:
 def summarize(records: list[StepRecord]) -> dict[str, dict[str, float]]:
     """Median and max, ms, of each interval over ``records`` (e.g. the prefill steps of lone requests)."""
     out: dict[str, dict[str, float]] = {}
-    for name in ("launch_ms", "wait_ms", "post_ms", "gpu_ms", "wall_ms"):
+    for name in ("launch_ms", "wait_ms", "post_ms", "gpu_ms", "wall_ms", "mask_ms", "mask_wait_ms"):
         values = [v for r in records if (v := getattr(r, name)) is not None]
         if values:
             out[name] = p50_max(values)

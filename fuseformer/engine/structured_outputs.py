@@ -30,6 +30,7 @@ import functools
 import json
 import queue
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -392,22 +393,26 @@ def _fill_loop(jobs: queue.SimpleQueue) -> None:
     which stops it when freed or closed)."""
     while (fill := jobs.get()) is not None:
         fill._started.set()
+        start = time.perf_counter()
         try:
             fill._work()
         except BaseException as exc:  # re-raised by result()
             fill._error = exc
         finally:
+            fill.seconds = time.perf_counter() - start
             fill._work = None
             fill._done.set()
 
 
 class MaskFill:
-    """A batch's bitmask filling on ``GrammarCompiler``'s fill thread (``fill_bitmask_async``)."""
+    """A batch's bitmask filling on ``GrammarCompiler``'s fill thread (``fill_bitmask_async``);
+    ``seconds``: how long the grammar library took, once done (0.0 when no row needed it)."""
 
-    __slots__ = ("bitmask", "_work", "_started", "_done", "_error")
+    __slots__ = ("bitmask", "seconds", "_work", "_started", "_done", "_error")
 
     def __init__(self, bitmask: torch.Tensor) -> None:
         self.bitmask = bitmask
+        self.seconds = 0.0
         self._work: Callable[[], None] | None = None
         self._started = threading.Event()
         self._done = threading.Event()

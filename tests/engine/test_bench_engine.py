@@ -75,3 +75,20 @@ def test_run_workload_variants_change_the_engine_before_the_timed_run():
         )  # fmt: skip
     assert [r["impl"] for r in records] == ["fuseformer LLM", "ours, changed"]
     assert len(seen) == 1 and seen[0].__class__.__name__ == "LLM" and "error" not in records[1]
+
+
+def test_triton_compiles_records_through_the_hook_and_restores_it():
+    """``TritonCompiles`` installs Triton's post-compile hook for its block only; a compile that the
+    hook reports is recorded by its specialization (the interpreter compiles nothing, so the hook is
+    called as Triton calls it)."""
+    knobs = pytest.importorskip("triton").knobs
+    from fuseformer.bench.engine import TritonCompiles
+
+    before = knobs.runtime.jit_post_compile_hook
+    with TritonCompiles() as compiles:
+        hook = knobs.runtime.jit_post_compile_hook
+        assert hook is not before
+        hook(key=None, repr="_kernel[num_warps=4](X: *bf16, n: i32)", fn=None, compile=None,
+             is_manual_warmup=False, already_compiled=False)  # fmt: skip
+    assert knobs.runtime.jit_post_compile_hook is before
+    assert compiles.available and compiles.names == ["_kernel[num_warps=4](X: *bf16, n: i32)"]

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import fuseformer
+from fuseformer.engine.core import EngineCore
 from fuseformer.engine.cuda_graphs import graph_batch_sizes, piecewise_sizes
 from fuseformer.engine.llm import LLM
 from fuseformer.engine.model_runner import CacheConfig, ModelRunner
@@ -390,12 +391,12 @@ def _llama_checkpoint(path, dtype="float32", **overrides):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-3), ("bfloat16", 0.25)])
-def test_cuda_graphs_greedy_equals_eager_gpu(dtype, tol, tmp_path):
+def test_cuda_graphs_greedy_equals_eager_gpu(dtype, tol, tmp_path, monkeypatch):
     """48 requests of 1..40 tokens at once (half share a 12-token prefix), max_tokens 3..19, chunked
     in 32-token steps over a cache too small for all (preemption): ``cuda_graphs=True`` gives the
     greedy tokens of ``cuda_graphs=False``, except at near-ties of the eager logprobs (bf16: a padded
     GEMM may round differently from an unpadded one). Graphs of sizes up to 32 replay, with padding;
-    capture writes nothing to the cache."""
+    capture writes nothing to the cache (checked before the engine's warm-up, which does write it)."""
     overrides = dict(head_dim=128, hidden_size=256, num_attention_heads=4) if dtype == "bfloat16" else {}
     cfg = _llama_checkpoint(tmp_path, dtype, **overrides)
     prompts, params = _workload(cfg["vocab_size"], 48)
@@ -404,11 +405,14 @@ def test_cuda_graphs_greedy_equals_eager_gpu(dtype, tol, tmp_path):
     )
     eager = LLM(tmp_path, **kw)
     expected = eager.generate(prompts, params, use_tqdm=False)
+    real_warm_up = EngineCore.warm_up
+    monkeypatch.setattr(EngineCore, "warm_up", lambda self: 0.0)
     llm = LLM(tmp_path, cuda_graphs=True, **kw)
     graphs, pieces = llm.core.runner.decode_graphs, llm.core.runner.piecewise_graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 8, 16, 24, 32]  # min(max_num_seqs, max_num_batched_tokens)
     assert sorted(pieces.graphs) == [16, 32] and all(len(p) == 3 for p in pieces.graphs.values())
     assert all(k.count_nonzero() == 0 and v.count_nonzero() == 0 for k, v in llm.core.runner.kv_caches)
+    real_warm_up(llm.core)
     got = llm.generate(prompts, params, use_tqdm=False)
     identical = _near_tie_or_equal(expected, got, tol)
     assert identical >= (0.9 if dtype == "float32" else 0.75) * len(prompts), identical

@@ -187,7 +187,9 @@ def test_n_completions_each_have_their_own_matcher(llm):
 def test_async_scheduling_runs_constrained_requests_ahead_with_the_synchronous_outputs(monkeypatch):
     """A constrained request is scheduled ahead with its sampling deferred until the previous token has
     advanced its grammar: the same tokens as synchronous steps (greedy and seeded sampling, beside
-    free requests), and the steps are scheduled ahead, their bitmasks filled on the fill thread."""
+    free requests), and the steps are scheduled ahead, their bitmasks filled on the fill thread. The step
+    log says how long each mask took and how long the host waited for it; steps without a constrained
+    request record neither."""
     fills = []
     fill_async = GrammarCompiler.fill_bitmask_async
     monkeypatch.setattr(GrammarCompiler, "fill_bitmask_async", lambda self, *a: fills.append(1) or fill_async(self, *a))
@@ -204,6 +206,13 @@ def test_async_scheduling_runs_constrained_requests_ahead_with_the_synchronous_o
                 assert llm.num_steps_ahead > 10 and len(fills) > 10
             else:
                 assert not fills
+            records = llm.step_log.records
+            masked = [r for r in records if r.mask_ms is not None]
+            assert len(masked) >= max(len(o) for o in outs[a][:2]) - 1  # every step of a constrained request
+            assert all(r.mask_ms > 0 and 0 <= r.mask_wait_ms <= r.launch_ms for r in masked)
+            assert all(r.mask_wait_ms is None for r in records if r.mask_ms is None)
+            kinds = llm.step_log.totals().values()
+            assert sum(t["mask_s"] for t in kinds) == pytest.approx(sum(r.mask_ms for r in masked) / 1e3, abs=1e-3)
     assert outs[True] == outs[False]
     for tokens in outs[True][:2]:
         jsonschema.validate(json.loads(llm.tokenizer.decode(tokens)), SCHEMA)

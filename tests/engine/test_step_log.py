@@ -18,7 +18,7 @@ def test_totals_since_and_summarize():
         log.add(StepRecord("graph", 2, 2, 0.5, 1.0 + i, 0.25))
     assert log.count == 5 and len(log.records) == 3  # the oldest dropped, the totals kept
     assert log.totals()["prefill"] == dict(steps=1, tokens=10, launch_s=0.001, wait_s=0.002, post_s=0.0005,
-                                           gpu_s=0.003, wall_s=0.0035)  # fmt: skip
+                                           gpu_s=0.003, wall_s=0.0035, mask_s=0.0, mask_wait_s=0.0)  # fmt: skip
     diff = totals_since(log.totals(), before)
     assert list(diff) == ["graph"] and diff["graph"]["steps"] == 4 and diff["graph"]["tokens"] == 8
     assert diff["graph"]["wait_s"] == pytest.approx((1 + 2 + 3 + 4) / 1e3)
