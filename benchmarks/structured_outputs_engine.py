@@ -76,7 +76,7 @@ def run(
 ) -> dict:
     from fuseformer.bench.engine import TritonCompiles
     from fuseformer.engine.sampling_params import SamplingParams
-    from fuseformer.engine.step_log import totals_since
+    from fuseformer.engine.step_log import summarize, totals_since
     from fuseformer.engine.structured_outputs import StructuredOutputsParams
 
     spec = StructuredOutputsParams(json=schema)
@@ -120,13 +120,18 @@ def run(
                 jsonschema.validate(value, schema)
         except Exception as exc:  # recorded: the criterion is that every one parses
             bad.append(f"{i}: {type(exc).__name__}: {text[:120]!r}")
-    slowest = sorted(log.since(count_before), key=lambda r: r.launch_ms)[-5:]
+    records = log.since(count_before)
+    slowest = sorted(records, key=lambda r: r.launch_ms)[-5:]
+    masked = [r.mask_ms for r in records if r.mask_ms is not None]
     return dict(
         constrained=len(constrained),
         seconds=seconds,
         output_tokens=tokens,
         output_tok_s=tokens / seconds,
         step_kinds=totals_since(log.totals(), kinds_before),
+        steps=summarize(records),  # p50 and max of each interval, ms
+        mask_ms_p90=round(sorted(masked)[int(0.9 * (len(masked) - 1))], 2) if masked else None,
+        mask_ms_top=[round(m, 2) for m in sorted(masked)[-8:]],
         slowest_launches=[(r.kind, r.tokens, r.seqs, round(r.launch_ms, 1)) for r in slowest],
         triton_compiles=compiles.names,
         invalid=bad,
@@ -182,8 +187,10 @@ def main() -> None:
         records.append(r)
         kinds = r["step_kinds"].values()
         steps, mask, wait = (sum(k[f] for k in kinds) for f in ("steps", "mask_s", "mask_wait_s"))
+        mask_p = r["steps"].get("mask_ms", {})
         print(f"{name:<18} {r['output_tok_s']:>9.0f} out tok/s  {r['seconds']:.2f} s  invalid {len(r['invalid'])}"
-              f"  {steps} steps, mask {1e3 * mask / steps:.2f} ms a step, host waited {1e3 * wait / steps:.2f}"
+              f"  {steps} steps, mask {1e3 * mask / steps:.2f} ms a step (p50 {mask_p.get('p50')}, p90"
+              f" {r['mask_ms_p90']}, max {mask_p.get('max')}), host waited {1e3 * wait / steps:.2f}"
               f"  compiled {len(r['triton_compiles'])}  slowest launches {r['slowest_launches'][-2:]}")  # fmt: skip
     costs: dict[str, list[float]] = {}
     for i, r in enumerate(records):

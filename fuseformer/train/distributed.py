@@ -64,8 +64,9 @@ def init_distributed(mode: str, device: str = "auto") -> DistInfo:
 
 def destroy() -> None:
     """Tear the process group down, after a barrier: no rank leaves while another may still be in a
-    collective with it. (CI, 2026-12-01: once in ~6 runs, an FSDP gloo rank aborted at the end with
-    "terminate called without an active exception"; the barrier is the usual remedy, not a proven one.)"""
+    collective with it. Free what holds the group first (a DDP reducer, FSDP shards:
+    ``Trainer.close`` does): a group freed only at interpreter exit aborted a gloo rank now and then
+    with "terminate called without an active exception"."""
     if dist.is_initialized():
         if dist.get_world_size() > 1:
             dist.barrier()

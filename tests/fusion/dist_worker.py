@@ -68,10 +68,15 @@ def main() -> None:
     if rank == 0:
         torch.save({"losses": losses, "state": {k: v.detach().clone() for k, v in state.items()}}, args.out)
     if args.mode != "none":
-        # After a barrier, as the trainer does: a rank that leaves while rank 0 still saves died once
-        # with gloo's "terminate called without an active exception" (fresh clone, 2026-12-04).
+        # As Trainer.close does: the DDP/FSDP state that holds the process group is freed first, then
+        # the group goes after a barrier; a group freed at interpreter exit aborted a rank now and then
+        # with gloo's "terminate called without an active exception" (2026-12-04, 2026-12-07).
+        import gc
+
         from fuseformer.train.distributed import destroy
 
+        del wrapped, model, opt, state
+        gc.collect()
         destroy()
 
 

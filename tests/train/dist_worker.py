@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> dict | None:
     result = trainer.train()
     eval_loss = trainer.evaluate()
     state = D.full_model_state(trainer.module, trainer.dist)
-    D.destroy()
+    trainer.close()
     if not trainer.dist.is_main:
         return None
     state = {k.removeprefix("lm."): v for k, v in state.items()}
