@@ -5,7 +5,10 @@ token alone decodes to U+FFFD), and tokenizers that mark spaces on the following
 "▁word") drop the space of a text's first token. So, like vLLM and TGI, each step decodes a short
 window ``tokens[prefix_offset:]`` and emits what it adds to ``decode(tokens[prefix_offset:read_offset])``;
 text is held back while it ends in U+FFFD (an incomplete character), and the window starts in the
-prompt's last tokens so that the first output word gets its space.
+prompt's last tokens so that the first output word gets its space. Special tokens that the text skips
+(``skip_special_tokens``) never enter the window: they add no text, and a request that keeps sampling
+one (EOS under ``ignore_eos``, or the EOS a finished grammar allows) would otherwise grow the window,
+and the two decodes of every step, by a token a step.
 
 Stop strings are searched in the new text plus the ``len(stop) - 1`` characters before it, so a stop
 string split across tokens is found; the output is cut before it (or after it with
@@ -32,7 +35,8 @@ class IncrementalDetokenizer:
     """The output text of one request.
 
     Args:
-        tokenizer: a Hugging Face ``tokenizers.Tokenizer``.
+        tokenizer: the model's ``Tokenizer`` (or a Hugging Face ``tokenizers.Tokenizer``, whose special
+            tokens are then kept in the window).
         prompt_token_ids: the prompt (its last tokens give the first output word its context).
         params: ``stop``, ``skip_special_tokens``, ``include_stop_str_in_output`` and ``min_tokens``
             are used.
@@ -43,6 +47,8 @@ class IncrementalDetokenizer:
         self.params = params
         self.stop = list(params.stop or [])
         self.skip_special_tokens = params.skip_special_tokens
+        # Tokens that decode to nothing here: left out of the window.
+        self._skipped = getattr(tokenizer, "special_token_ids", frozenset()) if self.skip_special_tokens else ()
         self.output_token_ids: list[int] = []
         self.output_text = ""
         self.stop_string: str | None = None  # the stop string found, once found
@@ -78,6 +84,8 @@ class IncrementalDetokenizer:
         min_tokens = self.params.min_tokens
         for j, t in enumerate(new_token_ids):
             before = len(self.output_text)
+            if t in self._skipped:
+                continue
             self._tokens.append(t)
             self.output_text += self._next_text(flush=False)
             if self.stop and num_before + j >= min_tokens and self._find_stop(before):

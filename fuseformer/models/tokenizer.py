@@ -222,6 +222,11 @@ class Tokenizer:
         must name as tokens rather than spell as text (structured outputs, tool-call formats)."""
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids of ``special_tokens`` (computed once: detokenizers ask for them per request)."""
+        return frozenset(self.special_tokens.values())
+
     def to_str(self) -> str:
         """tokenizer.json's text, as the tokenizers library writes it: for libraries that build their own
         view of the vocabulary (the grammar library of structured outputs)."""

@@ -146,3 +146,28 @@ def test_eos_token_text(byte_bpe, skip):
     d = IncrementalDetokenizer(byte_bpe, [1], params)
     d.update(ids, stop_terminated=True)
     assert d.output_text == ("Hello world" if skip else "Hello world<eos>")
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_repeated_skipped_special_tokens_do_not_grow_the_window(byte_bpe, tmp_path, skip):
+    """A request that keeps sampling EOS (``ignore_eos``; a finished grammar allows only EOS), between
+    and after text: with the model's Tokenizer and ``skip_special_tokens`` the EOS tokens never enter
+    the decoding window (whose two decodes a step would otherwise grow by a token a step); the text is
+    the full decode's either way."""
+    from fuseformer.models.tokenizer import Tokenizer as ModelTokenizer
+
+    byte_bpe.save(str(tmp_path / "tokenizer.json"))
+    tok = ModelTokenizer(tmp_path)
+    eos = byte_bpe.token_to_id("<eos>")
+    assert eos in tok.special_token_ids
+    ids = byte_bpe.encode("Hello").ids + [eos] * 3 + byte_bpe.encode(" world 🙂").ids + [eos] * 200
+    d = IncrementalDetokenizer(tok, [1], SamplingParams(skip_special_tokens=skip))
+    widths = []
+    for t in ids:
+        d.update([t])
+        widths.append(len(d._tokens) - d._prefix_offset)
+    d.flush()
+    assert d.output_text == byte_bpe.decode(ids, skip_special_tokens=skip)
+    assert d.output_token_ids == ids
+    if skip:
+        assert max(widths) <= 6  # the window holds what a character or a word's space needs
