@@ -371,13 +371,9 @@ class EngineCore:
         done = handle.launched.done
         if handle.start_event is not None and done is not None:
             gpu_ms = handle.start_event.elapsed_time(done)
-        launched = handle.launched
-        self.step_log.add(
-            StepRecord(
-                kind, tokens, len(scheduled), handle.launch_ms, wait_ms, post_ms, gpu_ms,
-                launched.mask_ms, launched.mask_wait_ms,
-            )  # fmt: skip
-        )
+        mask_ms, mask_wait_ms = handle.launched.mask_ms, handle.launched.mask_wait_ms
+        record = StepRecord(kind, tokens, len(scheduled), handle.launch_ms, wait_ms, post_ms, gpu_ms, mask_ms, mask_wait_ms)
+        self.step_log.add(record)
 
 
 class _Discard:

@@ -658,16 +658,15 @@ class ModelRunner:
         if step.mask_fill is not None:
             fill, rows = step.mask_fill
             bitmask = fill.result()
-            step.mask_ms = 1e3 * fill.seconds
+            fill_ms = 1e3 * fill.seconds
         else:
             rows, matchers = _grammars(sampling)
             if not rows:
                 return None, None
             bitmask = matchers[0].compiler.fill_bitmask(matchers)
-            step.mask_ms = None
+            fill_ms = None  # filled here: all of it waited for
         step.mask_wait_ms = 1e3 * (time.perf_counter() - start)
-        if step.mask_ms is None:
-            step.mask_ms = step.mask_wait_ms
+        step.mask_ms = step.mask_wait_ms if fill_ms is None else fill_ms
         bitmask = to_device(bitmask, self.device)
         if len(rows) == len(sampling):
             return bitmask, None

@@ -11,10 +11,11 @@ decoding requests, eagerly), its tokens and requests, and three host intervals:
 
 and, on CUDA, ``gpu_ms``: the device's span from the step's first enqueued work to its last (CUDA
 events; it includes the device's idle gaps while the host is still launching, so a span close to
-``launch_ms`` says the step is host-bound). A step with structured outputs also records ``mask_ms``, how
-long the grammar library took to fill its rows' token mask, and ``mask_wait_ms``, how much of
-``launch_ms`` the host spent waiting for it (the rest of the fill ran beside other host work). The log keeps the last ``maxlen`` records and running
-totals by kind, so a benchmark can compare the offline run's steps with the server's.
+``launch_ms`` says the step is host-bound). A step with structured outputs also records ``mask_ms``,
+how long the grammar library took to fill its rows' token mask, and ``mask_wait_ms``, how much of
+``launch_ms`` the host spent waiting for it (the rest of the fill ran beside other host work). The log
+keeps the last ``maxlen`` records and running totals by kind, so a benchmark can compare the offline
+run's steps with the server's.
 """
 
 from __future__ import annotations
