@@ -372,7 +372,9 @@ class EngineCore:
         if handle.start_event is not None and done is not None:
             gpu_ms = handle.start_event.elapsed_time(done)
         mask_ms, mask_wait_ms = handle.launched.mask_ms, handle.launched.mask_wait_ms
-        record = StepRecord(kind, tokens, len(scheduled), handle.launch_ms, wait_ms, post_ms, gpu_ms, mask_ms, mask_wait_ms)
+        record = StepRecord(
+            kind, tokens, len(scheduled), handle.launch_ms, wait_ms, post_ms, gpu_ms, mask_ms, mask_wait_ms
+        )
         self.step_log.add(record)
 
 
