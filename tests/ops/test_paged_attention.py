@@ -471,6 +471,31 @@ def test_paged_attention_split_k_gpu(window, merges):
     assert_close("out", out, ref, base)
 
 
+@pytest.mark.gpu
+def test_paged_attention_compiles_once_whatever_the_step_gpu():
+    """Steps that differ in their block table's width (1, a multiple of 16, neither), query tiles and
+    key splits reuse the kernels the first such step compiled: an engine meets every mix of these in
+    its eager steps, and a compile there is seconds inside a user's request."""
+    from fuseformer.bench.engine import TritonCompiles
+
+    # _step's block tables are 2 blocks wider than the longest context: widths 3, 16, 21, 32; query
+    # tiles 32, 16, 17 (32 queries a tile); splits 16, 9, 3.
+    steps = {
+        "prefill": [[(16, 16)], [(224, 16)] * 8, [(300, 16), (40, 16)], [(480, 16)]],  # 16 new tokens each
+        "long": [[(1000, 1000)], [(600, 512), (300, 200)], [(1500, 520)]],
+        "split": [[(8192, 1), (3000, 1)], [(5000, 1)] * 3, [(2000, 1), (700, 1)]],  # split-K decodes
+    }
+    for name, cases in steps.items():
+        _step(cases[0], 32, 8, 128, 16, torch.bfloat16, "cuda")  # compiles this kind's kernels
+        with TritonCompiles() as compiles:
+            for seqs in cases[1:]:
+                out, ref, base = _step(seqs, 32, 8, 128, 16, torch.bfloat16, "cuda")
+                assert_close("out", out, ref, base)
+        assert compiles.available
+        attention = [c for c in compiles.names if "_paged_attention" in c]
+        assert not attention, f"{name}: {attention}"
+
+
 _OFFLINE_COMPILE = r"""
 import importlib, os, re, subprocess, tempfile
 import triton
