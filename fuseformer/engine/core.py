@@ -33,6 +33,7 @@ from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
 from fuseformer.engine.step_log import StepLog, StepRecord
 from fuseformer.models.config import ModelConfig
+from fuseformer.ops.paged_attention import config_query_lengths
 
 
 @dataclass(slots=True)
@@ -136,11 +137,14 @@ class EngineCore:
         waits for a kernel's compilation (Triton's JIT, autotune entries, cuBLAS heuristics): prefills of
         each power-of-two token bucket from 16 up to ``max_num_batched_tokens`` (the kernels' configs
         are chosen per bucket) and of one token less (Triton specializes on multiples of 16), decode
-        steps, a mixed step (a prefill chunk beside a decode), a prefill after a prefix-cache hit, and a
-        sampled, seeded request with top-k/top-p/min-p and logprobs. Afterwards nothing of it is left:
-        no request, every block free, no cached prefix, the step log and prefix-cache counters at zero,
-        torch's RNG states as they were (the sampler draws from them for the whole batch). Returns the
-        seconds it took (also ``warm_up_seconds``). Call it with no requests in the engine."""
+        steps, a mixed step (a prefill chunk beside a decode), prefills after a prefix-cache hit, and a
+        sampled, seeded request with top-k/top-p/min-p and logprobs. Paged attention's config buckets
+        (``config_query_lengths``) each get a prefill with a short context and one after a prefix hit
+        on the longest prompt (a long context: split-K where a lone sequence leaves the GPU idle).
+        Afterwards nothing of it is left: no request, every block free, no cached prefix, the step log
+        and prefix-cache counters at zero, torch's RNG states as they were (the sampler draws from them
+        for the whole batch). Returns the seconds it took (also ``warm_up_seconds``). Call it with no
+        requests in the engine."""
         if self.has_unfinished_requests():
             raise RuntimeError("EngineCore.warm_up: requests are in the engine; warm up before adding any")
         start = time.perf_counter()
@@ -152,6 +156,9 @@ class EngineCore:
             p *= 2
         if limit not in lengths:
             lengths.append(limit)
+        config = self.runner.config
+        query_lengths = config_query_lengths(config.num_attention_heads // config.num_key_value_heads)
+        lengths += sorted(n for n in query_lengths if n <= limit and n not in lengths)
         greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         counter = iter(range(10**9))
 
@@ -174,9 +181,11 @@ class EngineCore:
                 run([Request(f"warm-up-{n}", tokens, greedy)])
             run([Request("warm-up-decoding", prompt(min(limit, 40)), mixed)],
                 [Request("warm-up-arriving", prompt(min(limit, 24)), greedy)])  # fmt: skip
-            longest = prompts[-1]
-            if len(longest) > self.scheduler.config.block_size:  # its full blocks are cached now
-                run([Request("warm-up-prefix-hit", longest[:-1] + prompt(1), greedy)])
+            longest, bs = max(prompts, key=len), self.scheduler.config.block_size
+            for n in query_lengths:  # n new tokens after the longest prompt's cached full blocks
+                cached = (min(len(longest) - 1, limit - n) // bs) * bs
+                if cached > 0:
+                    run([Request(f"warm-up-prefix-hit-{n}", longest[:cached] + prompt(n), greedy)])
             run([Request("warm-up-sampled", prompt(min(limit, 8)), sampled)])
 
         self.scheduler.kv.reset_prefix_cache()

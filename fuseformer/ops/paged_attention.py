@@ -421,6 +421,19 @@ def _attn_config(
     return cfg
 
 
+def config_query_lengths(group: int) -> list[int]:
+    """One query length (a sequence's new tokens in a step) per launch-config bucket of ``_attn_config``
+    for GQA ``group`` (q heads per KV head): 1 (the decode bucket), then the shortest longer one that
+    reaches each of 16, 32, 64, 128 rows. An engine's warm-up runs a step of each, so that no request
+    waits for a bucket's compile."""
+    lengths = [1]
+    for rows in (16, 32, 64, 128):
+        n = max(2, rows // group)
+        if min(128, max(16, next_pow2(n * group))) == rows:
+            lengths.append(n)
+    return lengths
+
+
 # Split-K ("flash-decoding"): when all of a step's queries fit one tile per (sequence, KV group) and
 # those programs cannot fill the GPU (fewer than _SPLIT_FILL x SMs), each one's keys are split into
 # runs of at least _SPLIT_MIN_KEYS; a second kernel merges the fp32 partials by their log-sum-exp.

@@ -96,11 +96,12 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_nothing(model, async_schedul
             expected += fresh.step(processor)
 
         core = _core(model, async_scheduling=async_scheduling)
-        token_counts, kinds = [], set()
+        token_counts, kinds, hits = [], set(), set()
         log_step = EngineCore._log_step
 
         def spy(self, handle, wait_ms, post_ms):
             token_counts.append(handle.scheduler_output.num_batched_tokens)
+            hits.update((s.start_position, len(s.token_ids)) for s in handle.scheduler_output.scheduled if s.sample)
             kinds.update(
                 "hit"
                 if s.start_position > 0 and len(s.token_ids) > 1
@@ -117,8 +118,11 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_nothing(model, async_schedul
         assert core.warm_up() > 0 and core.warm_up_seconds > 0
         monkeypatch.undo()
         assert torch.equal(torch.get_rng_state(), rng)
-        # limit min(24 tokens a step, 64 - 2): 1, 15, 16, 24 tokens prefilled in one step each.
-        assert {1, 15, 16, 24} <= set(token_counts) and {"hit", "mixed"} <= kinds
+        # limit min(24 tokens a step, 64 - 2): 1, 15, 16, 24 tokens prefilled in one step each, and 8
+        # (paged attention's buckets at GQA group 2: 1, 8, 16, 32, 64 queries, those up to 24 run).
+        assert {1, 8, 15, 16, 24} <= set(token_counts) and {"hit", "mixed"} <= kinds
+        # The same after a prefix hit on the 24-token prompt's full blocks of 4: 20 + 1, 16 + 8, 8 + 16.
+        assert {(20, 1), (16, 8), (8, 16)} <= hits
         kv = core.scheduler.kv
         assert not core.has_unfinished_requests() and core.step_in_flight is None
         assert kv.pool.num_free_blocks == 39 and not kv.pool.cached
