@@ -522,7 +522,8 @@ def build(max_seqlen_q, split, fp8=False):
         consts.update(K_SCALE=None, V_SCALE=None)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("qk_scale", "softcap") else "i32")
            for n in K.arg_names}
-    aligned = [i for i, n in enumerate(K.arg_names) if n in ptrs or n.startswith("stride_")]
+    # As the JIT specializes them: the step-varying integers (do_not_specialize) carry no divisibility.
+    aligned = [i for i, n in enumerate(K.arg_names) if n in ptrs or (n.startswith("stride_") and n != "stride_bt")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     k = triton.compile(ASTSource(fn=K, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=opts)
