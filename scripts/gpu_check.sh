@@ -13,12 +13,13 @@
 #
 # serve (not part of all): the serving GPU tests and `fuseformer bench serve`, in one device call.
 #
-# engine (not part of all): one device call (~8 min) for issues 28-29: the engine's GPU tests (one process),
-# mixed steps with and without graph pieces (benchmarks/piecewise_steps.py), the structured-outputs cost
-# (benchmarks/structured_outputs_engine.py; needs llguidance: carry its wheel in .whl/, installed from there
-# when present), and the mix, prefix and fixed workloads with the defaults and the defaults without graph
-# pieces (benchmarks/engine_workloads.py; WORKLOADS=mix,prefix to shorten, WORKLOAD_FLAGS="--eager
-# --no-pieces" to add enforce_eager), JSON in OUT_DIR.
+# engine (not part of all): one device call (~8 min) for issues 28-29: the engine's GPU tests and paged
+# attention's compile count (one process), the structured-outputs cost (benchmarks/structured_outputs_engine.py;
+# needs llguidance: carry its wheel in .whl/, installed from there when present), and the mix, prefix and
+# fixed workloads with the defaults, each the first run of its engine, with the Triton kernels compiled inside
+# it (benchmarks/engine_workloads.py; WORKLOADS=mix,prefix to shorten, WORKLOAD_FLAGS="--eager --no-pieces"
+# to add enforce_eager and the defaults less graph pieces); PIECES=1 adds benchmarks/piecewise_steps.py
+# (mixed steps with and without graph pieces). JSON in OUT_DIR.
 #
 # fp8 (not part of all): issue 31 in one device call (~8 min): the FP8 GPU tests (the ops incl. weight-only
 # decode, the built-in model's accuracy, the FP8 KV cache, the 200-step FP8 training run) in one process;
@@ -100,9 +101,20 @@ fi
 if [[ "$stage" == engine ]]; then
     python3 -m pytest -q -m gpu -p no:randomly tests/engine 2>&1 | tee "$out/gpu-tests-engine.log" | tail -n 5
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-    OUT="$out" python3 benchmarks/piecewise_steps.py 2>&1 | grep -v Warn | tail -n 6 || status=1
-    python3 benchmarks/structured_outputs_engine.py --out "$out/structured_outputs_engine.json" 2>&1 | tail -n 5 || status=1
-    OUT="$out" python3 benchmarks/engine_workloads.py "${WORKLOADS:-mix,prefix,fixed}" ${WORKLOAD_FLAGS:---no-pieces} 2>&1 | grep -v Warn | tail -n 8 || status=1
+    python3 -m pytest -q -m gpu -p no:randomly tests/ops/test_paged_attention.py -k compiles_once 2>&1 | tail -n 3
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    if [[ -n "${PIECES:-}" ]]; then
+        OUT="$out" python3 benchmarks/piecewise_steps.py 2>&1 | grep -v Warn | tail -n 6 || status=1
+    fi
+    python3 benchmarks/structured_outputs_engine.py --out "$out/structured_outputs_engine.json" 2>&1 \
+        | grep -v -i warn | tail -n 10 || status=1
+    OUT="$out" python3 benchmarks/engine_workloads.py "${WORKLOADS:-mix,prefix,fixed}" ${WORKLOAD_FLAGS:-} 2>&1 \
+        | grep -v Warn | tail -n 8 || status=1
+    python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    print(r['workload'], r['impl'], round(r['output_tok_s']), 'compiled', len(r['triton_compiles']), r['triton_compiles'][:3])
+" "$out/workloads.json" || status=1
 fi
 if [[ "$stage" == optimize ]]; then
     python3 -m pytest -q -m gpu -p no:randomly tests/fusion 2>&1 | tee "$out/gpu-tests-fusion.log" | tail -n 5
