@@ -74,7 +74,7 @@ def _print_profile(prof: cProfile.Profile, seconds: float) -> None:
 def run(
     llm, prompts: list[list[int]], out_len: int, constrained: set[int], profile: bool = False, schema: dict = SCHEMA
 ) -> dict:
-    from fuseformer.bench.engine import TritonCompiles
+    from fuseformer.bench.engine import GcPauses, TritonCompiles
     from fuseformer.engine.sampling_params import SamplingParams
     from fuseformer.engine.step_log import summarize, totals_since
     from fuseformer.engine.structured_outputs import StructuredOutputsParams
@@ -95,7 +95,7 @@ def run(
     log = llm.core.step_log
     kinds_before, count_before = log.totals(), log.count
     prof = cProfile.Profile() if profile else None
-    with TritonCompiles() as compiles:
+    with TritonCompiles() as compiles, GcPauses() as pauses:
         start = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -134,6 +134,7 @@ def run(
         mask_ms_top=[round(m, 2) for m in sorted(masked)[-8:]],
         slowest_launches=[(r.kind, r.tokens, r.seqs, round(r.launch_ms, 1)) for r in slowest],
         triton_compiles=compiles.names,
+        gc=pauses.record(),
         invalid=bad,
         sample=outs[min(constrained)].outputs[0].text[:200] if constrained else None,
     )
@@ -191,7 +192,7 @@ def main() -> None:
         print(f"{name:<18} {r['output_tok_s']:>9.0f} out tok/s  {r['seconds']:.2f} s  invalid {len(r['invalid'])}"
               f"  {steps} steps, mask {1e3 * mask / steps:.2f} ms a step (p50 {mask_p.get('p50')}, p90"
               f" {r['mask_ms_p90']}, max {mask_p.get('max')}), host waited {1e3 * wait / steps:.2f}"
-              f"  compiled {len(r['triton_compiles'])}  slowest launches {r['slowest_launches'][-2:]}")  # fmt: skip
+              f"  compiled {len(r['triton_compiles'])}  gc {r['gc']}  slowest launches {r['slowest_launches'][-2:]}")  # fmt: skip
     costs: dict[str, list[float]] = {}
     for i, r in enumerate(records):
         if r["constrained"]:

@@ -92,3 +92,16 @@ def test_triton_compiles_records_through_the_hook_and_restores_it():
              is_manual_warmup=False, already_compiled=False)  # fmt: skip
     assert knobs.runtime.jit_post_compile_hook is before
     assert compiles.available and compiles.names == ["_kernel[num_warps=4](X: *bf16, n: i32)"]
+
+
+def test_gc_pauses_counts_collections_by_generation():
+    import gc
+
+    from fuseformer.bench.engine import GcPauses
+
+    with GcPauses() as pauses:
+        gc.collect(0)
+        gc.collect(2)
+    assert pauses.counts[0] >= 1 and pauses.counts[2] >= 1 and all(s >= 0 for s in pauses.seconds)
+    assert pauses._callback not in gc.callbacks
+    assert pauses.record()["counts"] == pauses.counts
