@@ -20,7 +20,7 @@ import fuseformer
 from fuseformer.engine.llm import LLM
 from fuseformer.engine.outputs import Logprob, RequestOutput
 from fuseformer.engine.sampling_params import SamplingParams
-from fuseformer.testing import save_tiny_tokenizer
+from fuseformer.testing import save_tiny_tokenizer, tiny_llama
 
 _BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
 # name -> (HF model class, config class, arguments): GQA, tied/untied, QKV bias, q/k norm, sliding window.
@@ -686,3 +686,43 @@ def test_batch_limits_are_vllms_defaults(monkeypatch, checkpoint):
 
     served = build_parser().parse_args(["serve"])
     assert (served.max_num_seqs, served.max_num_batched_tokens) == (None, 8192)
+
+
+def test_generate_freezes_the_heap_for_its_step_loop_only(monkeypatch):
+    """The objects alive when generate's step loop starts are out of the cyclic collector during the
+    loop (gc.freeze: a full collection does not walk them) and back after it, also when a step raises;
+    a process that froze objects itself is left as it is."""
+    import gc
+
+    model, _ = tiny_llama()
+    llm = LLM(model, num_kv_blocks=64, block_size=4, max_model_len=64)
+    seen = []
+    real_step = LLM.step
+
+    def step(self):
+        seen.append(gc.get_freeze_count())
+        return real_step(self)
+
+    monkeypatch.setattr(LLM, "step", step)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with fuseformer.use_backend("reference"):
+        assert gc.get_freeze_count() == 0
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)
+        assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+
+        def failing(self):
+            raise RuntimeError("step failed")
+
+        monkeypatch.setattr(LLM, "step", failing)
+        with pytest.raises(RuntimeError, match="step failed"):
+            llm.generate([[1, 2, 3]], params, use_tqdm=False)
+        assert gc.get_freeze_count() == 0
+        monkeypatch.setattr(LLM, "step", step)
+        gc.freeze()  # as `fuseformer serve` does
+        try:
+            frozen, seen[:] = gc.get_freeze_count(), []
+            llm.generate([[1, 2, 3]], params, use_tqdm=False)
+            # Nothing more frozen (the count only falls, as frozen objects are freed), nothing unfrozen.
+            assert 0 < min(seen) and max(seen) <= frozen and 0 < gc.get_freeze_count() <= frozen
+        finally:
+            gc.unfreeze()
