@@ -5,7 +5,7 @@ The model: the Llama-3-8B shape with random bf16 weights (``fuseformer.bench.eng
 (a directory: the CPU smoke run uses the built-in model). The tokenizer for the random model: a 128,000-
 token byte-level BPE trained here on the standard library's sources (``structured_outputs.py``'s
 ``trained_tokenizer_dir``: nothing is downloaded), so the grammar library's work per mask is that of a
-real vocabulary of the model's size. Every request samples (temperature 1, its own seed) with
+real vocabulary of the model's size. Every request samples (temperature 1, its own seed unless ``--unseeded``) with
 ``ignore_eos`` and ``max_tokens`` 256, so both runs produce the same number of tokens: a constrained
 request whose JSON is complete samples EOS (the only token its grammar allows) until its 256th.
 
@@ -18,7 +18,7 @@ Each run records its steps by kind, its five longest launches and the Triton ker
 (a compile in a timed run is a kernel the warm-up missed).
 Every constrained output must parse and validate (``jsonschema``, when installed).
 
-    python benchmarks/structured_outputs_engine.py [--out FILE] [--model DIR] [--scale 1.0]
+    python benchmarks/structured_outputs_engine.py [--out FILE] [--model DIR] [--scale 1.0] [--unseeded] [--profile]
 """
 
 from __future__ import annotations
@@ -72,7 +72,13 @@ def _print_profile(prof: cProfile.Profile, seconds: float) -> None:
 
 
 def run(
-    llm, prompts: list[list[int]], out_len: int, constrained: set[int], profile: bool = False, schema: dict = SCHEMA
+    llm,
+    prompts: list[list[int]],
+    out_len: int,
+    constrained: set[int],
+    profile: bool = False,
+    schema: dict = SCHEMA,
+    seeded: bool = True,
 ) -> dict:
     from fuseformer.bench.engine import GcPauses, TritonCompiles
     from fuseformer.engine.sampling_params import SamplingParams
@@ -83,7 +89,7 @@ def run(
     params = [
         SamplingParams(
             temperature=1.0,
-            seed=i,
+            seed=i if seeded else None,
             max_tokens=out_len,
             ignore_eos=True,
             structured_outputs=spec if i in constrained else None,
@@ -146,6 +152,11 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a model directory (default: the 8B shape, random)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrinks requests and lengths (smoke runs)")
     parser.add_argument("--profile", action="store_true", help="cProfile each run: the host's time and its waits")
+    parser.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="no per-request seeds (the sampler then draws every row's noise in one launch, not one a seeded row)",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from fuseformer.engine.llm import LLM
@@ -183,7 +194,7 @@ def main() -> None:
     ]
     records = []
     for name, constrained, schema in runs:
-        r = run(llm, prompts, length, constrained, args.profile, schema)
+        r = run(llm, prompts, length, constrained, args.profile, schema, seeded=not args.unseeded)
         r["run"] = name
         records.append(r)
         kinds = r["step_kinds"].values()
@@ -207,6 +218,7 @@ def main() -> None:
         torch=torch.__version__,
         requests=n,
         length=length,
+        seeded=not args.unseeded,
         setup_s=setup_s,
         runs=records,
         cost_pct=cost,
