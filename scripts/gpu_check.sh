@@ -14,7 +14,8 @@
 # serve (not part of all): the serving GPU tests and `fuseformer bench serve`, in one device call.
 #
 # engine (not part of all): one device call (~8 min) for issues 28-29: the engine's GPU tests and paged
-# attention's compile count (one process), the structured-outputs cost (benchmarks/structured_outputs_engine.py;
+# attention's compile count (one process), seeded sampling's per-row generators against a batched kernel
+# (benchmarks/seeded_sampling.py), the structured-outputs cost (benchmarks/structured_outputs_engine.py;
 # needs llguidance: carry its wheel in .whl/, installed from there when present), and the mix, prefix and
 # fixed workloads with the defaults, each the first run of its engine, with the Triton kernels compiled inside
 # it (benchmarks/engine_workloads.py; WORKLOADS=mix,prefix to shorten, WORKLOAD_FLAGS="--eager --no-pieces"
@@ -106,6 +107,7 @@ if [[ "$stage" == engine ]]; then
     if [[ -n "${PIECES:-}" ]]; then
         OUT="$out" python3 benchmarks/piecewise_steps.py 2>&1 | grep -v Warn | tail -n 6 || status=1
     fi
+    python3 benchmarks/seeded_sampling.py --check --out "$out/seeded_sampling.json" 2>&1 | tail -n 4 || status=1
     python3 benchmarks/structured_outputs_engine.py --out "$out/structured_outputs_engine.json" 2>&1 \
         | grep -v -i warn | tail -n 10 || status=1
     OUT="$out" python3 benchmarks/engine_workloads.py "${WORKLOADS:-mix,prefix,fixed}" ${WORKLOAD_FLAGS:-} 2>&1 \
