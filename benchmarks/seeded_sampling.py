@@ -9,7 +9,9 @@ row's seed at the row's token position (``tl.randint``), and fuses the race: one
 its probabilities once and keeps the running best, one launch in all.
 
 Timed (CUDA): wall ms per call as a host-bound loop sees it (launches included; ``--calls`` calls, one
-sync), and ``do_bench``'s median of the device time, for 256 rows of 128,256 tokens, all seeded.
+sync), and ``do_bench``'s median of the device time, for 256 rows of 128,256 tokens at temperature 1: the
+engine's ``sample`` with every row seeded and with none (its metadata built once, as a step builds it),
+and the prototype after the same softmax.
 ``--check`` (CPU with ``TRITON_INTERPRET=1``, or CUDA) checks the prototype's draws: the same seed and
 position give the same token whatever the batch, and over many positions the tokens follow ``probs``
 (chi-square over a small vocabulary).
@@ -61,14 +63,6 @@ def seeded_race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
     return out
 
 
-def per_row_generators(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """The engine's way today: batch noise, then each seeded row's own draw, then the race."""
-    q = torch.empty_like(probs).exponential_()
-    for row, gen in enumerate(generators):
-        q[row].exponential_(generator=gen)
-    return (probs / q).argmax(dim=-1)
-
-
 def _wall_ms(fn, calls: int, device: str) -> float:
     fn()
     if device == "cuda":
@@ -118,18 +112,21 @@ def main() -> None:
         result["check"] = check(device)
         print("check:", result["check"])
     if device == "cuda":
+        from fuseformer.engine.sampler import SamplingMetadata, make_generator, sample
+        from fuseformer.engine.sampling_params import SamplingParams
+
         gen = torch.Generator(device=device).manual_seed(0)
         logits = torch.randn(args.rows, args.vocab, device=device, generator=gen) * 3
-        probs = logits.softmax(dim=-1)
-        generators = [torch.Generator(device=device).manual_seed(i) for i in range(args.rows)]
+        params = [SamplingParams(temperature=1.0, seed=i) for i in range(args.rows)]
+        generators = [make_generator(i, device) for i in range(args.rows)]
+        seeded = SamplingMetadata.build(params, vocab_size=args.vocab, device=device, generators=generators)
+        unseeded = SamplingMetadata.build(params, vocab_size=args.vocab, device=device)
         seeds = torch.arange(args.rows, dtype=torch.int64, device=device)
         positions = torch.full((args.rows,), 300, dtype=torch.int64, device=device)
         cases = {
-            "per-row generators (the engine's sampler)": lambda: per_row_generators(probs, generators),
-            "batched seeded race (prototype)": lambda: seeded_race(probs, seeds, positions),
-            "unseeded: one exponential_ (reference point)": lambda: (
-                probs / torch.empty_like(probs).exponential_()
-            ).argmax(-1),
+            "engine sample(), every row seeded": lambda: sample(logits, seeded),
+            "engine sample(), unseeded": lambda: sample(logits, unseeded),
+            "softmax + batched seeded race (prototype)": lambda: seeded_race(logits.softmax(-1), seeds, positions),
         }
         for name, fn in cases.items():
             wall = _wall_ms(fn, args.calls, device)
