@@ -80,9 +80,9 @@ def run(
     schema: dict = SCHEMA,
     seeded: bool = True,
 ) -> dict:
-    from fuseformer.bench.engine import GcPauses, TritonCompiles
+    from fuseformer.bench.engine import timed_generate
     from fuseformer.engine.sampling_params import SamplingParams
-    from fuseformer.engine.step_log import summarize, totals_since
+    from fuseformer.engine.step_log import summarize
     from fuseformer.engine.structured_outputs import StructuredOutputsParams
 
     spec = StructuredOutputsParams(json=schema)
@@ -96,19 +96,11 @@ def run(
         )
         for i in range(len(prompts))
     ]
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    log = llm.core.step_log
-    kinds_before, count_before = log.totals(), log.count
     prof = cProfile.Profile() if profile else None
-    with TritonCompiles() as compiles, GcPauses() as pauses:
-        start = time.perf_counter()
-        if prof is not None:
-            prof.enable()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+    if prof is not None:
+        prof.enable()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    outs, seconds, measured, records = timed_generate(llm, prompts, params, device)
     if prof is not None:
         prof.disable()
         _print_profile(prof, seconds)
@@ -126,21 +118,16 @@ def run(
                 jsonschema.validate(value, schema)
         except Exception as exc:  # recorded: the criterion is that every one parses
             bad.append(f"{i}: {type(exc).__name__}: {text[:120]!r}")
-    records = log.since(count_before)
-    slowest = sorted(records, key=lambda r: r.launch_ms)[-5:]
     masked = [r.mask_ms for r in records if r.mask_ms is not None]
     return dict(
         constrained=len(constrained),
         seconds=seconds,
         output_tokens=tokens,
         output_tok_s=tokens / seconds,
-        step_kinds=totals_since(log.totals(), kinds_before),
+        **measured,  # steps by kind, slowest launches, compiles, collections
         steps=summarize(records),  # p50 and max of each interval, ms
         mask_ms_p90=round(sorted(masked)[int(0.9 * (len(masked) - 1))], 2) if masked else None,
         mask_ms_top=[round(m, 2) for m in sorted(masked)[-8:]],
-        slowest_launches=[(r.kind, r.tokens, r.seqs, round(r.launch_ms, 1)) for r in slowest],
-        triton_compiles=compiles.names,
-        gc=pauses.record(),
         invalid=bad,
         sample=outs[min(constrained)].outputs[0].text[:200] if constrained else None,
     )

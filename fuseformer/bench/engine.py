@@ -156,6 +156,32 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def timed_generate(llm: Any, prompts: list, params: Any, device: str) -> tuple[list, float, Record, list]:
+    """``llm.generate`` as a benchmark times it: (outputs, seconds, record, the run's StepRecords). The
+    record holds the run's steps by kind (where the time went), its five longest launches (a kernel
+    compiled inside the run shows there), the Triton kernels compiled inside it (the warm-up missed
+    them) and Python's collections by generation."""
+    log = llm.core.step_log
+    kinds_before, count_before = log.totals(), log.count
+    _sync(device)
+    with TritonCompiles() as compiles, GcPauses() as pauses:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        _sync(device)
+        seconds = time.perf_counter() - start
+    records = log.since(count_before)
+    slowest = sorted(records, key=lambda r: r.launch_ms)[-5:]
+    record = dict(
+        step_kinds=totals_since(log.totals(), kinds_before),
+        slowest_launches=[
+            dict(kind=r.kind, tokens=r.tokens, seqs=r.seqs, launch_ms=round(r.launch_ms, 2)) for r in slowest
+        ],
+        triton_compiles=compiles.names,
+        gc=pauses.record(),
+    )
+    return outs, seconds, record, records
+
+
 def _record(impl: str, case: dict, **fields: Any) -> Record:
     return {"bench": "engine", "impl": impl, **case, **fields}
 
@@ -224,22 +250,9 @@ def _run_ours(
         replays_before = sum(graphs.replays.values()) if graphs is not None else 0
         pieces_before = sum(pieces.replays.values()) if pieces is not None else 0
         steps_before, ahead_before = core.runner.num_steps, core.num_steps_ahead
-        kinds_before, count_before = core.step_log.totals(), core.step_log.count
-        _sync(device)
-        with TritonCompiles() as compiles, GcPauses() as pauses:
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            _sync(device)
-            seconds = time.perf_counter() - start
-        extra["triton_compiles"] = compiles.names
-        extra["gc"] = pauses.record()
+        outs, seconds, measured, _ = timed_generate(llm, prompts, params, device)
+        extra |= measured
         extra["steps"] = core.runner.num_steps - steps_before
-        extra["step_kinds"] = totals_since(core.step_log.totals(), kinds_before)  # where the time went
-        # The longest launches (a kernel compiled inside the run shows here: the warm-up missed it).
-        slowest = sorted(core.step_log.since(count_before), key=lambda r: r.launch_ms)[-5:]
-        extra["slowest_launches"] = [
-            dict(kind=r.kind, tokens=r.tokens, seqs=r.seqs, launch_ms=round(r.launch_ms, 2)) for r in slowest
-        ]
         if len(prompts) == 1:  # the first request after start against a later one (issue 28: within 1.5x)
             vocab = model.config.vocab_size
             later = [[(t + 1) % vocab for t in prompts[0]]]  # other tokens: no prefix-cache hit
