@@ -412,13 +412,18 @@ def _attn_config(
     (or default) config of its bucket, then the fields of an explicit ``config``, then HEADS from BLOCK_M.
     ``kv_element_size``: the caches' (default q's ``element_size``; 1 for e4m3)."""
     block_d = max(16, next_pow2(head_dim))
-    rows = min(128, max(16, next_pow2(max_seqlen_q * group)))
+    rows = _config_rows(max_seqlen_q, group)
     decode = max_seqlen_q == 1
     kv_size = element_size if kv_element_size is None else kv_element_size
     cfg = dict(_cached_config(decode, rows, block_d, element_size, kv_size, device))
     cfg.update(config or {})
     cfg["HEADS"] = min(group, cfg["BLOCK_M"])
     return cfg
+
+
+def _config_rows(max_seqlen_q: int, group: int) -> int:
+    """The config bucket of a step: its tile's (query, q head) rows, 16 to 128."""
+    return min(128, max(16, next_pow2(max_seqlen_q * group)))
 
 
 def config_query_lengths(group: int) -> list[int]:
@@ -429,7 +434,7 @@ def config_query_lengths(group: int) -> list[int]:
     lengths = [1]
     for rows in (16, 32, 64, 128):
         n = max(2, rows // group)
-        if min(128, max(16, next_pow2(n * group))) == rows:
+        if _config_rows(n, group) == rows:
             lengths.append(n)
     return lengths
 
