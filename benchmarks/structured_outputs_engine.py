@@ -191,6 +191,7 @@ def main() -> None:
               f"  {steps} steps, mask {1e3 * mask / steps:.2f} ms a step (p50 {mask_p.get('p50')}, p90"
               f" {r['mask_ms_p90']}, max {mask_p.get('max')}), host waited {1e3 * wait / steps:.2f}"
               f"  compiled {len(r['triton_compiles'])}  gc {r['gc']}  slowest launches {r['slowest_launches'][-2:]}")  # fmt: skip
+        print("  step p50 ms: " + ", ".join(f"{k[:-3]} {v['p50']}" for k, v in r["steps"].items()))
     costs: dict[str, list[float]] = {}
     for i, r in enumerate(records):
         if r["constrained"]:
