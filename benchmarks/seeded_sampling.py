@@ -27,40 +27,14 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
-
-@triton.jit
-def _seeded_race_kernel(PROBS, SEEDS, POSITIONS, OUT, stride, V, BLOCK: tl.constexpr):
-    # One program per row: noise q = -log(u), u in (0, 1) from Philox(seed, position * V + token);
-    # the sampled token is argmax(probs / q) over the row, computed block by block.
-    row = tl.program_id(0)
-    seed = tl.load(SEEDS + row)
-    base = tl.load(POSITIONS + row).to(tl.int64) * V
-    best = tl.full([BLOCK], -1.0, tl.float32)
-    best_idx = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        ok = cols < V
-        p = tl.load(PROBS + row.to(tl.int64) * stride + cols, mask=ok, other=0.0).to(tl.float32)
-        bits = tl.randint(seed, (base + cols).to(tl.uint32))  # 32 random bits per token
-        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # (0, 1), never 0 or 1
-        score = p / -tl.log(u)
-        score = tl.where(ok, score, -1.0)
-        take = score > best
-        best = tl.where(take, score, best)
-        best_idx = tl.where(take, cols, best_idx)
-    m = tl.max(best, 0)
-    idx = tl.min(tl.where(best == m, best_idx, 2147483647), 0)
-    tl.store(OUT + row, idx)
+from fuseformer.ops.sampling import gumbel_sample
 
 
 def seeded_race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """(N, V) probabilities, (N,) int64 seeds and token positions -> (N,) int32 sampled tokens."""
-    n, v = probs.shape
-    out = torch.empty(n, dtype=torch.int32, device=probs.device)
-    _seeded_race_kernel[(n,)](probs, seeds, positions, out, probs.stride(0), v, BLOCK=1024, num_warps=4)
-    return out
+    """The package's op on probabilities (log-probs + Gumbel noise: the same race as probs / q)."""
+    t = torch.ones(probs.shape[0], dtype=torch.float32, device=probs.device)
+    return gumbel_sample(probs.log(), t, seeds, positions)
 
 
 def _wall_ms(fn, calls: int, device: str) -> float:
@@ -123,10 +97,14 @@ def main() -> None:
         unseeded = SamplingMetadata.build(params, vocab_size=args.vocab, device=device)
         seeds = torch.arange(args.rows, dtype=torch.int64, device=device)
         positions = torch.full((args.rows,), 300, dtype=torch.int64, device=device)
+        ones = torch.ones(args.rows, dtype=torch.float32, device=device)
+        logits_bf16 = logits.bfloat16()
         cases = {
             "engine sample(), every row seeded": lambda: sample(logits, seeded),
             "engine sample(), unseeded": lambda: sample(logits, unseeded),
             "softmax + batched seeded race (prototype)": lambda: seeded_race(logits.softmax(-1), seeds, positions),
+            "gumbel_sample op on the logits": lambda: gumbel_sample(logits, ones, seeds, positions),
+            "gumbel_sample op on bf16 logits": lambda: gumbel_sample(logits_bf16, ones, seeds, positions),
         }
         for name, fn in cases.items():
             wall = _wall_ms(fn, args.calls, device)
