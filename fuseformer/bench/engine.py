@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -71,14 +72,19 @@ class GcPauses:
     def __init__(self) -> None:
         self.counts = [0, 0, 0]
         self.seconds = [0.0, 0.0, 0.0]
+        self.full: list[dict] = []  # each full collection: ms, the objects frozen then, the thread
         self._start = 0.0
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._start = time.perf_counter()
-        else:
-            self.counts[info["generation"]] += 1
-            self.seconds[info["generation"]] += time.perf_counter() - self._start
+            return
+        seconds = time.perf_counter() - self._start
+        self.counts[info["generation"]] += 1
+        self.seconds[info["generation"]] += seconds
+        if info["generation"] == 2:
+            name = threading.current_thread().name
+            self.full.append(dict(ms=round(1e3 * seconds, 1), frozen=gc.get_freeze_count(), thread=name))
 
     def __enter__(self) -> GcPauses:
         gc.callbacks.append(self._callback)
@@ -88,7 +94,7 @@ class GcPauses:
         gc.callbacks.remove(self._callback)
 
     def record(self) -> Record:
-        return dict(counts=self.counts, ms=[round(1e3 * s, 1) for s in self.seconds])
+        return dict(counts=self.counts, ms=[round(1e3 * s, 1) for s in self.seconds], full=self.full)
 
 
 WORKLOADS = ("batch1", "fixed", "mix", "prefix")

@@ -18,6 +18,7 @@ from fuseformer.ops.reshape_and_cache import reshape_and_cache, reshape_and_cach
 from fuseformer.ops.rms_norm import rms_norm, rms_norm_ref
 from fuseformer.ops.rms_norm_quant import rms_norm_quant_fp8, rms_norm_quant_fp8_ref
 from fuseformer.ops.rotary import apply_rotary, apply_rotary_ref
+from fuseformer.ops.sampling import gumbel_sample, gumbel_sample_ref
 
 # Every public op, in the order ``fuseformer info`` lists them.
 OPS = (
@@ -38,6 +39,7 @@ OPS = (
     "fp8_gemm_glu",
     "fp8_weight_gemm",
     "fp8_weight_mlp",
+    "gumbel_sample",
 )
 
 __all__ = [
@@ -63,6 +65,8 @@ __all__ = [
     "fused_mlp_ref",
     "geglu",
     "geglu_ref",
+    "gumbel_sample",
+    "gumbel_sample_ref",
     "layer_norm",
     "layer_norm_ref",
     "paged_attention",

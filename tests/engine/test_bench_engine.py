@@ -105,3 +105,5 @@ def test_gc_pauses_counts_collections_by_generation():
     assert pauses.counts[0] >= 1 and pauses.counts[2] >= 1 and all(s >= 0 for s in pauses.seconds)
     assert pauses._callback not in gc.callbacks
     assert pauses.record()["counts"] == pauses.counts
+    full = pauses.record()["full"]
+    assert len(full) == pauses.counts[2] and full[-1]["thread"] == "MainThread" and full[-1]["frozen"] == 0
