@@ -14,7 +14,7 @@
 # serve (not part of all): the serving GPU tests and `fuseformer bench serve`, in one device call.
 #
 # engine (not part of all): one device call (~8 min) for issues 28-29: the engine's GPU tests and paged
-# attention's compile count (one process), seeded sampling's per-row generators against a batched kernel
+# attention's compile count and the sampling op (one process), the sampler's draw with and without seeds
 # (benchmarks/seeded_sampling.py), the structured-outputs cost (benchmarks/structured_outputs_engine.py;
 # needs llguidance: carry its wheel in .whl/, installed from there when present), and the mix, prefix and
 # fixed workloads with the defaults, each the first run of its engine, with the Triton kernels compiled inside
@@ -102,14 +102,15 @@ fi
 if [[ "$stage" == engine ]]; then
     python3 -m pytest -q -m gpu -p no:randomly tests/engine 2>&1 | tee "$out/gpu-tests-engine.log" | tail -n 5
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-    python3 -m pytest -q -m gpu -p no:randomly tests/ops/test_paged_attention.py -k compiles_once 2>&1 | tail -n 3
+    python3 -m pytest -q -m gpu -p no:randomly --tb=short tests/ops/test_paged_attention.py tests/ops/test_sampling.py \
+        -k "compiles_once or sampling" 2>&1 | tail -n 25
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     if [[ -n "${PIECES:-}" ]]; then
         OUT="$out" python3 benchmarks/piecewise_steps.py 2>&1 | grep -v Warn | tail -n 6 || status=1
     fi
-    python3 benchmarks/seeded_sampling.py --check --out "$out/seeded_sampling.json" 2>&1 | tail -n 4 || status=1
+    python3 benchmarks/seeded_sampling.py --out "$out/seeded_sampling.json" 2>&1 | tail -n 3 || status=1
     python3 benchmarks/structured_outputs_engine.py --out "$out/structured_outputs_engine.json" 2>&1 \
-        | grep -v -i warn | tail -n 10 || status=1
+        | grep -v -i warn | tail -n 17 || status=1
     OUT="$out" python3 benchmarks/engine_workloads.py "${WORKLOADS:-mix,prefix,fixed}" ${WORKLOAD_FLAGS:-} 2>&1 \
         | grep -v Warn | tail -n 8 || status=1
     python3 -c "

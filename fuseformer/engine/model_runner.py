@@ -1,7 +1,7 @@
 """ModelRunner: runs one scheduled step of the model over the paged KV cache and samples.
 
-It owns the per-layer K/V caches, allocated once (``[num_blocks, block_size, Hkv, D]`` each), and
-the seeded requests' ``torch.Generator``s. ``execute`` flattens the step's scheduled tokens into one
+It owns the per-layer K/V caches, allocated once (``[num_blocks, block_size, Hkv, D]`` each).
+``execute`` flattens the step's scheduled tokens into one
 varlen batch (input ids, positions, ``cu_seqlens_q``, context lengths, slot mapping, block tables),
 runs the model, computes logits only for the rows that sample (each request's last scheduled token
 when it reaches the end of its sequence), and samples on the device.
@@ -35,7 +35,6 @@ from fuseformer.engine.outputs import PositionLogprobs
 from fuseformer.engine.request import RequestStatus
 from fuseformer.engine.sampler import (
     SamplingMetadata,
-    make_generator,
     position_logprobs,
     prompt_logprobs,
     sample,
@@ -124,6 +123,7 @@ class LaunchedStep:
     # and ms the host waited for it (all of the fill when not started ahead by ``start_sampling``).
     mask_ms: float | None = None
     mask_wait_ms: float | None = None
+    positions: list[int] | None = None  # each sampling request's sampled token's position
 
     def ready(self) -> bool:
         """The device work has finished (always, off CUDA)."""
@@ -223,7 +223,6 @@ class ModelRunner:
         shape = config.kv_cache_shape(self.num_blocks, self.block_size)
         kw = dict(dtype=self.kv_cache_dtype, device=self.device)
         self.kv_caches = [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in range(config.num_hidden_layers)]
-        self.generators: dict[str, torch.Generator] = {}  # seeded requests' RNGs, by request id
         self.decode_graphs: DecodeGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
         self.num_steps = 0  # non-empty steps run (graph replays: decode_graphs.replays, piecewise_graphs.replays)
@@ -512,14 +511,14 @@ class ModelRunner:
         tokens are rows of ``prev_tokens`` (the step in flight's ``LaunchedStep.output.sampled_token_ids``).
         A step with ``deferred_sampling`` enqueues its forward and logits only: ``launch_sampling``
         enqueues its sampler once the requests' outputs hold the previous step's tokens."""
-        for rid in scheduler_output.finished_request_ids:
-            self.generators.pop(rid, None)
         if scheduler_output.is_empty:
             return LaunchedStep([], [], None, None, False)
         hidden, sample_rows, how = self._forward(scheduler_output, prev_tokens)
         graphed, pieces = how == "graph", how == "pieces"
         prompt = self._prompt_logprobs(scheduler_output, hidden)
         sampling = [s.request for s in scheduler_output.scheduled if s.sample]
+        # Each sampled token's position: the key of a seeded request's draw (sampler.py).
+        positions = [s.start_position + len(s.token_ids) for s in scheduler_output.scheduled if s.sample]
         if not sampling:
             done = None
             if prompt is not None and self.device.type == "cuda":
@@ -531,7 +530,9 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden, to_device(torch.tensor(sample_rows), self.device))
         params = [r.sampling_params for r in sampling]
-        step = LaunchedStep(sampling, params, None, None, graphed, pieces, prompt=prompt, logits=logits)
+        step = LaunchedStep(
+            sampling, params, None, None, graphed, pieces, prompt=prompt, logits=logits, positions=positions
+        )
         if not scheduler_output.deferred_sampling:
             self.launch_sampling(step)
         return step
@@ -553,16 +554,13 @@ class ModelRunner:
         if logits is None:
             raise RuntimeError("launch_sampling: the step has no logits waiting (sampled already?)")
         sampling, params = step.requests, step.params
-        generators = [
-            self._generator(r.request_id, p.seed) if p.seed is not None else None for r, p in zip(sampling, params)
-        ]
         md = SamplingMetadata.build(
             params,
             vocab_size=logits.shape[-1],
             device=self.device,
             prompt_token_ids=[r.prompt_token_ids for r in sampling],
             output_token_ids=[r.output_token_ids for r in sampling],
-            generators=generators,
+            positions=step.positions,
             eos_token_ids=[r.eos_token_ids for r in sampling],
             bad_words_token_ids=[r.bad_words_token_ids for r in sampling],
         )
@@ -671,9 +669,3 @@ class ModelRunner:
         if len(rows) == len(sampling):
             return bitmask, None
         return bitmask, to_device(torch.tensor(rows, dtype=torch.int64), self.device)
-
-    def _generator(self, request_id: str, seed: int) -> torch.Generator:
-        gen = self.generators.get(request_id)
-        if gen is None:
-            gen = self.generators[request_id] = make_generator(seed, self.device)
-        return gen

@@ -17,10 +17,16 @@ the bad words whose other tokens end its output) and applied on the device as on
 one (N, V) bias, built there by a scatter of those (row, token) pairs: nothing loops over the
 vocabulary, and a batch where no row uses them pays nothing.
 
-The draw is ``argmax(probs / q)`` with ``q ~ Exponential(1)`` (the Gumbel-max trick in another form):
-the whole batch in one kernel from the global RNG, except seeded rows, whose ``q`` comes from their
-own ``torch.Generator``: their tokens then depend only on the seed and the row's logits, not on the
-batch they share. That is the only per-row Python loop, and only over seeded rows.
+The draw is the Gumbel-max trick: ``argmax(logits / T + g)`` with ``g = -log(-log u)``, a draw from
+softmax(logits / T). On CUDA the whole batch is one kernel
+(``ops.sampling.gumbel_sample``) whose noise comes from Philox keyed by a seed and counted by a position:
+a seeded row passes its request's seed and the position of the token it samples, so its tokens depend
+only on the seed, the position and the row's logits, not on the batch they share or on the steps
+before; unseeded rows share one fresh seed a step (from torch's global CPU generator: ``LLM(seed=...)``
+fixes them) with their row as position. Elsewhere (CPU tensors, the reference forced) the same race
+runs on torch's RNG, ``argmax(probs / q)`` with ``q ~ Exponential(1)``: one ``exponential_`` over the
+batch, and a seeded row's ``q`` from a generator seeded by its (seed, position): the same guarantee,
+other draws than the kernel's.
 """
 
 from __future__ import annotations
@@ -33,11 +39,22 @@ import torch
 from fuseformer.engine.outputs import Logprob, PositionLogprobs
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.structured_outputs import apply_token_bitmask_
+from fuseformer.ops.sampling import gumbel_sample
+from fuseformer.runtime.backend import choose_backend
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """The RNG of one seeded request; keep it for the request's life (it advances one draw per token)."""
-    return torch.Generator(device=device).manual_seed(seed)
+def seed_bits(seed: int) -> int:
+    """A request's seed (in [-2**63, 2**64)) as the int64 holding its 64 bits (the kernel's key)."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
+def _generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """torch's RNG for a seeded row's draw at ``position`` (the path off the kernel): seeded by a
+    splitmix64 of (seed, position), so each position's noise is its own and the batch plays no part."""
+    z = (seed_bits(seed) * 0x9E3779B97F4A7C15 + position + 1) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return torch.Generator(device=device).manual_seed(z ^ (z >> 31))
 
 
 @dataclass(slots=True)
@@ -53,7 +70,10 @@ class SamplingMetadata:
         repetition_penalty, presence_penalty, frequency_penalty: (N,) fp32.
         prompt_token_ids, output_token_ids: (N, L) int64, padded with vocab_size (rows without
             penalties are all padding).
-        generators: row -> generator of a seeded non-greedy row.
+        seeds, positions: (N,) int64, each row's noise key and counter for ``gumbel_sample``: a seeded
+            row's seed (``seed_bits``) and its sampled token's position; unseeded rows the step's seed
+            and their row. None when every row is greedy.
+        seeded: row -> (seed, position) of each seeded non-greedy row (the draw off the kernel).
         max_num_logprobs: the largest ``logprobs`` asked by a row, or None.
         banned: (N, V) bool, True where a row may not sample the token (outside its
             ``allowed_token_ids``, a ``bad_words`` ban, EOS and stop ids below ``min_tokens``).
@@ -75,7 +95,9 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None = None
     prompt_token_ids: torch.Tensor | None = None
     output_token_ids: torch.Tensor | None = None
-    generators: dict[int, torch.Generator] | None = None
+    seeds: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    seeded: dict[int, tuple[int, int]] | None = None
     max_num_logprobs: int | None = None
     banned: torch.Tensor | None = None
     logit_bias: torch.Tensor | None = None
@@ -91,16 +113,15 @@ class SamplingMetadata:
         device: torch.device | str,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
-        generators: Sequence[torch.Generator | None] | None = None,
+        positions: Sequence[int] | None = None,
         eos_token_ids: Sequence[Iterable[int]] | None = None,
         bad_words_token_ids: Sequence[Sequence[Sequence[int]]] | None = None,
     ) -> SamplingMetadata:
         """From one SamplingParams per row. Token ids are needed when a row has penalties, and
-        output token ids when it has ``min_tokens`` or ``bad_words``; ``generators[i]`` (from
-        ``make_generator``) when row i is seeded; ``eos_token_ids[i]`` (masked below ``min_tokens``
+        output token ids when it has ``min_tokens`` or ``bad_words``; ``positions[i]`` (the position of
+        the token row i samples) when a random row is seeded; ``eos_token_ids[i]`` (masked below ``min_tokens``
         unless ``ignore_eos``) and ``bad_words_token_ids[i]`` (``Request.bad_words_token_ids``) when
         row i has those."""
-        n = len(params)
 
         def col(values, dtype=torch.float32):
             return to_device(torch.tensor(values, dtype=dtype), device)
@@ -131,10 +152,8 @@ class SamplingMetadata:
             md.prompt_token_ids = to_device(_pad(prompt_token_ids, penalized, vocab_size), device)
             md.output_token_ids = to_device(_pad(output_token_ids, penalized, vocab_size), device)
 
-        if generators is not None:
-            if len(generators) != n:
-                raise ValueError(f"SamplingMetadata.build: {len(generators)} generators for {n} rows")
-            md.generators = {i: g for i, g in enumerate(generators) if g is not None and not greedy[i]} or None
+        if random_rows:
+            md.seeds, md.positions, md.seeded = _noise_keys(params, greedy, positions, device)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         md.max_num_logprobs = max(asked) if asked else None
         if any(p.masks_tokens for p in params):
@@ -142,6 +161,24 @@ class SamplingMetadata:
                 params, vocab_size, device, output_token_ids, eos_token_ids, bad_words_token_ids
             )
         return md
+
+
+def _noise_keys(
+    params: Sequence[SamplingParams], greedy: Sequence[bool], positions: Sequence[int] | None, device
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, tuple[int, int]] | None]:
+    """(seeds, positions) as one copy to ``device``, and the seeded random rows' (seed, position)."""
+    n = len(params)
+    seeded = {i: p.seed for i, p in enumerate(params) if p.seed is not None and not greedy[i]}
+    if seeded and positions is None:
+        raise ValueError("SamplingMetadata.build: seeded rows need positions (each sampled token's position)")
+    if positions is not None and len(positions) != n:
+        raise ValueError(f"SamplingMetadata.build: {len(positions)} positions for {n} rows")
+    step_seed = int(torch.randint(-(2**63), 2**63 - 1, ()))  # torch's global CPU generator
+    keys = [[step_seed] * n, list(range(n))]
+    for i, seed in seeded.items():
+        keys[0][i], keys[1][i] = seed_bits(seed), positions[i]
+    both = to_device(torch.tensor(keys, dtype=torch.int64), device)
+    return both[0], both[1], {i: (seed, positions[i]) for i, seed in seeded.items()} or None
 
 
 def _token_controls(
@@ -314,7 +351,11 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
             f"sample: logits must be (num_seqs, vocab_size) = ({md.temperature.shape[0]}, {md.vocab_size}), "
             f"got {tuple(logits.shape)}"
         )
-    logits = logits.float()  # (in place from here on when the logits are fp32 already)
+    # The kernel on CUDA; torch's RNG elsewhere (interpreted, the kernel costs seconds a step at 8k tokens).
+    kernel = logits.is_cuda and choose_backend("gumbel_sample", logits.device) == "triton"
+    transformed = md.bitmask is not None or md.banned is not None or md.logit_bias is not None
+    if not kernel or transformed or md.repetition_penalty is not None or md.max_num_logprobs is not None:
+        logits = logits.float()  # (in place from here on when the logits are fp32 already)
     if md.bitmask is not None:
         apply_token_bitmask_(logits, md.bitmask, md.bitmask_rows)
     raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
@@ -325,19 +366,20 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits + md.logit_bias
     if md.repetition_penalty is not None:
         logits = apply_penalties(logits, md)
-    greedy_ids = None if md.all_random else logits.argmax(dim=-1)
 
     if md.all_greedy:
-        sampled = greedy_ids
+        sampled = logits.argmax(dim=-1)
     else:
-        greedy_rows = md.temperature == 0
-        temperature = torch.where(greedy_rows, torch.ones_like(md.temperature), md.temperature)
-        probs = _filter(logits / temperature[:, None], md).softmax(dim=-1)
-        q = torch.empty_like(probs).exponential_()
-        for row, gen in (md.generators or {}).items():
-            q[row].exponential_(generator=gen)
-        random_ids = (probs / q).argmax(dim=-1)
-        sampled = random_ids if md.all_random else torch.where(greedy_rows, greedy_ids, random_ids)
+        temperature = md.temperature
+        if md.top_k is not None or md.top_p is not None or md.min_p is not None:
+            # Filtered at the rows' temperatures; a greedy row (T = 1 here) keeps its argmax, the top token.
+            greedy_rows = temperature == 0
+            logits = _filter(logits.float() / torch.where(greedy_rows, 1.0, temperature)[:, None], md)
+            temperature = (~greedy_rows).float()  # 0: greedy; 1: scaled already
+        if kernel:
+            sampled = gumbel_sample(logits, temperature, md.seeds, md.positions)
+        else:
+            sampled = _race(logits, temperature, md)
 
     out = SamplerOutput(sampled_token_ids=sampled)
     if raw_logprobs is not None:
@@ -345,6 +387,18 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
             raw_logprobs, sampled, md.max_num_logprobs
         )
     return out
+
+
+def _race(logits: torch.Tensor, temperature: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """``gumbel_sample``'s draw on torch's RNG (off the kernel): argmax(probs / q), q ~ Exponential(1), a
+    seeded row's q from its (seed, position) generator; rows at temperature 0 take the argmax."""
+    greedy_rows = temperature == 0
+    probs = (logits / torch.where(greedy_rows, 1.0, temperature)[:, None]).softmax(dim=-1)
+    q = torch.empty_like(probs).exponential_()
+    for row, (seed, position) in (md.seeded or {}).items():
+        q[row].exponential_(generator=_generator(seed, position, logits.device))
+    random_ids = (probs / q).argmax(dim=-1)
+    return random_ids if md.all_random else torch.where(greedy_rows, logits.argmax(dim=-1), random_ids)
 
 
 def _logprobs_of(

@@ -116,8 +116,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
-    # Requests finished or aborted since the previous step: the runner can drop its state for them
-    # (seeded generators, cached block tables).
+    # Requests finished or aborted since the previous step: the runner can drop its state for them.
     finished_request_ids: list[str] = field(default_factory=list)
     # A step scheduled ahead (``AsyncScheduler.schedule_ahead``): row i's input token is row
     # ``ahead_rows[i]`` of the previous step's sampled tokens, on the device (its token_ids hold

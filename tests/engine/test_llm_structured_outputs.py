@@ -227,17 +227,14 @@ def test_the_sampler_masks_constrained_rows_only(temperature):
     for t in allowed:
         bitmask[0, t // 32] |= (1 << (t % 32)) - (1 << 32) * (t % 32 == 31)
     params = [SamplingParams(temperature=temperature, seed=i) for i in range(3)]
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    md = SamplingMetadata.build(params, vocab_size=vocab, device="cpu", generators=gens)
+    md = SamplingMetadata.build(params, vocab_size=vocab, device="cpu", positions=[4, 4, 4])
     free = sample(logits.clone(), md).sampled_token_ids
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    md = SamplingMetadata.build(params, vocab_size=vocab, device="cpu", generators=gens)
+    md = SamplingMetadata.build(params, vocab_size=vocab, device="cpu", positions=[4, 4, 4])
     md.bitmask, md.bitmask_rows = bitmask, torch.tensor([1])
-    for _ in range(20 if temperature else 1):
+    for i in range(20 if temperature else 1):
+        md.positions = torch.full((3,), 5 + i)  # another draw each time
         masked = sample(logits.clone(), md).sampled_token_ids
         assert masked[1].item() in allowed
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    md = SamplingMetadata.build(params, vocab_size=vocab, device="cpu", generators=gens)
-    md.bitmask, md.bitmask_rows = bitmask, torch.tensor([1])
+    md.positions = torch.full((3,), 4)
     masked = sample(logits.clone(), md).sampled_token_ids
     assert masked[0] == free[0] and masked[2] == free[2]  # free rows untouched (same draws)

@@ -9,7 +9,6 @@ from fuseformer.engine.outputs import Logprob
 from fuseformer.engine.sampler import (
     SamplingMetadata,
     apply_penalties,
-    make_generator,
     position_logprobs,
     prompt_logprobs,
     sample,
@@ -19,7 +18,7 @@ from fuseformer.engine.sampling_params import SamplingParams
 V = 50
 
 
-def _md(params, device="cpu", prompts=None, outputs=None, generators=None, vocab=V, eos=None, bad_words=None):
+def _md(params, device="cpu", prompts=None, outputs=None, positions=None, vocab=V, eos=None, bad_words=None):
     n = len(params)
     return SamplingMetadata.build(
         params,
@@ -27,7 +26,7 @@ def _md(params, device="cpu", prompts=None, outputs=None, generators=None, vocab
         device=device,
         prompt_token_ids=prompts if prompts is not None else [[] for _ in range(n)],
         output_token_ids=outputs if outputs is not None else [[] for _ in range(n)],
-        generators=generators,
+        positions=positions if positions is not None else [0] * n,
         eos_token_ids=eos if eos is not None else [() for _ in range(n)],
         bad_words_token_ids=bad_words if bad_words is not None else [[] for _ in range(n)],
     )
@@ -138,17 +137,17 @@ def test_penalties_need_token_ids():
 
 
 def _seeded_run(seed_params, others, steps_logits, device="cpu"):
-    """Tokens of a seeded row over several steps, sampled in a batch with ``others`` around it."""
-    gen = make_generator(seed_params.seed, device)
+    """Tokens of a seeded row over several steps (step i samples position 100 + i), sampled in a batch
+    with ``others`` around it (their positions other than the seeded row's)."""
     tokens = []
-    for step_logits in steps_logits:
+    for i, step_logits in enumerate(steps_logits):
         n_other = len(others)
         params = others[: n_other // 2] + [seed_params] + others[n_other // 2 :]
-        gens = [None] * len(params)
-        gens[n_other // 2] = gen  # the others are unseeded: they draw from the global RNG
+        positions = [7 * k + 1 for k in range(len(params))]
+        positions[n_other // 2] = 100 + i  # the others are unseeded or seeded elsewhere
         v, half = step_logits.numel(), n_other // 2
         rows = torch.cat([_logits(half, v, device), step_logits[None], _logits(n_other - half, v, device)])
-        out = sample(rows, _md(params, device=device, generators=gens, vocab=step_logits.numel()))
+        out = sample(rows, _md(params, device=device, positions=positions, vocab=step_logits.numel()))
         tokens.append(out.sampled_token_ids[n_other // 2].item())
     return tokens
 

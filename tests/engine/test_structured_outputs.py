@@ -22,7 +22,7 @@ import fuseformer
 from fuseformer.engine import structured_outputs as so
 from fuseformer.engine.model_runner import CacheConfig, ModelRunner
 from fuseformer.engine.request import Request
-from fuseformer.engine.sampler import SamplingMetadata, make_generator, sample
+from fuseformer.engine.sampler import SamplingMetadata, sample
 from fuseformer.engine.sampling_params import SamplingParams
 from fuseformer.engine.scheduler import Scheduler, SchedulerConfig
 from fuseformer.engine.structured_outputs import (
@@ -426,14 +426,13 @@ def _run(model, config, tokenizer, compiler, requests, max_tokens):
     scheduler = Scheduler(
         SchedulerConfig(num_blocks=800, block_size=16, max_model_len=512, max_num_batched_tokens=4096)
     )
-    matchers, generators, order = {}, {}, []
+    matchers, order = {}, []
     for i, (prompt, spec, seed) in enumerate(requests):
         rid = str(i)
         params = SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens)
         req = Request(rid, tokenizer.encode(prompt), params, eos_token_id=tokenizer.eos_token_ids)
         scheduler.add_request(req)
         order.append(req)
-        generators[rid] = make_generator(seed, "cpu")
         if spec is not None:
             matchers[rid] = compiler.matcher(spec)
     for m in matchers.values():  # the engine holds a request back until its grammar is ready
@@ -451,7 +450,7 @@ def _run(model, config, tokenizer, compiler, requests, max_tokens):
             [r.sampling_params for r in sampling],
             vocab_size=logits.shape[-1],
             device="cpu",
-            generators=[generators[r.request_id] for r in sampling],
+            positions=[s.start_position + len(s.token_ids) for s in out.scheduled if s.sample],
         )
         tokens = sample(logits, md).sampled_token_ids.tolist()
         for r, t in zip(sampling, tokens):

@@ -160,7 +160,8 @@ def test_kernel_picks_the_reference_token_at_the_engines_size_gpu(n):
     want = F.gumbel_sample_ref(logits, temperature, seeds, positions)
     # The kernel's log is the GPU's approximate one: where two tokens' scores are within an ulp or two the
     # pick may differ; the kernel's token must then score within 1e-5 of the best.
-    scores = logits.float() / temperature[:, None] - torch.log(-torch.log(S.philox_uniform_ref(seeds, positions, 128256)))
+    u = S.philox_uniform_ref(seeds, positions, 128256)
+    scores = logits.float() / temperature[:, None] - torch.log(-torch.log(u))
     picked, best = scores.gather(1, got[:, None])[:, 0], scores.gather(1, want[:, None])[:, 0]
     assert torch.allclose(picked, best, rtol=0, atol=1e-5), (got, want)
     assert (got == want).float().mean() >= 0.99
