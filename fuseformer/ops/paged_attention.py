@@ -523,7 +523,9 @@ def paged_attention_fwd(
         _paged_attention_merge_kernel[(t, hq)](
             o, lse, out, splits,
             o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_S=next_pow2(splits), num_warps=4,
+            # BLOCK_S the most splits, whatever this step's: one compiled merge for every step (a
+            # power of two of the splits compiled up to 6 variants, each inside the first step that met it).
+            HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_S=_MAX_SPLITS, num_warps=4,
         )  # fmt: skip
     return out
 
