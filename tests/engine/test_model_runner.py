@@ -112,21 +112,27 @@ def test_execute_samples_the_cache_free_argmax(backend):
     assert sched.kv.pool.num_free_blocks == 31
 
 
-def test_seeded_generators_live_until_the_request_finishes():
+def test_a_seeded_requests_tokens_depend_on_its_seed_not_its_batch():
+    """The runner keys a seeded row's draw by its seed and its sampled token's position: the same tokens
+    alone and beside another request (other rows, another step order), other tokens for another seed."""
     model, config = _model()
-    runner, sched = _runner_and_scheduler(model, config, budget=64)
-    sched.add_request(Request("s", [1, 2, 3], SamplingParams(temperature=1.0, seed=3, max_tokens=2)))
-    sched.add_request(Request("u", [4, 5], SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)))
-    out = sched.schedule()
-    sched.update_from_output(out, runner.execute(out).sampled_token_ids)
-    assert set(runner.generators) == {"s"}
-    out = sched.schedule()
-    sched.update_from_output(out, runner.execute(out).sampled_token_ids)  # s finishes (2 tokens)
-    assert "s" not in sched.requests and "s" in runner.generators
-    out = sched.schedule()
-    assert out.finished_request_ids == ["s"]
-    runner.execute(out)
-    assert runner.generators == {}
+
+    def tokens(requests):
+        runner, sched = _runner_and_scheduler(model, config, budget=64)
+        for r in requests:
+            sched.add_request(r)
+        while sched.has_unfinished_requests():
+            out = sched.schedule()
+            sched.update_from_output(out, runner.execute(out).sampled_token_ids)
+        return requests[-1].output_token_ids
+
+    def seeded(seed):
+        return Request("s", [1, 2, 3], SamplingParams(temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True))
+
+    crowd = Request("u", [4, 5, 6, 7, 8], SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True))
+    alone = tokens([seeded(3)])
+    assert tokens([crowd, seeded(3)]) == alone
+    assert tokens([seeded(4)]) != alone
 
 
 def test_logprobs_per_request():
