@@ -394,8 +394,11 @@ def _race(logits: torch.Tensor, temperature: torch.Tensor, md: SamplingMetadata)
     seeded row's q from its (seed, position) generator; rows at temperature 0 take the argmax."""
     greedy_rows = temperature == 0
     probs = (logits / torch.where(greedy_rows, 1.0, temperature)[:, None]).softmax(dim=-1)
-    q = torch.empty_like(probs).exponential_()
-    for row, (seed, position) in (md.seeded or {}).items():
+    q = torch.empty_like(probs)
+    seeded = md.seeded or {}
+    if len(seeded) < q.shape[0]:  # (a CPU draws ~40 ns a token: no batch draw when every row is seeded)
+        q.exponential_()
+    for row, (seed, position) in seeded.items():
         q[row].exponential_(generator=_generator(seed, position, logits.device))
     random_ids = (probs / q).argmax(dim=-1)
     return random_ids if md.all_random else torch.where(greedy_rows, logits.argmax(dim=-1), random_ids)
