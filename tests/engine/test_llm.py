@@ -688,10 +688,10 @@ def test_batch_limits_are_vllms_defaults(monkeypatch, checkpoint):
     assert (served.max_num_seqs, served.max_num_batched_tokens) == (None, 8192)
 
 
-def test_generate_freezes_the_heap_for_its_step_loop_only(monkeypatch):
-    """The objects alive when generate's step loop starts are out of the cyclic collector during the
-    loop (gc.freeze: a full collection does not walk them) and back after it, also when a step raises;
-    a process that froze objects itself is left as it is."""
+def test_generate_freezes_the_heap_for_its_call_only(monkeypatch):
+    """The objects alive when generate starts are out of the cyclic collector during the call, its step
+    loop and its outputs (gc.freeze: a full collection does not walk them), and back after it, also
+    when a step raises; a process that froze objects itself is left as it is."""
     import gc
 
     model, _ = tiny_llama()
@@ -704,11 +704,16 @@ def test_generate_freezes_the_heap_for_its_step_loop_only(monkeypatch):
         return real_step(self)
 
     monkeypatch.setattr(LLM, "step", step)
+    processor = llm.output_processor
+    real_final = processor.final_output
+    finals = []
+    monkeypatch.setattr(processor, "final_output", lambda g: finals.append(gc.get_freeze_count()) or real_final(g))
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     with fuseformer.use_backend("reference"):
         assert gc.get_freeze_count() == 0
         llm.generate([[1, 2, 3]], params, use_tqdm=False)
         assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+        assert finals and min(finals) > 0  # the outputs are made frozen too
 
         def failing(self):
             raise RuntimeError("step failed")
