@@ -488,13 +488,12 @@ def _frozen_heap() -> Iterator[None]:
     """The objects alive when a ``generate`` call starts (the libraries, the model, this engine: ~200k on
     a CPU with torch and transformers) frozen out of Python's cyclic collector until it ends, so that a
     full collection triggered by the call's allocations walks only what the call made (one took 92 ms of
-    a CPU step, session 29; on an H100 host, 330-400 ms in every timed run of run 124, when only the step
-    loop was frozen). Unfrozen at the end, so nothing frozen is kept from collection past the call
-    (the engine is cyclic: a lasting freeze would keep a deleted engine's memory). Left alone when the
-    process froze objects itself (``fuseformer serve`` does, for its whole life)."""
-    if gc.get_freeze_count():
-        yield
-        return
+    a CPU step, session 29; 240-450 ms in every timed run on an H100 host, runs 124-125). Unfrozen at the
+    end, so nothing frozen is kept from collection past the call (the engine is cyclic: a lasting freeze
+    would keep a deleted engine's memory). A freeze made before the call is undone with it (unfreezing
+    is all or nothing): on the H100 host something froze 375 objects before any call, and leaving the
+    heap alone whenever anything was frozen let every full collection walk it all. ``fuseformer serve``,
+    which freezes its heap for its whole life, serves through the engine, not through ``generate``."""
     gc.freeze()
     try:
         yield

@@ -691,7 +691,7 @@ def test_batch_limits_are_vllms_defaults(monkeypatch, checkpoint):
 def test_generate_freezes_the_heap_for_its_call_only(monkeypatch):
     """The objects alive when generate starts are out of the cyclic collector during the call, its step
     loop and its outputs (gc.freeze: a full collection does not walk them), and back after it, also
-    when a step raises; a process that froze objects itself is left as it is."""
+    when a step raises, and also when something froze objects before the call."""
     import gc
 
     model, _ = tiny_llama()
@@ -723,11 +723,12 @@ def test_generate_freezes_the_heap_for_its_call_only(monkeypatch):
             llm.generate([[1, 2, 3]], params, use_tqdm=False)
         assert gc.get_freeze_count() == 0
         monkeypatch.setattr(LLM, "step", step)
-        gc.freeze()  # as `fuseformer serve` does
+        gc.freeze()  # a freeze before the call (on an H100 host, 375 objects frozen by another library)
         try:
             frozen, seen[:] = gc.get_freeze_count(), []
+            fresh = [[i] for i in range(1000)]  # alive at the call, made after the earlier freeze
             llm.generate([[1, 2, 3]], params, use_tqdm=False)
-            # Nothing more frozen (the count only falls, as frozen objects are freed), nothing unfrozen.
-            assert 0 < min(seen) and max(seen) <= frozen and 0 < gc.get_freeze_count() <= frozen
+            assert min(seen) >= frozen + len(fresh)  # the call froze them too (it did not skip its freeze)
+            assert gc.get_freeze_count() == 0  # and undid both freezes at its end (all or nothing)
         finally:
             gc.unfreeze()
