@@ -1,10 +1,10 @@
 """ModelRunner: runs one scheduled step of the model over the paged KV cache and samples.
 
 It owns the per-layer K/V caches, allocated once (``[num_blocks, block_size, Hkv, D]`` each).
-``execute`` flattens the step's scheduled tokens into one
-varlen batch (input ids, positions, ``cu_seqlens_q``, context lengths, slot mapping, block tables),
-runs the model, computes logits only for the rows that sample (each request's last scheduled token
-when it reaches the end of its sequence), and samples on the device.
+``execute`` flattens the step's scheduled tokens into one varlen batch (input ids, positions,
+``cu_seqlens_q``, context lengths, slot mapping, block tables), runs the model, computes logits only
+for the rows that sample (each request's last scheduled token when it reaches the end of its
+sequence), and samples on the device.
 
 CUDA graphs (``cuda_graphs=True``, vLLM's default, its ``enforce_eager=False``), captured at engine
 start (engine/cuda_graphs.py): a decode-only step (every scheduled request computes exactly one token)
