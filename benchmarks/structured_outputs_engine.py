@@ -144,12 +144,6 @@ def main() -> None:
         action="store_true",
         help="no per-request seeds (the sampler then draws every row's noise in one launch, not one a seeded row)",
     )
-    parser.add_argument(
-        "--fill-threads",
-        default=None,
-        help="comma-separated thread counts of llguidance's fill pool: one free and one half-JSON run at each "
-        "(instead of the alternating runs; a lab sweep of the pool's size)",
-    )
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from fuseformer.engine.llm import LLM
@@ -185,18 +179,8 @@ def main() -> None:
         ("half json_schema", half, SCHEMA),
         ("free", set(), SCHEMA),
     ]
-    if args.fill_threads:
-        import llguidance
-
-        runs = [("free (warm-up)", set(), SCHEMA)]
-        for k in (int(x) for x in args.fill_threads.split(",")):
-            runs += [(f"threads {k}", None, k), ("half json_schema", half, SCHEMA), ("free", set(), SCHEMA)]
     records = []
     for name, constrained, schema in runs:
-        if constrained is None:  # the pool's size for the runs after it (the compiler's private executor)
-            llm.output_processor.grammar_compiler._parallel = llguidance.LLExecutor(schema)
-            print(name)
-            continue
         r = run(llm, prompts, length, constrained, args.profile, schema, seeded=not args.unseeded)
         r["run"] = name
         records.append(r)
@@ -213,15 +197,9 @@ def main() -> None:
         if r["constrained"]:
             free = (records[i - 1]["output_tok_s"] + records[i + 1]["output_tok_s"]) / 2
             costs.setdefault(r["run"], []).append(100 * (1 - r["output_tok_s"] / free))
-    if args.fill_threads:
-        for i, r in enumerate(records):
-            if r["constrained"]:
-                below = 100 * (1 - r["output_tok_s"] / records[i + 1]["output_tok_s"])
-                print(f"{r['run']}: {below:.1f}% below the free run after it")
-    else:
-        cost, cost_free_strings = costs["half json_schema"], costs["half, free strings"]
-        print(f"cost of structured outputs: {', '.join(f'{c:.1f}%' for c in cost)} of the free runs beside "
-              f"(goal <= 5%); with free-length strings: {cost_free_strings[0]:.1f}%")  # fmt: skip
+    cost, cost_free_strings = costs["half json_schema"], costs["half, free strings"]
+    print(f"cost of structured outputs: {', '.join(f'{c:.1f}%' for c in cost)} of the free runs beside "
+          f"(goal <= 5%); with free-length strings: {cost_free_strings[0]:.1f}%")  # fmt: skip
     result = dict(
         bench="structured_outputs_engine",
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -231,8 +209,8 @@ def main() -> None:
         seeded=not args.unseeded,
         setup_s=setup_s,
         runs=records,
-        cost_pct=costs.get("half json_schema"),
-        cost_free_strings_pct=costs.get("half, free strings"),
+        cost_pct=cost,
+        cost_free_strings_pct=cost_free_strings[0],
         step_kinds=llm.step_log.totals(),
     )
     if args.out is not None:
