@@ -39,10 +39,11 @@ from fuseformer.runtime.backend import choose_backend
 _OP = "gumbel_sample"
 LANES = 256  # Philox counters per chunk; a chunk is 4 * LANES tokens (one draw gives 4 words)
 _CHUNK = 4 * LANES
-_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
-_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+# Philox-4x32's key increments and round multipliers (the reference and the kernels read these).
+_KEY_A, _KEY_B = tl.constexpr(0x9E3779B9), tl.constexpr(0xBB67AE85)
+_ROUND_A, _ROUND_B = tl.constexpr(0xD2511F53), tl.constexpr(0xCD9E8D57)
 _M32 = 0xFFFFFFFF
-_BIG = 2**31 - 1
+_NO_INDEX = tl.constexpr(2**31 - 1)  # a lane's winner before any token beat -inf
 
 
 # --------------------------------------------------------------------------------------------
@@ -51,10 +52,10 @@ _BIG = 2**31 - 1
 def _philox_ref(c0, c1, c2, c3, k0, k1):
     """Philox-4x32-10 on int64 tensors holding uint32 values (broadcasting); returns the 4 words."""
     for _ in range(10):
-        hi0, lo0 = _mul_hi_lo(_ROUND_B, c2)
-        hi1, lo1 = _mul_hi_lo(_ROUND_A, c0)
+        hi0, lo0 = _mul_hi_lo(_ROUND_B.value, c2)
+        hi1, lo1 = _mul_hi_lo(_ROUND_A.value, c0)
         c0, c1, c2, c3 = hi0 ^ c1 ^ k0, lo0, hi1 ^ c3 ^ k1, lo1
-        k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
+        k0, k1 = (k0 + _KEY_A.value) & _M32, (k1 + _KEY_B.value) & _M32
     return c0, c1, c2, c3
 
 
@@ -111,14 +112,14 @@ def _mulhilo(a, x):
 def _philox(c0, c1, c2, c3, k0, k1):
     # Philox-4x32-10, as _philox_ref (and cuRAND, and Triton's tl.randint4x).
     for _ in tl.static_range(10):
-        hi0, lo0 = _mulhilo(0xCD9E8D57, c2)
-        hi1, lo1 = _mulhilo(0xD2511F53, c0)
+        hi0, lo0 = _mulhilo(_ROUND_B, c2)
+        hi1, lo1 = _mulhilo(_ROUND_A, c0)
         c0 = hi0 ^ c1 ^ k0
         c2 = hi1 ^ c3 ^ k1
         c1 = lo0
         c3 = lo1
-        k0 = (k0.to(tl.uint64) + 0x9E3779B9).to(tl.uint32)
-        k1 = (k1.to(tl.uint64) + 0xBB67AE85).to(tl.uint32)
+        k0 = (k0.to(tl.uint64) + _KEY_A).to(tl.uint32)
+        k1 = (k1.to(tl.uint64) + _KEY_B).to(tl.uint32)
     return c0, c1, c2, c3
 
 
@@ -164,7 +165,7 @@ def _gumbel_sample_fwd_kernel(
     lanes = tl.arange(0, LANES)
     logits = LOGITS + row.to(tl.int64) * stride_row
     best = tl.full([LANES], float("-inf"), tl.float32)
-    best_idx = tl.full([LANES], 2147483647, tl.int32)
+    best_idx = tl.full([LANES], _NO_INDEX, tl.int32)
     first = split * chunks_per_split
     for c in range(first, first + chunks_per_split):
         counter = (c * LANES + lanes).to(tl.uint32)
@@ -178,8 +179,8 @@ def _gumbel_sample_fwd_kernel(
         cols = base + 3 * LANES
         best, best_idx = _keep(best, best_idx, _noisy(logits, cols, V, b3, temperature, greedy), cols)
     m = tl.max(best, 0)
-    idx = tl.min(tl.where(best == m, best_idx, 2147483647), 0)
-    idx = tl.where(idx == 2147483647, first * 4 * LANES, idx)  # nothing above -inf: the split's first token
+    idx = tl.min(tl.where(best == m, best_idx, _NO_INDEX), 0)
+    idx = tl.where(idx == _NO_INDEX, first * 4 * LANES, idx)  # nothing above -inf: the split's first token
     if SPLITS == 1:
         tl.store(OUT + row, idx.to(tl.int64))
     else:
@@ -195,7 +196,7 @@ def _gumbel_merge_kernel(BEST, BEST_IDX, OUT, SPLITS: tl.constexpr):
     s = tl.load(BEST + row * SPLITS + k)
     idx = tl.load(BEST_IDX + row * SPLITS + k)
     m = tl.max(s, 0)
-    tl.store(OUT + row, tl.min(tl.where(s == m, idx, 2147483647), 0).to(tl.int64))
+    tl.store(OUT + row, tl.min(tl.where(s == m, idx, _NO_INDEX), 0).to(tl.int64))
 
 
 # --------------------------------------------------------------------------------------------
