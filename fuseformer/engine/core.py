@@ -137,10 +137,12 @@ class EngineCore:
         waits for a kernel's compilation (Triton's JIT, autotune entries, cuBLAS heuristics): prefills of
         each power-of-two token bucket from 16 up to ``max_num_batched_tokens`` (the kernels' configs
         are chosen per bucket) and of one token less (Triton specializes on multiples of 16), decode
-        steps, a mixed step (a prefill chunk beside a decode), prefills after a prefix-cache hit, and a
-        sampled, seeded request with top-k/top-p/min-p and logprobs. Paged attention's config buckets
-        (``config_query_lengths``) each get a prefill with a short context and one after a prefix hit
-        on the longest prompt (a long context: split-K where a lone sequence leaves the GPU idle).
+        steps, a mixed step (a prefill chunk beside a decode), prefills after a prefix-cache hit, a
+        sampled, seeded request with top-k/top-p/min-p and logprobs (fp32 logits), and one at temperature
+        1 alone (the logits as they come: the sampler's kernel compiles once per dtype). Paged
+        attention's config buckets (``config_query_lengths``) each get a prefill with a short context
+        and one after a prefix hit on the longest prompt (a long context: split-K where a lone sequence
+        leaves the GPU idle).
         Afterwards nothing of it is left: no request, every block free, no cached prefix, the step log
         and prefix-cache counters at zero, torch's RNG states as they were (the sampler draws from them
         for the whole batch). Returns the seconds it took (also ``warm_up_seconds``). Call it with no
@@ -174,6 +176,7 @@ class EngineCore:
                 self.step(_DISCARD)
 
         sampled = SamplingParams(temperature=1, top_k=8, top_p=0.9, min_p=0.01, seed=0, max_tokens=2, logprobs=2)
+        plain = SamplingParams(temperature=1, max_tokens=2)  # the sampler's draw on the logits as they come
         mixed = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         with torch.random.fork_rng(devices=[self.runner.device] if self.runner.device.type == "cuda" else []):
             prompts = [prompt(n) for n in lengths]
@@ -187,6 +190,7 @@ class EngineCore:
                 if cached > 0:
                     run([Request(f"warm-up-prefix-hit-{n}", longest[:cached] + prompt(n), greedy)])
             run([Request("warm-up-sampled", prompt(min(limit, 8)), sampled)])
+            run([Request("warm-up-plain", prompt(min(limit, 8)), plain)])
 
         self.scheduler.kv.reset_prefix_cache()
         self.scheduler.kv.pool.prefix_stats = PrefixCacheStats()

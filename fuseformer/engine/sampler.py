@@ -270,12 +270,11 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 def _pad(rows: Sequence[Sequence[int]], keep: Sequence[bool], pad: int) -> torch.Tensor:
     """(N, L) int64 of the kept rows' ids, padded with ``pad``; rows not kept are all padding."""
-    width = max((len(r) for r, k in zip(rows, keep) if k), default=0)
-    out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.int64)
-    for i, (r, k) in enumerate(zip(rows, keep)):
-        if k and len(r):
-            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
-    return out
+    width = max(max((len(r) for r, k in zip(rows, keep) if k), default=0), 1)
+    # From Python lists (one thread): a torch.full of this size is an OpenMP region, whose threads then
+    # spin on every core while the engine's step goes on (perf-notes, session 31).
+    padded = [[*r, *[pad] * (width - len(r))] if k else [pad] * width for r, k in zip(rows, keep)]
+    return torch.tensor(padded, dtype=torch.int64).view(len(rows), width)
 
 
 def position_logprobs(token_ids: Sequence[int], logprobs: Sequence[float], rank: int) -> PositionLogprobs:

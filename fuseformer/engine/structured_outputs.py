@@ -347,8 +347,12 @@ class GrammarCompiler:
     def _prepare_fill(self, matchers: Sequence[GrammarMatcher], out: torch.Tensor | None) -> tuple[torch.Tensor, list]:
         """``out`` checked (allocated when None), the rows that allow only EOS written, and the others
         returned as (llguidance matcher, row) pairs."""
-        out = self.allocate_bitmask(len(matchers)) if out is None else out
         words = (self.vocab_size + 31) // 32
+        if out is None:
+            # Not allocate_bitmask: every row is written below or by llguidance (whole rows), and
+            # torch.full's fill of a batch's bitmask is an OpenMP region whose threads then spin on
+            # every core, slowing the fill's threads and the engine's own Python (perf-notes, session 31).
+            out = torch.empty(len(matchers), words, dtype=torch.int32, pin_memory=torch.cuda.is_available())
         if out.dtype != torch.int32 or out.dim() != 2 or out.shape[1] != words or out.shape[0] < len(matchers):
             raise ValueError(
                 f"fill_bitmask: out must be ({len(matchers)}+, {words}) int32, got {tuple(out.shape)} {out.dtype}"

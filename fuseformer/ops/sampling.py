@@ -143,11 +143,17 @@ def _keep(best, best_idx, s, cols):
     return tl.where(take, s, best), tl.where(take, cols, best_idx)
 
 
-@triton.jit
+# Nothing but the logits (read in vectors) is specialized: not the split count, the chunks a split,
+# nor the alignment of the per-row vectors read and written one value a program (the engine's
+# positions are the second row of one (2, N) copy: 16-byte aligned only for even N). One compiled
+# kernel per logits dtype whatever the batch, so no batch a server meets compiles anything.
+@triton.jit(
+    do_not_specialize=["TEMPERATURE", "SEEDS", "POSITIONS", "BEST", "BEST_IDX", "OUT", "chunks_per_split", "splits"]
+)
 def _gumbel_sample_fwd_kernel(
     LOGITS, TEMPERATURE, SEEDS, POSITIONS, BEST, BEST_IDX, OUT,
-    stride_row, V, chunks_per_split,
-    LANES: tl.constexpr, SPLITS: tl.constexpr,
+    stride_row, V, chunks_per_split, splits,
+    LANES: tl.constexpr,
 ):  # fmt: skip
     # Program (row, split) scans the split's chunks of the row; each chunk is one Philox draw per lane,
     # whose four words score four runs of LANES tokens. One split: the winner goes to OUT; more: the
@@ -181,20 +187,21 @@ def _gumbel_sample_fwd_kernel(
     m = tl.max(best, 0)
     idx = tl.min(tl.where(best == m, best_idx, _NO_INDEX), 0)
     idx = tl.where(idx == _NO_INDEX, first * 4 * LANES, idx)  # nothing above -inf: the split's first token
-    if SPLITS == 1:
+    if splits == 1:
         tl.store(OUT + row, idx.to(tl.int64))
     else:
-        tl.store(BEST + row * SPLITS + split, m)
-        tl.store(BEST_IDX + row * SPLITS + split, idx)
+        tl.store(BEST + row * splits + split, m)
+        tl.store(BEST_IDX + row * splits + split, idx)
 
 
-@triton.jit
-def _gumbel_merge_kernel(BEST, BEST_IDX, OUT, SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=["OUT", "splits"])
+def _gumbel_merge_kernel(BEST, BEST_IDX, OUT, splits, BLOCK_S: tl.constexpr):
     # One program per row: the best of its splits' winners (the lowest index on a tie).
     row = tl.program_id(0)
-    k = tl.arange(0, SPLITS)
-    s = tl.load(BEST + row * SPLITS + k)
-    idx = tl.load(BEST_IDX + row * SPLITS + k)
+    k = tl.arange(0, BLOCK_S)
+    ok = k < splits
+    s = tl.load(BEST + row * splits + k, mask=ok, other=float("-inf"))
+    idx = tl.load(BEST_IDX + row * splits + k, mask=ok, other=_NO_INDEX)
     m = tl.max(s, 0)
     tl.store(OUT + row, tl.min(tl.where(s == m, idx, _NO_INDEX), 0).to(tl.int64))
 
@@ -202,11 +209,14 @@ def _gumbel_merge_kernel(BEST, BEST_IDX, OUT, SPLITS: tl.constexpr):
 # --------------------------------------------------------------------------------------------
 # Launcher (no autograd; inputs already checked; logits with a unit stride in the vocabulary)
 # --------------------------------------------------------------------------------------------
+_MAX_SPLITS = 64  # programs a row at most (the merge kernel's block)
+
+
 def _splits(rows: int, chunks: int, sms: int) -> int:
     """Programs a row: enough for ~2 per SM over the batch, a power of two, at most one a chunk."""
     want = max(1, (2 * sms) // max(rows, 1))
     splits = 1
-    while splits * 2 <= min(want, chunks, 64):
+    while splits * 2 <= min(want, chunks, _MAX_SPLITS):
         splits *= 2
     return splits
 
@@ -219,7 +229,7 @@ def gumbel_sample_fwd(
     splits: int | None = None,
 ) -> torch.Tensor:
     """logits (N, V) fp16/bf16/fp32, temperature (N,) fp32, seeds and positions (N,) int64 -> (N,) int64.
-    ``splits``: programs a row (a power of two up to 64; None: the rule, ``_splits``)."""
+    ``splits``: programs a row (1 to 64; None: the rule, ``_splits``, a power of two)."""
     n, v = logits.shape
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
@@ -227,6 +237,8 @@ def gumbel_sample_fwd(
     chunks = triton.cdiv(v, _CHUNK)
     if splits is None:
         splits = _splits(n, chunks, sm_count(logits) if logits.is_cuda else 1)
+    elif not 1 <= splits <= _MAX_SPLITS:
+        raise ValueError(f"gumbel_sample_fwd: splits must be 1 to {_MAX_SPLITS}, got {splits}")
     per_split = triton.cdiv(chunks, splits)
     if splits > 1:
         best = torch.empty(n, splits, dtype=torch.float32, device=logits.device)
@@ -235,12 +247,12 @@ def gumbel_sample_fwd(
         best, best_idx = out, out  # not written with one split
     _launcher(
         (n, splits),
-        launch_config(LANES=LANES, SPLITS=splits, num_warps=4),
+        launch_config(LANES=LANES, num_warps=4),
         (logits, temperature, seeds, positions, best, best_idx, out),
-        (logits.stride(0), v, per_split),
+        (logits.stride(0), v, per_split, splits),
     )
     if splits > 1:
-        _merge_launcher((n,), launch_config(SPLITS=splits, num_warps=1), (best, best_idx, out), ())
+        _merge_launcher((n,), launch_config(BLOCK_S=_MAX_SPLITS, num_warps=1), (best, best_idx, out), (splits,))
     return out
 
 

@@ -45,7 +45,9 @@ def test_reference_philox_is_tritons(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("n, vocab, splits", [(1, 5, None), (3, 1000, None), (8, 1024, 1), (2, 3000, 2), (3, 5000, 4)])
+@pytest.mark.parametrize(
+    "n, vocab, splits", [(1, 5, None), (3, 1000, None), (8, 1024, 1), (2, 3000, 2), (3, 5000, 4), (2, 6000, 3)]
+)
 def test_kernel_picks_the_reference_token(n, vocab, splits, dtype, device):
     logits, temperature, seeds, positions = _case(n, vocab, dtype, device)
     temperature[-1] = 0  # a greedy row among sampled ones
@@ -120,6 +122,11 @@ def test_ties_inf_and_nan_as_argmax(device):
     assert F.gumbel_sample_ref(logits, temperature, seeds, positions).tolist() == [7, 0, 2000, 2400]
 
 
+def test_split_count_is_checked():
+    with pytest.raises(ValueError, match="splits must be 1 to 64"):
+        S.gumbel_sample_fwd(*_case(2, 1000, torch.float32, "cpu"), splits=65)
+
+
 def test_splits_rule():
     assert S._splits(256, 126, 132) == 1  # a big batch: one program a row
     assert S._splits(1, 126, 132) == 64  # one row: spread over the SMs, at most 64
@@ -165,3 +172,22 @@ def test_kernel_picks_the_reference_token_at_the_engines_size_gpu(n):
     picked, best = scores.gather(1, got[:, None])[:, 0], scores.gather(1, want[:, None])[:, 0]
     assert torch.allclose(picked, best, rtol=0, atol=1e-5), (got, want)
     assert (got == want).float().mean() >= 0.99
+
+
+@pytest.mark.gpu
+def test_kernel_compiles_once_per_dtype_whatever_the_batch_gpu():
+    """Batches of 1 to 256 rows (split counts 64 down to 1, chunks a split from 2 to 126) reuse the kernels
+    the first batch of that dtype compiled, with the per-row vectors at any alignment (the engine's
+    positions follow its seeds in one buffer): a server's first batch of a new size compiles nothing."""
+    from fuseformer.bench.engine import TritonCompiles
+
+    for dtype in (torch.bfloat16, torch.float32):
+        F.gumbel_sample(*_case(1, 128256, dtype, "cuda", seed=0))  # compiles both kernels (64 splits)
+        with TritonCompiles() as compiles:
+            for n in (2, 7, 16, 33, 100, 255, 256):
+                logits, temperature, seeds, positions = _case(n, 128256, dtype, "cuda", seed=n)
+                keys = torch.stack([seeds, positions])  # positions 8 bytes past a 16-byte boundary when n is odd
+                got = F.gumbel_sample(logits, temperature, keys[0], keys[1])
+                assert torch.equal(got, F.gumbel_sample(logits, temperature, seeds, positions))
+        assert compiles.available
+        assert not [c for c in compiles.names if "_gumbel" in c], (dtype, compiles.names)
