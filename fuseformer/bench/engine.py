@@ -56,8 +56,11 @@ class TritonCompiles:
         knobs.runtime.jit_post_compile_hook = self._hook
         return self
 
-    def _hook(self, *, repr: str, **_: Any) -> None:
-        self.names.append(repr[:400])
+    def _hook(self, *, repr: str, signature: Any = None, configs: Any = None, **_: Any) -> None:
+        # Triton 3.6's repr names only the first argument: the signature (dtypes) and the specializations
+        # (divisibility, equal-to-1) say what differs between two compiles of one kernel.
+        detail = "" if signature is None else f" {signature} {configs[0] if configs else ''}"
+        self.names.append(f"{repr}{detail}"[:1200])
 
     def __exit__(self, *exc: object) -> None:
         if self.available:

@@ -240,11 +240,9 @@ def gumbel_sample_fwd(
     elif not 1 <= splits <= _MAX_SPLITS:
         raise ValueError(f"gumbel_sample_fwd: splits must be 1 to {_MAX_SPLITS}, got {splits}")
     per_split = triton.cdiv(chunks, splits)
-    if splits > 1:
-        best = torch.empty(n, splits, dtype=torch.float32, device=logits.device)
-        best_idx = torch.empty(n, splits, dtype=torch.int32, device=logits.device)
-    else:
-        best, best_idx = out, out  # not written with one split
+    # Not written with one split, but allocated all the same: their dtypes are in the kernel's signature.
+    best = torch.empty(n, splits, dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty(n, splits, dtype=torch.int32, device=logits.device)
     _launcher(
         (n, splits),
         launch_config(LANES=LANES, num_warps=4),

@@ -90,8 +90,12 @@ def test_triton_compiles_records_through_the_hook_and_restores_it():
         assert hook is not before
         hook(key=None, repr="_kernel[num_warps=4](X: *bf16, n: i32)", fn=None, compile=None,
              is_manual_warmup=False, already_compiled=False)  # fmt: skip
+        hook(repr="_kernel[num_warps=4](X: ())", signature={"X": "*fp32"}, configs=[{(0,): [["tt.divisibility", 16]]}])
     assert knobs.runtime.jit_post_compile_hook is before
-    assert compiles.available and compiles.names == ["_kernel[num_warps=4](X: *bf16, n: i32)"]
+    assert compiles.available and compiles.names == [
+        "_kernel[num_warps=4](X: *bf16, n: i32)",
+        "_kernel[num_warps=4](X: ()) {'X': '*fp32'} {(0,): [['tt.divisibility', 16]]}",  # 3.6: the signature apart
+    ]
 
 
 def test_gc_pauses_counts_collections_by_generation():
