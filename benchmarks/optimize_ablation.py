@@ -79,6 +79,7 @@ def ablate(name: str, model, fwd, kinds) -> dict:
         for kind in kinds:
             report = fuseformer.optimize(model, training=False, include=[kind])
             rec["ms"][kind] = bench_ms(fwd, warmup=50, rep=400)
+            rec[f"top_{kind}"] = _top_kernels(fwd)
             rec.setdefault("counts", {})[kind] = report.counts()
             rec["host"][kind] = _host(fwd)
             report.revert()
