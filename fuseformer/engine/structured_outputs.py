@@ -18,10 +18,12 @@ Four parts, each usable alone:
   disallows, on the constrained rows only: free rows of the same batch are untouched.
 
 The grammar library is llguidance (chosen by measurement on this project's tokenizers:
-docs/perf-notes.md, 2026-12-04; ``benchmarks/structured_outputs.py``). It is an optional dependency
-(the ``serve`` extra): this module imports without it, and compiling a constraint without it raises an
-ImportError that says how to install it. ``grammar`` takes llguidance's Lark dialect or llama.cpp's GBNF
-(told apart by ``::=``).
+docs/perf-notes.md, 2026-12-04; ``benchmarks/structured_outputs.py``), except for JSON schemas that
+bound a string's length, which xgrammar masks ~5x faster (``grammar_xgrammar``; llguidance when
+xgrammar is not installed or does not compile the schema). Both are optional dependencies (the
+``serve`` extra): this module imports without them, and compiling a constraint without llguidance
+raises an ImportError that says how to install it. ``grammar`` takes llguidance's Lark dialect or
+llama.cpp's GBNF (told apart by ``::=``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ from typing import Any
 
 import torch
 
+from fuseformer.engine.grammar_xgrammar import (
+    XgrammarCompiler,
+    XgrammarMatcher,
+    bounded_strings,
+    fill_rows,
+    xgrammar_module,
+)
 from fuseformer.models.tokenizer import Tokenizer
 
 # Whitespace the JSON constraints allow between tokens of the JSON text: any, as JSON does, but at most
@@ -273,6 +282,8 @@ class GrammarCompiler:
         self._lltokenizer = None  # built on the worker thread at the first compile
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fuseformer-grammar")
         self._parallel = None  # llguidance's LLExecutor for batch masks, made at first use
+        self._xgrammar = XgrammarCompiler(tokenizer, vocab_size)  # length-bounded JSON strings
+        self._xgr_executor = None  # xgrammar's BatchGrammarMatcher, made at first use
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._fills: queue.SimpleQueue[MaskFill | None] | None = None  # fill_bitmask_async's thread's jobs
@@ -370,6 +381,14 @@ class GrammarCompiler:
 
     def _fill_live(self, live: list, out: torch.Tensor) -> None:
         words = out.shape[1]
+        xgr_rows = [(m, i) for m, i in live if isinstance(m, XgrammarMatcher)]
+        if xgr_rows:  # the schemas with length-bounded strings (grammar_xgrammar.py)
+            if self._xgr_executor is None:
+                self._xgr_executor = xgrammar_module().BatchGrammarMatcher()
+            fill_rows(self._xgr_executor, *zip(*xgr_rows), out, _eos_only)
+            live = [(m, i) for m, i in live if not isinstance(m, XgrammarMatcher)]
+            if not live:
+                return
         if len(live) == 1:
             inner, i = live[0]
             inner.unsafe_compute_mask_ptr(out[i].data_ptr(), words * 4)
@@ -380,6 +399,10 @@ class GrammarCompiler:
         self._parallel.unsafe_compute_mask_ptr(live, out.data_ptr(), words * 4, out.shape[0])
 
     def _compile(self, spec: StructuredOutputsParams):
+        if spec.kind == "json" and bounded_strings(spec.json):
+            compiled = self._xgrammar.compile(spec.json, any_whitespace=not spec.disable_any_whitespace)
+            if compiled is not None:
+                return compiled
         llg = _llguidance()
         if self._lltokenizer is None:
             self._lltokenizer = llg.LLTokenizer(
@@ -499,7 +522,7 @@ class GrammarMatcher:
         if inner is None:
             self._fill_eos_only(target)
         else:
-            inner.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
+            self.compiler._fill_live([(inner, row)], bitmask)
 
     def _live_matcher(self):
         """The llguidance matcher, or None when the grammar failed or a token was rejected. The grammar
@@ -513,10 +536,15 @@ class GrammarMatcher:
         return None if self._error is not None else self._matcher
 
     def _fill_eos_only(self, row: torch.Tensor) -> None:
-        row.zero_()
-        for t in self._eos:
-            if t < 32 * row.numel():
-                row[t // 32] |= _bit(t % 32)
+        _eos_only(row, self._eos)
+
+
+def _eos_only(row: torch.Tensor, eos: Sequence[int]) -> None:
+    """A bitmask row allowing only the tokens ``eos``."""
+    row.zero_()
+    for t in eos:
+        if t < 32 * row.numel():
+            row[t // 32] |= _bit(t % 32)
 
 
 def _bit(j: int) -> int:

@@ -19,7 +19,9 @@ import pytest
 import torch
 
 import fuseformer
+from fuseformer.engine import grammar_xgrammar
 from fuseformer.engine import structured_outputs as so
+from fuseformer.engine.grammar_xgrammar import XgrammarGrammar, XgrammarMatcher, bounded_strings
 from fuseformer.engine.model_runner import CacheConfig, ModelRunner
 from fuseformer.engine.request import Request
 from fuseformer.engine.sampler import SamplingMetadata, sample
@@ -247,15 +249,12 @@ def test_bitmask_matches_a_brute_force_check(compiler, tokenizer, spec, text):
         matcher.fill_bitmask(bitmask, 0)
         allowed = set(_allowed(bitmask[0], vocab))
         if step in checked:
-            # llguidance's matcher: validate_tokens checks a token without advancing (EOS, which it
-            # does not validate, on a copy).
+            # The library's matcher (llguidance's, or xgrammar's for length-bounded strings): each
+            # token tried on a copy.
             state = matcher._live_matcher()
             texts = [tokenizer.decode([t]) for t in allowed]
             for t in range(vocab):
-                if t in tokenizer.eos_token_ids:
-                    accepted = state.deep_copy().consume_token(t)
-                else:
-                    accepted = state.validate_tokens([t]) == 1
+                accepted = state.deep_copy().consume_token(t)
                 if t in allowed:
                     assert accepted, (step, t, tokenizer.decode([t]))
                 elif accepted:
@@ -320,7 +319,7 @@ def test_batch_fill_equals_row_fills_and_vocab_padding(tokenizer):
     other = GrammarCompiler(tokenizer)
     other.compile(specs[0]).result(timeout=10)
     fill = compiler.fill_bitmask_async([other.matcher(specs[0]), matchers[0]])
-    with pytest.raises(ValueError):
+    with pytest.raises((ValueError, RuntimeError)):  # llguidance's ValueError, xgrammar's RuntimeError
         fill.result()
     assert torch.equal(compiler.fill_bitmask_async(matchers).result(), batch)  # the thread lives on
     compiler.close()
@@ -530,3 +529,38 @@ def test_tool_choice_grammars_give_calls_the_parsers_read(sampled):
         content, calls = tool_parser("llama3_json").extract(text)
         assert reason == "stop" and content is None and [c.name for c in calls] == ["get_weather"], text
         jsonschema.validate(json.loads(calls[0].arguments), TOOLS[0]["function"]["parameters"])
+
+
+def test_bounded_strings_finds_a_length_bound_anywhere():
+    assert bounded_strings(SCHEMA)  # "name": maxLength
+    assert bounded_strings({"type": "array", "items": {"anyOf": [{"type": "string", "minLength": 2}]}})
+    assert not bounded_strings({"type": "object", "properties": {"s": {"type": "string"}, "n": {"maximum": 3}}})
+    assert not bounded_strings({"properties": {"maxLength": {"type": "string"}}})  # a property's name
+
+
+def test_length_bounded_schemas_compile_with_xgrammar_the_rest_with_llguidance(tokenizer, monkeypatch):
+    """xgrammar masks inside maxLength strings ~5x faster than llguidance: those schemas go to it; other
+    constraints, a schema it does not compile, or no xgrammar installed: llguidance."""
+    pytest.importorskip("xgrammar")
+    free = {"type": "object", "properties": {"s": {"type": "string"}}}
+    compiler = GrammarCompiler(tokenizer)
+    try:
+        assert isinstance(compiler.compile(StructuredOutputsParams(json=SCHEMA)).result(10), XgrammarGrammar)
+        for spec in (StructuredOutputsParams(json=free), StructuredOutputsParams(regex=REGEX)):
+            assert not isinstance(compiler.compile(spec).result(10), XgrammarGrammar)
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("not supported")
+
+        monkeypatch.setattr(compiler._xgrammar._compiler, "compile_json_schema", refuse)
+        spec = StructuredOutputsParams(json={**SCHEMA, "title": "another key"})
+        assert not isinstance(compiler.compile(spec).result(10), XgrammarGrammar)
+    finally:
+        compiler.close()
+    monkeypatch.setattr(grammar_xgrammar, "xgrammar_module", lambda: None)
+    compiler = GrammarCompiler(tokenizer)
+    try:
+        matcher = compiler.matcher(StructuredOutputsParams(json=SCHEMA))
+        assert matcher.wait(10) is None and not isinstance(matcher._live_matcher(), XgrammarMatcher)
+    finally:
+        compiler.close()
