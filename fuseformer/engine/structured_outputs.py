@@ -357,7 +357,7 @@ class GrammarCompiler:
 
     def _prepare_fill(self, matchers: Sequence[GrammarMatcher], out: torch.Tensor | None) -> tuple[torch.Tensor, list]:
         """``out`` checked (allocated when None), the rows that allow only EOS written, and the others
-        returned as (llguidance matcher, row) pairs."""
+        returned as (library matcher, row) pairs: llguidance's, or ``XgrammarMatcher``."""
         words = (self.vocab_size + 31) // 32
         if out is None:
             # Not allocate_bitmask: every row is written below or by llguidance (whole rows), and
@@ -525,8 +525,9 @@ class GrammarMatcher:
             self.compiler._fill_live([(inner, row)], bitmask)
 
     def _live_matcher(self):
-        """The llguidance matcher, or None when the grammar failed or a token was rejected. The grammar
-        must be ready (the scheduler runs a constrained request only then)."""
+        """The library's matcher (llguidance's, or an ``XgrammarMatcher``), or None when the grammar failed
+        or a token was rejected. The grammar must be ready (the scheduler runs a constrained request
+        only then)."""
         if self._matcher is None:
             if not self._future.done():
                 raise RuntimeError("GrammarMatcher: the grammar is still compiling (wait until ready)")
