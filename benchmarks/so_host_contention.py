@@ -5,16 +5,20 @@ function of the step loop is ~1.5x slower in a constrained run, not only the gra
 the CPU alone (no model):
 
 - ``fill``: one fill of a (128, V/32) bitmask for 128 matchers of the SO benchmark's schema, through
-  ``GrammarCompiler.fill_bitmask`` with llguidance's executor at ``--threads`` (0: its default, 80% of the
-  CPUs), the matchers advanced between fills by tokens drawn uniformly from their masks (as the random
-  model draws them);
+  ``GrammarCompiler.fill_bitmask`` with the library's executor at ``--threads`` (0: its default: 80% of the
+  CPUs for llguidance, half for xgrammar), the matchers advanced between fills by tokens drawn uniformly
+  from their masks (as the random model draws them). The schema's strings are length-bounded, so the
+  compiler gives it to xgrammar; ``--llguidance`` keeps it with llguidance (the A/B of session 31);
 - ``work``: a fixed piece of the engine's Python (the detokenizer over 256 tokens and some list/dict
   churn) alone, and while a fill runs on the fill thread (``fill_bitmask_async``): the slowdown is the
   contention;
 - ``prepare`` and ``accept``: the main thread's own grammar bookkeeping a step (the fill's
   hand-over, accepting 128 tokens).
 
-    python benchmarks/so_host_contention.py [--threads 0,1,2,4,8] [--steps 60] [--vocab 128000]
+    python benchmarks/so_host_contention.py [--threads 0,1,2,4,8] [--steps 60] [--vocab 128000] [--llguidance]
+
+Also prints the CPUs this process may use: the affinity and the cgroup's CPU quota (``cpu.max``): the
+device hosts' fills did not speed up with threads (session 31), a quota below the visible cores suspected.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=128000)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--llguidance", action="store_true", help="the bounded schema with llguidance, not xgrammar")
     parser.add_argument(
         "--slices",
         default="general",
@@ -59,6 +64,7 @@ def main() -> None:
     from structured_outputs import trained_tokenizer_dir
     from structured_outputs_engine import SCHEMA
 
+    from fuseformer.engine.grammar_xgrammar import xgrammar_module
     from fuseformer.engine.structured_outputs import GrammarCompiler, StructuredOutputsParams
     from fuseformer.models.tokenizer import Tokenizer
 
@@ -83,6 +89,9 @@ def main() -> None:
         affinity=len(os.sched_getaffinity(0)),
         work_alone_ms=round(1e3 * statistics.median(work_alone), 3),
     )
+    for path in ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"):
+        if os.path.exists(path):
+            info[path] = open(path).read().strip()
     try:
         info["lscpu"] = [
             line
@@ -93,8 +102,12 @@ def main() -> None:
         pass
     print(json.dumps(info), flush=True)
     results = [info]
+    if args.llguidance:
+        compiler._xgrammar.compile = lambda *a, **k: None  # llguidance compiles it (the fallback path)
     for threads in [int(x) for x in args.threads.split(",")]:
         compiler._parallel = llguidance.LLExecutor(threads or None)
+        xgr = xgrammar_module()
+        compiler._xgr_executor = None if xgr is None else xgr.BatchGrammarMatcher(threads or "auto")
         matchers = [compiler.matcher(spec) for _ in range(args.rows)]
         matchers[0].wait()
         fills, works, prepares, accepts, restarts = [], [], [], [], 0
@@ -119,6 +132,7 @@ def main() -> None:
                     matchers[i] = compiler.matcher(spec)
                     restarts += 1
         rec = dict(
+            library="llguidance" if args.llguidance or xgrammar_module() is None else "xgrammar",
             slices=args.slices,
             threads=threads,
             fill_ms=round(1e3 * statistics.median(fills), 2),
