@@ -54,24 +54,29 @@ class XgrammarCompiler:
         self.vocab_size = vocab_size
         self._compiler = None
 
-    def compile(self, schema: dict, any_whitespace: bool) -> XgrammarGrammar | None:
-        """The compiled schema, or None when xgrammar is missing or cannot compile it."""
-        xgr = xgrammar_module()
-        if xgr is None:
-            return None
+    def prepare(self):
+        """xgrammar's compiler, its view of the vocabulary built at the first call (xgrammar installed)."""
         if self._compiler is None:
             from tokenizers import Tokenizer
             from transformers import PreTrainedTokenizerFast  # xgrammar's own dependency
 
+            xgr = xgrammar_module()
             hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(self.tokenizer.to_str()))
             eos = list(self.tokenizer.eos_token_ids)
             info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=eos)
             self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler
+
+    def compile(self, schema: dict, any_whitespace: bool) -> XgrammarGrammar | None:
+        """The compiled schema, or None when xgrammar is missing or cannot compile it."""
+        if xgrammar_module() is None:
+            return None
+        compiler = self.prepare()
         kwargs = dict(any_whitespace=any_whitespace, strict_mode=True)
         if any_whitespace:
             kwargs["max_whitespace_cnt"] = _MAX_WHITESPACE
         try:
-            compiled = self._compiler.compile_json_schema(json.dumps(schema), **kwargs)
+            compiled = compiler.compile_json_schema(json.dumps(schema), **kwargs)
         except Exception:  # a feature xgrammar lacks: llguidance compiles it (or says why not)
             return None
         return XgrammarGrammar(compiled, tuple(self.tokenizer.eos_token_ids), self.vocab_size)

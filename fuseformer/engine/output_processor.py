@@ -20,6 +20,7 @@ a request whose prompt + ``max_tokens`` passes ``max_model_len`` is not refused 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import threading
 import time
@@ -108,6 +109,14 @@ class OutputProcessor:
                 vocab = max(self.vocab_size, self.tokenizer.vocab_size)
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab)
             return self._grammar_compiler
+
+    def prepare_grammars(self) -> None:
+        """Build the grammar libraries' views of the vocabulary in the background now (``LLM`` on CUDA,
+        beside the server's start), so that the first constrained request does not wait ~1-3 s for
+        them. Nothing without a tokenizer or a grammar library."""
+        libraries = ("llguidance", "xgrammar")
+        if self.tokenizer is not None and any(importlib.util.find_spec(m) is not None for m in libraries):
+            self.grammar_compiler.prepare()
 
     # ---- defaults and checks -----------------------------------------------------------------
 

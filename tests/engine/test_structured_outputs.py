@@ -564,3 +564,38 @@ def test_length_bounded_schemas_compile_with_xgrammar_the_rest_with_llguidance(t
         assert matcher.wait(10) is None and not isinstance(matcher._live_matcher(), XgrammarMatcher)
     finally:
         compiler.close()
+
+
+def test_prepare_builds_the_vocabulary_views_before_the_first_compile(tokenizer):
+    """``prepare`` (LLM on CUDA calls it at start) builds both libraries' views on the compile thread; the
+    first compile then uses them, and a second ``prepare`` changes nothing."""
+    pytest.importorskip("xgrammar")
+    compiler = GrammarCompiler(tokenizer)
+    try:
+        assert compiler._lltokenizer is None and compiler._xgrammar._compiler is None
+        compiler.prepare().result(timeout=60)
+        views = compiler._lltokenizer, compiler._xgrammar._compiler
+        assert all(v is not None for v in views)
+        compiler.prepare().result(timeout=60)
+        for spec in (StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX)):
+            assert compiler.compile(spec).result(timeout=10) is not None
+        assert (compiler._lltokenizer, compiler._xgrammar._compiler) == views
+    finally:
+        compiler.close()
+
+
+def test_output_processor_prepares_grammars_only_with_a_tokenizer(tokenizer):
+    from fuseformer.engine.output_processor import OutputProcessor
+
+    without = OutputProcessor(None, [0], 100, 64)
+    without.prepare_grammars()  # no tokenizer: nothing, and no error
+    assert without._grammar_compiler is None
+    with_tokenizer = OutputProcessor(tokenizer, tokenizer.eos_token_ids, tokenizer.vocab_size, 64)
+    with_tokenizer.prepare_grammars()
+    compiler = with_tokenizer._grammar_compiler
+    try:
+        assert compiler is not None
+        compiler._executor.submit(lambda: None).result(timeout=60)  # after the prepare job
+        assert compiler._lltokenizer is not None
+    finally:
+        compiler.close()
