@@ -278,7 +278,7 @@ class LLM:
         self.output_processor = OutputProcessor(
             self.tokenizer, eos_token_ids, self.model_config.vocab_size, self.max_model_len
         )
-        if self.runner.device.type == "cuda":  # as the engine's warm-up: no first-request wait
+        if device.type == "cuda":  # as the engine's warm-up: no first-request wait
             self.output_processor.prepare_grammars()
 
     # ---- the core's state, read-only (LLM's attributes before the engine core was split out; to
