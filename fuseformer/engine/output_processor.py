@@ -113,9 +113,12 @@ class OutputProcessor:
     def prepare_grammars(self) -> None:
         """Build the grammar libraries' views of the vocabulary in the background now (``LLM`` on CUDA,
         beside the server's start), so that the first constrained request does not wait ~1-3 s for
-        them. Nothing without a tokenizer or a grammar library."""
+        them. Nothing without a tokenizer, its EOS (the compiler refuses one without: structured outputs
+        then fail at their request, as before) or a grammar library."""
         libraries = ("llguidance", "xgrammar")
-        if self.tokenizer is not None and any(importlib.util.find_spec(m) is not None for m in libraries):
+        if self.tokenizer is None or not self.tokenizer.eos_token_ids:
+            return
+        if any(importlib.util.find_spec(m) is not None for m in libraries):
             self.grammar_compiler.prepare()
 
     # ---- defaults and checks -----------------------------------------------------------------

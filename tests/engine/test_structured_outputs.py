@@ -590,6 +590,11 @@ def test_output_processor_prepares_grammars_only_with_a_tokenizer(tokenizer):
     without = OutputProcessor(None, [0], 100, 64)
     without.prepare_grammars()  # no tokenizer: nothing, and no error
     assert without._grammar_compiler is None
+    no_eos = Tokenizer(BUILTIN)
+    no_eos.eos_token_ids = []
+    without = OutputProcessor(no_eos, [], no_eos.vocab_size, 64)
+    without.prepare_grammars()  # a tokenizer without EOS: nothing (LLM still starts), and no error
+    assert without._grammar_compiler is None
     with_tokenizer = OutputProcessor(tokenizer, tokenizer.eos_token_ids, tokenizer.vocab_size, 64)
     with_tokenizer.prepare_grammars()
     compiler = with_tokenizer._grammar_compiler
