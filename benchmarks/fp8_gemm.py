@@ -147,16 +147,19 @@ def _copies(nbytes: int) -> int:
     return max(2, -(-160_000_000 // nbytes))  # >= 160 MB of weights a replay: 3x the H100's L2
 
 
-def decode_rows(tokens, copy: float, rule_only: bool = False) -> list[dict]:
+def decode_rows(tokens, copy: float, rule_only: bool = False, names: tuple[str, ...] = ()) -> list[dict]:
     """M <= 64 as the engine's graphs run it: each backend and candidate over rotated weight copies;
     % of copy bandwidth for the e4m3 weight bytes (bf16 rows: their bf16 bytes). ``rule_only``: the
     weight-only rule's tile in fp16 and bf16 MMA against bf16 and against W8A8 through ``_scaled_mm``
-    (the quantization of x included), no sweep of the Triton W8A8 tiles."""
+    (the quantization of x included), no sweep of the Triton W8A8 tiles. ``names``: only these shapes
+    (qkv, o, down, gate_up; all when empty)."""
     from fuseformer.ops.mlp_decode import DOWN_DECODE, GATE_UP_DECODE, _decode_gemm, decode_candidates, decode_plan
 
     rows = []
     shapes = {**SHAPES, "gate_up": (2 * INTER, H)}
     for name, (n, k) in shapes.items():
+        if names and name not in names:
+            continue
         c = _copies(n * k)
         w = [torch.randn(n, k, device="cuda") / k**0.5 for _ in range(c)]
         w16 = [t.bfloat16() for t in w]
@@ -234,13 +237,15 @@ def main() -> None:
     p.add_argument("--max-candidates", type=int, default=12)
     p.add_argument("--parts", default="layers,decode,gemm,glu")
     p.add_argument("--decode-rule-only", action="store_true", help="decode: the rule's tile, fp16 vs bf16 MMA")
+    p.add_argument("--decode-shapes", default="", help="decode: only these of qkv,o,down,gate_up")
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     copy = copy_ceiling_tb_s("cuda")
     out = os.path.join(os.environ.get("OUT", "."), "fp8_gemm.json")
     rows: list[dict] = []
     decode_tokens = [t for t in tokens if t <= 64]
-    for part, fn in (("layers", lambda: layer_rows(tokens)), ("decode", lambda: decode_rows(decode_tokens, copy, args.decode_rule_only)),
+    for part, fn in (("layers", lambda: layer_rows(tokens)), ("decode", lambda: decode_rows(decode_tokens, copy, args.decode_rule_only,
+                                                            tuple(filter(None, args.decode_shapes.split(","))))),
                      ("gemm", lambda: gemm_rows(tokens, args.max_candidates, copy)),
                      ("glu", lambda: glu_rows(tokens, args.max_candidates, copy))):  # fmt: skip
         if part in args.parts.split(","):
