@@ -8,6 +8,11 @@ SDPA). This times one layer's forward, on the CUDA GPU, as do_bench medians:
 - SDPA with each backend (cuDNN, flash, memory-efficient) on the same (B, H, S, D) views.
 
     python3 benchmarks/encoder_attention.py [--out DIR] [--batch 32 --seq 512 --heads 12]
+    python3 benchmarks/encoder_attention.py --crossover [--out DIR]
+
+``--crossover``: the Gluon forward (the default where it applies) against the Triton one at S 512-8192
+(B x S = 16384, H 32; hd 64 and 128; causal and full), each as do_bench times an eager call (host launch
+included) and as a CUDA-graph replay (kernel alone): where the Gluon kernel should start.
 """
 
 from __future__ import annotations
@@ -29,14 +34,44 @@ attn = importlib.import_module("fuseformer.ops.attention")
 common = importlib.import_module("fuseformer.ops._attention_common")
 
 
+def crossover(out_dir: str) -> None:
+    from fuseformer.bench._timing import bench_graph_ms
+
+    rows = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for s in (512, 1024, 2048, 4096, 8192):
+                b = 16384 // s
+                q, k, v = (torch.randn(b, s, 32, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                right = 0 if causal else -1
+                rec = dict(head_dim=d, causal=causal, seq=s, batch=b)
+                for name, gl in (("gluon", True), ("triton", False)):
+                    def fn(gl=gl):
+                        return attn.flash_attention_fwd(q, k, v, None, None, s, s, d**-0.5, -1, right, gluon=gl)
+                    rec[f"{name}_us"] = 1e3 * bench_ms(fn)
+                    try:
+                        rec[f"{name}_graph_us"] = 1e3 * bench_graph_ms(fn)
+                    except Exception as exc:  # a launch path that cannot be captured: recorded
+                        rec[f"{name}_graph_error"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                rows.append(rec)
+                print(json.dumps(rec), flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    json.dump(dict(date=time.strftime("%Y-%m-%d %H:%M"), gpu=torch.cuda.get_device_name(), rows=rows),
+              open(os.path.join(out_dir, "attention_crossover.json"), "w"), indent=1)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--crossover", action="store_true")
     p.add_argument("--out", default=".")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--head-dim", type=int, default=64)
     args = p.parse_args()
+    if args.crossover:
+        crossover(args.out)
+        return
     b, s, h, d = args.batch, args.seq, args.heads, args.head_dim
     flops = 4 * b * h * s * s * d
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -15,8 +15,10 @@ candidate replaces (docs/optimize.md, "GPT-2, BERT, RoBERTa"):
   keep theirs.
 - norm, every other ``nn.LayerNorm`` (GPT-2 ``ln_1``/``ln_f``, embeddings, MLM heads): a
   ``fuseformer.layers.LayerNorm`` sharing its Parameters, set on its parent.
-- mlp: skipped. The GELU MLPs are not gated and ``fuseformer.ops`` has no standalone (bias +) GELU
-  op: only ``swiglu``/``geglu`` (act(gate) * up) and ``fused_mlp`` (gated).
+- mlp: the up projection and its activation (BERT/RoBERTa ``*Intermediate``: ``act(dense(h))``; GPT-2
+  ``GPT2MLP``: ``act(c_fc(h))``, then ``c_proj`` and dropout as before) as one ``linear_act`` GEMM with
+  the bias and activation in its epilogue; the module gets an instance-bound ``forward``. Path: that
+  module. Activations other than GELU (erf or tanh) and SiLU are left, with the reason.
 - attention: the attention module gets its own shallow copy of the config naming a registered
   transformers attention function. GPT-2 (causal) uses ``"fuseformer"`` (``fusion/hf_attention.py``);
   BERT/RoBERTa encoders (bidirectional) use ``"fuseformer_encoder"`` (:func:`encoder_attention`,
@@ -72,7 +74,7 @@ def find_candidates(model: nn.Module, *, training: bool, kinds: frozenset[str]) 
             _post_ln_candidates(model, fused, result)
         _layer_norm_candidates(model, fused, result)
     if "mlp" in kinds:
-        _mlp_skips(model, gpt2, result)
+        _mlp_candidates(model, gpt2, result)
     if "attention" in kinds:
         _attention_candidates(model, gpt2, training, result)
     if "loss" in kinds:
@@ -257,18 +259,81 @@ def _layer_norm_candidates(model: nn.Module, fused: set[int], result: PassResult
 # ---------------------------------------------------------------------------------------------
 # MLPs
 # ---------------------------------------------------------------------------------------------
-_NO_GELU_OP = (
-    "plain (non-gated) GELU MLP: fuseformer.ops has no standalone bias + GELU op (only swiglu/geglu "
-    "and the gated fused_mlp), so it stays as it is"
-)
+# transformers' activation modules (ACT2FN) -> linear_act's activation: GPT-2's gelu_new and the fast
+# form are the tanh approximation, as is nn.GELU(approximate="tanh"). Others (quick_gelu, relu, ...) stay.
+_ACTIVATIONS = {
+    "GELUActivation": "gelu",
+    "NewGELUActivation": "gelu_tanh",
+    "FastGELUActivation": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "GELUTanh": "gelu_tanh",
+    "SiLUActivation": "silu",
+    "SiLU": "silu",
+}
 
 
-def _mlp_skips(model: nn.Module, gpt2: bool, result: PassResult) -> None:
+def _activation(act: object) -> str | None:
+    """linear_act's name for the activation module ``act``, or None when it has none."""
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    name = _ACTIVATIONS.get(type(act).__name__)
+    if name == "gelu" and getattr(act, "act", tnf.gelu) is not tnf.gelu:  # GELUActivation(use_gelu_python=True)
+        return None
+    return name
+
+
+def _intermediate_forward(self, hidden_states):
+    """BERT/RoBERTa ``*Intermediate``: act(dense(h)) as one GEMM with the bias and activation fused."""
+    dense = self.dense
+    return F.linear_act(hidden_states, dense.weight, dense.bias, self.__dict__[_ATTR]["activation"])
+
+
+def _gpt2_mlp_forward(self, hidden_states):
+    """GPT2MLP: dropout(c_proj(act(c_fc(h)))) with c_fc's GEMM, bias and activation in one kernel (its
+    Conv1D weight (in, out) read through the transpose view, no copy)."""
+    h = F.linear_act(hidden_states, self.c_fc.weight.T, self.c_fc.bias, self.__dict__[_ATTR]["activation"])
+    return self.dropout(self.c_proj(h))
+
+
+def _mlp_candidates(model: nn.Module, gpt2: bool, result: PassResult) -> None:
     for path, m in model.named_modules():
-        if (gpt2 and type(m).__name__.endswith("MLP") and hasattr(m, "c_fc")) or (
-            not gpt2 and type(m).__name__.endswith("Intermediate") and hasattr(m, "dense")
-        ):
-            result.skipped.append(Skipped(path=path, kind="mlp", reason=_NO_GELU_OP))
+        name = type(m).__name__
+        if gpt2 and name.endswith("MLP") and hasattr(m, "c_fc"):
+            act, linear, forward = getattr(m, "act", None), m.c_fc, _gpt2_mlp_forward
+            ok = type(linear).__name__ == "Conv1D" and hasattr(m, "c_proj") and hasattr(m, "dropout")
+        elif not gpt2 and name.endswith("Intermediate") and hasattr(m, "dense"):
+            act, linear, forward = getattr(m, "intermediate_act_fn", None), m.dense, _intermediate_forward
+            ok = isinstance(linear, nn.Linear)
+        else:
+            continue
+        activation = _activation(act)
+        if not ok or _params_of(type(m)) != ["hidden_states"]:
+            result.skipped.append(Skipped(path=path, kind="mlp", reason=f"{name} is not laid out as expected"))
+            continue
+        if activation is None:
+            result.skipped.append(
+                Skipped(path=path, kind="mlp", reason=f"activation {type(act).__name__} has no fused form")
+            )
+            continue
+
+        def apply(m=m, forward=forward, activation=activation):
+            if "forward" not in m.__dict__:
+                _set_bound_forward(m, forward, {"activation": activation})
+
+        def undo(m=m):
+            _del_bound_forward(m)
+
+        result.candidates.append(
+            Candidate(
+                path=path,
+                kind="mlp",
+                original=f"{type(linear).__name__} + {type(act).__name__}",
+                replacement=f"fuseformer linear_act ({activation})",
+                apply=apply,
+                undo=undo,
+                note="the bias and activation in the GEMM's epilogue",
+            )
+        )
 
 
 # ---------------------------------------------------------------------------------------------

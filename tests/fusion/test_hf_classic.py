@@ -112,11 +112,13 @@ def _count(report, kind, status="kept"):
 def test_gpt2_report_and_logits_grads():
     model = _gpt2()
     fused, report = _optimized(model)
-    # ln_2 + add per block, ln_1 per block, ln_f; one attention per block; the MLPs skipped.
+    # ln_2 + add per block, ln_1 per block, ln_f; one attention and one MLP (c_fc + gelu_new) per block.
     assert _count(report, "norm") == 2 * L + 1
     assert _count(report, "attention") == L
+    assert _count(report, "mlp") == L
     assert not [r for r in report.replacements if r.status != "kept"]
-    assert sum(s.kind == "mlp" for s in report.skipped) == L
+    assert not [s for s in report.skipped if s.kind == "mlp"]
+    assert "gelu_tanh" in [r for r in report.replacements if r.kind == "mlp"][0].replacement
     block = fused.transformer.h[0]
     assert "forward" in block.__dict__ and isinstance(fused.transformer.ln_f, fuseformer.layers.LayerNorm)
     assert block.attn.config is not fused.config and block.attn.config._attn_implementation == "fuseformer"
@@ -197,6 +199,7 @@ def test_encoder_padded_outputs_and_grads(kind, impl, monkeypatch):
     heads = 1 if kind == "bert_mlm" else 0  # the MLM head's transform.LayerNorm
     assert _count(report, "norm") == 2 * L + 1 + heads  # two post-LN adds a layer, embeddings
     assert _count(report, "attention") == L
+    assert _count(report, "mlp") == L  # each *Intermediate: dense + GELU (erf) as one linear_act
     assert not [r for r in report.replacements if r.status != "kept"]
     last_attention = [r for r in report.replacements if r.kind == "attention"][-1]
     assert isinstance(fused.get_submodule(last_attention.path).config, type(model.config))
@@ -226,8 +229,8 @@ def test_encoder_pad_positions_match_too():
 def test_encoder_training_report():
     report = fuseformer.optimize(_encoder("bert", dropout=0.1), training=True)
     assert _count(report, "norm") == 2 * L + 1 and _count(report, "attention") == 0
-    assert _count(report, "loss") == 0
-    assert {s.kind for s in report.skipped} == {"mlp", "attention", "loss"}
+    assert _count(report, "loss") == 0 and _count(report, "mlp") == L
+    assert {s.kind for s in report.skipped} == {"attention", "loss"}
 
 
 def test_encoder_dropout_keeps_its_meaning():
@@ -332,3 +335,24 @@ def test_other_model_type_is_skipped_not_fatal():
     model.config = transformers.PretrainedConfig()
     result = hf_classic.find_candidates(model, training=False, kinds=frozenset({"norm"}))
     assert not result.candidates and result.skipped
+
+
+@pytest.mark.parametrize("act, fused_as", [("gelu_new", "gelu_tanh"), ("silu", "silu"), ("relu", None)])
+def test_encoder_mlp_activations(act, fused_as, monkeypatch):
+    """Each *Intermediate's activation maps to linear_act's (GELU erf / tanh forms, SiLU) or, without a
+    fused form, the module stays and the report says why."""
+    model = _encoder("bert", hidden_act=act)
+    calls = []
+    real = hf_classic.F.linear_act
+    monkeypatch.setattr(hf_classic.F, "linear_act", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    fused, report = _optimized(model)
+    mlps = [r for r in report.replacements if r.kind == "mlp"]
+    if fused_as is None:
+        assert not mlps and not calls
+        assert [s.reason for s in report.skipped if s.kind == "mlp"] == ["activation ReLU has no fused form"] * L
+    else:
+        assert [r.status for r in mlps] == ["kept"] * L and fused_as in mlps[0].replacement
+        calls.clear()
+        ids, mask = _padded()
+        _check(model, fused, {"input_ids": ids, "attention_mask": mask}, keep=mask.bool())
+        assert calls and set(calls) == {fused_as}
