@@ -190,9 +190,8 @@ def candidate_configs(t: int, dtype: torch.dtype) -> list[dict]:
             for stages in (3, 4, 5):
                 if stages * (bm + bn) * bk * es + 16384 > SM90_SMEM_BYTES:
                     continue
-                for group in (8, 16):
-                    out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps,
-                                    num_stages=stages, USE_DESC=True))  # fmt: skip
+                out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps,
+                                num_stages=stages, USE_DESC=True))  # fmt: skip
     return out
 
 
