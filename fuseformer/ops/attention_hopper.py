@@ -53,6 +53,11 @@ BLOCK_N = 128  # keys a stage
 # f61fb9f-4d987ea have that variant and its sweep attention_dq64).
 HEAD_DIMS = (64, 128)
 DQ_HEAD_DIMS = (128,)
+# The forward at head dim 64 takes sequences from this length: run 138 (H100, bf16, B x S 16384, H 32, us
+# Gluon / Triton, eager calls) full S 512 242 / 219, 2048 692 / 656, 4096 1276 / 1290, 8192 2448 / 2515;
+# causal 512 247 / 165, 2048 400 / 395, 4096 695 / 726; BERT-base's layer (B 32, S 512, H 12) 152 / 91.
+# At head dim 128 it is ahead from S 512 (full 315 / 360, causal 261 / 330).
+FWD_MIN_SEQ = {64: 4096, 128: 0}
 # Stages of the K/V ring, registers of each consumer warpgroup and of the producer (12 warps, 3
 # warpgroups, share 64K registers; the kernel's maxnreg follows). Run 82 (H200, TFLOP/s, causal S4096 /
 # full S16384): 3 stages 534.6 / 643.6; 2 stages 456.0 / 531.6 (the early q k^T waits for its K);
@@ -477,6 +482,13 @@ def usable(
         return False
     # Rows of (B * S, H * D) with unit stride: what the TMA descriptors read.
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))
+
+
+def forward_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool, window_left: int,
+                   window_right: int, softmax_scale: float) -> bool:  # fmt: skip
+    """Whether the Gluon forward takes the call: :func:`usable`, and the sequence at least
+    ``FWD_MIN_SEQ`` for the head dim (shorter ones run faster on the Triton kernel)."""
+    return usable(q, k, v, varlen, window_left, window_right, softmax_scale) and q.shape[1] >= FWD_MIN_SEQ[q.shape[-1]]
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,

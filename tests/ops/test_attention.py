@@ -492,7 +492,7 @@ def test_flash_attention_gluon_forward_gpu(b, s, hq, hkv, causal, dtype, stages,
 
 def test_gluon_forward_declines_what_it_does_not_take():
     """CPU tensors, varlen, windows, other head dims, lengths not a multiple of 128, non-positive
-    scales: the Triton kernel (or the reference) takes them."""
+    scales; the forward also head dim 64 below FWD_MIN_SEQ: the Triton kernel (or the reference) takes them."""
     from fuseformer.ops import attention_hopper as hopper
 
     q = torch.randn(1, 128, 2, 128)
@@ -505,6 +505,10 @@ def test_gluon_forward_declines_what_it_does_not_take():
         assert not hopper.usable(g, g, g, False, -1, 0, 0.0)
         g64, g96 = g[..., :64].contiguous(), g[..., :96].contiguous()
         assert hopper.usable(g64, g64, g64, False, -1, 0, 0.1)
+        assert not hopper.forward_usable(g64, g64, g64, False, -1, 0, 0.1)  # S 128 < FWD_MIN_SEQ[64]
+        assert hopper.forward_usable(g, g, g, False, -1, 0, 0.1)  # head dim 128: every length
+        long64 = torch.randn(1, hopper.FWD_MIN_SEQ[64], 2, 64, device="cuda", dtype=torch.half)
+        assert hopper.forward_usable(long64, long64, long64, False, -1, 0, 0.1)
         assert not hopper.usable(g96, g96, g96, False, -1, 0, 0.1)
         h = torch.randn(1, 200, 2, 128, device="cuda", dtype=torch.half)
         assert not hopper.usable(h, h, h, False, -1, 0, 0.1)
@@ -609,6 +613,7 @@ def test_gluon_kernels_write_into_the_launchers_outputs(monkeypatch):
     for name in ("_attention_fwd_kernel", "_dkdv_kernel", "_dq_kernel"):
         monkeypatch.setattr(hopper, name, Stub(name))
     monkeypatch.setattr(hopper, "usable", lambda *a: True)
+    monkeypatch.setattr(hopper, "FWD_MIN_SEQ", {64: 0, 128: 0})
     monkeypatch.setattr(hopper, "empty", lambda *a, **kw: pytest.fail("a Gluon launcher allocated an output"))
     monkeypatch.setattr(hopper, "DQ_HEAD_DIMS", (64,))
     monkeypatch.setattr(attn_mod, "_GLUON_FWD", True)
@@ -668,6 +673,7 @@ def test_flash_attention_gluon_hd64_gpu(b, s, hq, hkv, causal, gluon_dq, monkeyp
         monkeypatch.setattr(hopper, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     if gluon_dq:
         monkeypatch.setattr(hopper, "DQ_HEAD_DIMS", (64, 128))
+    monkeypatch.setattr(hopper, "FWD_MIN_SEQ", {64: 0, 128: 0})  # the kernel at these short lengths too
     monkeypatch.setattr(attn_mod, "_GLUON_FWD", True)
     monkeypatch.setattr(bwd_mod, "_GLUON_BWD", True)
     _check(b, s, s, hq, hkv, 64, "cuda", causal=causal, dtype=torch.bfloat16)
