@@ -24,6 +24,8 @@ dz = dy * act'(z) in one elementwise kernel, then cuBLAS: dx = dz W, dW = dz^T x
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as TF
 import triton
@@ -81,11 +83,37 @@ def _linear_act_kernel(
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, W_KN: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_DESC: tl.constexpr,
+    USE_DESC: tl.constexpr, PERSISTENT: tl.constexpr,
 ):  # fmt: skip
     # X (M, K); W (N, K) rows of stride_w, or with W_KN the (K, N) tensor whose transpose is the weight;
     # B (N,); Y and PRE (M, N). Grouped tile order as the gate-up GEMM's (GROUP_M row blocks a column block).
-    pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    # PERSISTENT (descriptors only): one program an SM walks the tiles in one flattened loop, so the
+    # pipeliner loads the next tile's first K blocks during this tile's epilogue (K 768: 12 K blocks a tile).
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if PERSISTENT:
+        x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+        if W_KN:
+            w_desc = tl.make_tensor_descriptor(W, shape=[K, N], strides=[stride_w, 1], block_shape=[BLOCK_K, BLOCK_N])
+        else:
+            w_desc = tl.make_tensor_descriptor(W, shape=[N, K], strides=[stride_w, 1], block_shape=[BLOCK_N, BLOCK_K])
+        for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _grouped(tile, num_m, num_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kt in range(k_tiles):
+                k = kt * BLOCK_K
+                x = x_desc.load([off_m, k])
+                if W_KN:
+                    acc = tl.dot(x, w_desc.load([k, off_n]), acc, input_precision=PRECISION)
+                else:
+                    acc = tl.dot(x, w_desc.load([off_n, k]).T, acc, input_precision=PRECISION)
+            _epilogue(acc, B, Y, PRE, off_m, off_n, M, N, stride_ym, stride_pm, ACTIVATION, HAS_BIAS, SAVE_PRE,
+                      BLOCK_M, BLOCK_N)  # fmt: skip
+        return
+    pid_m, pid_n = _grouped(tl.program_id(0), num_m, num_n, GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     rm = off_m + tl.arange(0, BLOCK_M)
@@ -98,7 +126,7 @@ def _linear_act_kernel(
             w_desc = tl.make_tensor_descriptor(W, shape=[K, N], strides=[stride_w, 1], block_shape=[BLOCK_K, BLOCK_N])
         else:
             w_desc = tl.make_tensor_descriptor(W, shape=[N, K], strides=[stride_w, 1], block_shape=[BLOCK_N, BLOCK_K])
-        for kt in tl.range(0, tl.cdiv(K, BLOCK_K)):
+        for kt in tl.range(0, k_tiles):
             k = kt * BLOCK_K
             x = x_desc.load([off_m, k])
             if W_KN:
@@ -114,7 +142,7 @@ def _linear_act_kernel(
         else:
             w_ptrs = W + rn.to(tl.int64)[:, None] * stride_w + rk[None, :]
             n_mask = (rn < N)[:, None]
-        for kt in tl.range(0, tl.cdiv(K, BLOCK_K)):
+        for kt in tl.range(0, k_tiles):
             k = kt * BLOCK_K
             x = tl.load(x_ptrs + k, mask=m_mask & (rk < K - k)[None, :], other=0.0)
             if W_KN:
@@ -123,11 +151,20 @@ def _linear_act_kernel(
             else:
                 w = tl.load(w_ptrs + k, mask=n_mask & (rk < K - k)[None, :], other=0.0)
                 acc = tl.dot(x, w.T, acc, input_precision=PRECISION)
+    _epilogue(acc, B, Y, PRE, off_m, off_n, M, N, stride_ym, stride_pm, ACTIVATION, HAS_BIAS, SAVE_PRE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _epilogue(acc, B, Y, PRE, off_m, off_n, M, N, stride_ym, stride_pm, ACTIVATION: tl.constexpr,
+              HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """z = acc + b; PRE = z rounded (the backward's, as eager PyTorch saves it) when SAVE_PRE; Y = act(z)."""
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     rows = rm.to(tl.int64)[:, None]
-    if SAVE_PRE:  # the backward reads z rounded to the input dtype, as eager PyTorch's does
+    if SAVE_PRE:
         tl.store(PRE + rows * stride_pm + rn[None, :], acc.to(PRE.dtype.element_ty), mask=mask)
     y = _act_fwd(acc, ACTIVATION)
     tl.store(Y + rows * stride_ym + rn[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -147,7 +184,7 @@ def _act_grad_kernel(DY, Z, DZ, numel, ACTIVATION: tl.constexpr, BLOCK: tl.const
 # --------------------------------------------------------------------------------------------
 # Launch configuration (from the autotune cache)
 # --------------------------------------------------------------------------------------------
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "USE_DESC")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "USE_DESC", "PERSISTENT")
 
 
 def config_key(t: int, k: int, n: int, dtype: torch.dtype) -> str:
@@ -160,13 +197,16 @@ def default_config(t: int, dtype: torch.dtype, on_gpu: bool) -> dict:
     bf16 (128 KB), descriptors; fewer rows for few tokens; fp32 (FMA loops) smaller tiles. Off the GPU
     (the interpreter): small tiles that exercise every mask."""
     if not on_gpu:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=4, num_warps=4, num_stages=1, USE_DESC=False)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=4, num_warps=4, num_stages=1, USE_DESC=False,
+                    PERSISTENT=False)  # fmt: skip
     if dtype == torch.float32:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, GROUP_M=8, num_warps=8, num_stages=3, USE_DESC=True)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, GROUP_M=8, num_warps=8, num_stages=3, USE_DESC=True,
+                    PERSISTENT=False)  # fmt: skip
     if t <= 64:
         return dict(BLOCK_M=max(16, triton.next_power_of_2(t)), BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4,
-                    num_stages=4, USE_DESC=True)  # fmt: skip
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_DESC=True)
+                    num_stages=4, USE_DESC=True, PERSISTENT=False)  # fmt: skip
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_DESC=True,
+                PERSISTENT=False)  # fmt: skip
 
 
 def cached_config(t: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -190,8 +230,9 @@ def candidate_configs(t: int, dtype: torch.dtype) -> list[dict]:
             for stages in (3, 4, 5):
                 if stages * (bm + bn) * bk * es + 16384 > SM90_SMEM_BYTES:
                     continue
-                out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps,
-                                num_stages=stages, USE_DESC=True))  # fmt: skip
+                for persistent in (False, True):
+                    out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps,
+                                    num_stages=stages, USE_DESC=True, PERSISTENT=persistent))  # fmt: skip
     return out
 
 
@@ -234,13 +275,18 @@ def linear_act_fwd(
     bias = bias.contiguous() if bias is not None else None
     assert x.stride(1) == 1
     cfg = dict(config or cached_config(t, k, n, x.dtype, x.device))
+    cfg.setdefault("PERSISTENT", False)
     if cfg.get("USE_DESC") and not (_aligned(x) and _aligned(w)):
-        cfg["USE_DESC"] = False
+        cfg["USE_DESC"] = cfg["PERSISTENT"] = False
         if cfg["BLOCK_M"] >= 64:  # plain loads are not pipelined: smaller tiles (see ops/mlp.py)
             cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 64), BLOCK_K=min(cfg["BLOCK_K"], 32))
     if cfg.get("USE_DESC") and x.is_cuda:
         _ensure_allocator()
+    if not cfg.get("USE_DESC"):
+        cfg["PERSISTENT"] = False  # the persistent loop reads through descriptors only
     tiles = triton.cdiv(t, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    if cfg["PERSISTENT"]:
+        tiles = min(tiles, _sm_count(x.device))
     _linear_act_kernel[(tiles,)](
         x, w, bias if bias is not None else y, y, pre if pre is not None else y,
         t, n, k,
@@ -250,6 +296,13 @@ def linear_act_fwd(
         **cfg,
     )  # fmt: skip
     return y, pre
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, each walking several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _GRAD_BLOCK = 1024

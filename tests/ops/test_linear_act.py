@@ -90,11 +90,12 @@ DESC = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stag
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
-@pytest.mark.parametrize("path", ["pointers", "descriptors"])
+@pytest.mark.parametrize("path", ["pointers", "descriptors", "persistent"])
 def test_linear_act_kernel_paths(path, layout, device):
-    """Each load path and weight layout with an explicit config (T, K, N not multiples of the blocks,
-    several row groups of the grouped order); the saved pre-activation too."""
-    cfg = dict(DESC, USE_DESC=path != "pointers")
+    """Each load path (the persistent tile loop: fewer programs than tiles, each walking several) and
+    weight layout with an explicit config (T, K, N not multiples of the blocks, several row groups of the
+    grouped order); the saved pre-activation too."""
+    cfg = dict(DESC, USE_DESC=path != "pointers", PERSISTENT=path == "persistent")
     _check((50,), 72, 100, torch.float16, device, layout=layout, config=cfg, backward=False)
 
 
