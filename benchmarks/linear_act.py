@@ -52,6 +52,8 @@ def main() -> None:
                            ours_us=1e3 * bench_ms(lambda: F.linear_act(x, w, b, act)),
                            eager_us=1e3 * bench_ms(lambda: _eager(x, w, b, act)),
                            gemm_only_us=1e3 * bench_ms(lambda: tf.linear(x, w, b)))  # fmt: skip
+                if act == "gelu_tanh":  # cuBLASLt's GELU epilogue (the tanh form) through torch
+                    rec["cublaslt_gelu_us"] = 1e3 * bench_ms(lambda: torch._addmm_activation(b, x, w.T, use_gelu=True))
                 if t in (64, 16384):  # one compile a shape and T (dynamic=False)
                     rec["compile_us"] = 1e3 * bench_ms(lambda: compiled(x, w, b, act))
             rec["speedup_vs_eager"] = rec["eager_us"] / rec["ours_us"]
