@@ -356,3 +356,17 @@ def test_encoder_mlp_activations(act, fused_as, monkeypatch):
         ids, mask = _padded()
         _check(model, fused, {"input_ids": ids, "attention_mask": mask}, keep=mask.bool())
         assert calls and set(calls) == {fused_as}
+
+
+def test_encoder_unpadded_runs_sdpa_where_faster(monkeypatch):
+    """Where SDPA's kernel is the faster for an unpadded batch (_sdpa_faster: CUDA at head dim <= 64, here
+    forced on the CPU), the encoder's attention runs transformers' SDPA; padded batches stay varlen."""
+    model = _encoder("bert")
+    fused, _ = _optimized(model)
+    monkeypatch.setattr(hf_classic, "_sdpa_faster", lambda q: True)
+    calls = _spy_flash(monkeypatch)
+    ids, mask = _padded()
+    _check(model, fused, {"input_ids": ids[:, :5]})
+    assert not calls
+    _check(model, fused, {"input_ids": ids, "attention_mask": mask}, keep=mask.bool())
+    assert calls and set(calls) == {"varlen"}
