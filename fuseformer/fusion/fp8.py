@@ -46,6 +46,7 @@ def add_candidates(model: nn.Module, result: PassResult) -> None:
     blocks = _blocks(model)
     heads = _heads(model, generic=blocks is None)
     taken: set[int] = set()  # linears an FP8 MLP (or an MLP fusion that reads the weights) covers
+    fp8_paths: set[str] = set()  # the linears made FP8
     for c in list(result.candidates):
         if c.kind == "mlp":
             _take_over_mlp(model, c, names, result, taken)
@@ -63,6 +64,19 @@ def add_candidates(model: nn.Module, result: PassResult) -> None:
             result.skipped.append(Skipped(path=path, kind="fp8", reason=reason))
         else:
             result.candidates.append(_linear_candidate(model, path, m, names))
+            fp8_paths.add(path)
+    _drop_plain_mlps(result, fp8_paths)
+
+
+def _drop_plain_mlps(result: PassResult, fp8_paths: set[str]) -> None:
+    """A plain MLP's fusion (``linear_act`` on the up projection's weight: BERT's ``*Intermediate``, GPT-2's
+    MLP) cannot read an FP8 weight: where that linear becomes FP8, the fusion is dropped and reported."""
+    for c in list(result.candidates):
+        if c.kind == "mlp" and c.replacement.startswith("fuseformer linear_act"):
+            up = next((p for p in (f"{c.path}.dense", f"{c.path}.c_fc") if p in fp8_paths), None)
+            if up is not None:
+                result.candidates.remove(c)
+                result.skipped.append(Skipped(path=c.path, kind="mlp", reason=f"{up} is FP8 (fp8=True)"))
 
 
 def _is_linear(m: nn.Module) -> bool:
