@@ -30,8 +30,7 @@
 # Llama-1B shape beside bf16 (needs torchao: carry its wheel in .whl/), a call of its own.
 #
 # optimize (not part of all): issue 26 in one device call (~9 min): the fusion GPU tests (one process), the
-# BERT ablation (benchmarks/optimize_ablation.py: each kind alone, host time and syncs per forward), the
-# plain MLP's linear_act against cuBLAS + GELU (benchmarks/linear_act.py), BERT's attention layer against
+# BERT ablation (benchmarks/optimize_ablation.py: each kind alone, host time and syncs per forward), BERT's attention layer against
 # SDPA's backends (benchmarks/encoder_attention.py), and
 # `fuseformer bench optimize`'s encoder, prefill and generate cases (peers in the same process); the training
 # case (HF + Liger: carry its wheel in .whl/) is OPTIMIZE_CASES=train, a call of its own.
@@ -125,7 +124,6 @@ if [[ "$stage" == optimize ]]; then
     python3 -m pytest -q -m gpu -p no:randomly tests/fusion 2>&1 | tee "$out/gpu-tests-fusion.log" | tail -n 5
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     python3 benchmarks/optimize_ablation.py --cases bert --out "$out" 2>&1 | grep -v Warn | tail -n 10 || status=1
-    python3 benchmarks/linear_act.py --out "$out" --tokens 64,1024,16384 2>&1 | grep '^# sweep' | cut -c1-300 || status=1
     python3 benchmarks/encoder_attention.py --out "$out" 2>&1 | grep -E '^#|sdpa|default' | cut -c1-200 || status=1
     python3 -c "
 import json, sys

@@ -69,10 +69,11 @@ def add_candidates(model: nn.Module, result: PassResult) -> None:
 
 
 def _drop_plain_mlps(result: PassResult, fp8_paths: set[str]) -> None:
-    """A plain MLP's fusion (``linear_act`` on the up projection's weight: BERT's ``*Intermediate``, GPT-2's
-    MLP) cannot read an FP8 weight: where that linear becomes FP8, the fusion is dropped and reported."""
+    """A plain MLP's fusion (the up projection's weight into cuBLASLt's GELU epilogue: GPT-2's MLP, a
+    tanh-GELU ``*Intermediate``) cannot read an FP8 weight: where that linear becomes FP8, the fusion is
+    dropped and reported."""
     for c in list(result.candidates):
-        if c.kind == "mlp" and c.replacement.startswith("fuseformer linear_act"):
+        if c.kind == "mlp" and c.replacement.startswith("cuBLASLt GEMM"):
             up = next((p for p in (f"{c.path}.dense", f"{c.path}.c_fc") if p in fp8_paths), None)
             if up is not None:
                 result.candidates.remove(c)

@@ -11,7 +11,6 @@ from fuseformer.ops.fp8_decode import fp8_weight_gemm, fp8_weight_gemm_ref, fp8_
 from fuseformer.ops.fp8_gemm import fp8_gemm, fp8_gemm_glu, fp8_gemm_glu_ref, fp8_gemm_ref
 from fuseformer.ops.fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 from fuseformer.ops.layer_norm import layer_norm, layer_norm_ref
-from fuseformer.ops.linear_act import linear_act, linear_act_ref
 from fuseformer.ops.mlp import fused_mlp, fused_mlp_ref
 from fuseformer.ops.paged_attention import paged_attention, paged_attention_ref
 from fuseformer.ops.quant_fp8 import dequantize_fp8, quantize_fp8, quantize_fp8_ref, quantize_weight_fp8
@@ -34,7 +33,6 @@ OPS = (
     "cross_entropy",
     "fused_linear_cross_entropy",
     "fused_mlp",
-    "linear_act",
     "quantize_fp8",
     "rms_norm_quant_fp8",
     "fp8_gemm",
@@ -71,8 +69,6 @@ __all__ = [
     "gumbel_sample_ref",
     "layer_norm",
     "layer_norm_ref",
-    "linear_act",
-    "linear_act_ref",
     "paged_attention",
     "paged_attention_ref",
     "quantize_fp8",

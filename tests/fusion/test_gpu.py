@@ -102,3 +102,24 @@ def test_bert_inference_with_padding_all_kept():
     report = fuseformer.optimize(model, sample_inputs={"input_ids": ids, "attention_mask": mask})
     assert not report.reverted, str(report)
     assert report.counts().get("norm", 0) >= 4, str(report)
+
+
+def test_gpt2_inference_mlp_epilogue_kept():
+    """GPT-2's MLPs (gelu_new) in bf16 on CUDA: c_fc's GEMM with cuBLASLt's bias + GELU epilogue passes
+    optimize's layer-by-layer check, and generation matches the original's first tokens."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=768, n_layer=2, n_head=12, vocab_size=1024, n_positions=256)
+    with torch.device("cuda"):
+        model = transformers.GPT2LMHeadModel(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 1024, (2, 96), device="cuda")
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    report = fuseformer.optimize(model, sample_inputs={"input_ids": ids})
+    assert not report.reverted and report.counts().get("mlp") == 2, str(report)
+    calls = []
+    real = torch._addmm_activation
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "_addmm_activation", lambda *a, **k: calls.append(1) or real(*a, **k))
+        got = model(input_ids=ids).logits
+    assert len(calls) == 2
+    assert (got.float() - want.float()).abs().max() < 0.25 * want.float().abs().max()

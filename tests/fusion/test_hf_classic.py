@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+import torch.nn.functional as tnf  # noqa: E402
 import transformers  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
@@ -118,7 +119,7 @@ def test_gpt2_report_and_logits_grads():
     assert _count(report, "mlp") == L
     assert not [r for r in report.replacements if r.status != "kept"]
     assert not [s for s in report.skipped if s.kind == "mlp"]
-    assert "gelu_tanh" in [r for r in report.replacements if r.kind == "mlp"][0].replacement
+    assert "GELU (tanh) epilogue" in [r for r in report.replacements if r.kind == "mlp"][0].replacement
     block = fused.transformer.h[0]
     assert "forward" in block.__dict__ and isinstance(fused.transformer.ln_f, fuseformer.layers.LayerNorm)
     assert block.attn.config is not fused.config and block.attn.config._attn_implementation == "fuseformer"
@@ -199,7 +200,9 @@ def test_encoder_padded_outputs_and_grads(kind, impl, monkeypatch):
     heads = 1 if kind == "bert_mlm" else 0  # the MLM head's transform.LayerNorm
     assert _count(report, "norm") == 2 * L + 1 + heads  # two post-LN adds a layer, embeddings
     assert _count(report, "attention") == L
-    assert _count(report, "mlp") == L  # each *Intermediate: dense + GELU (erf) as one linear_act
+    # erf GELU: no fused form faster than cuBLAS + GELU; the MLPs stay, with the reason.
+    assert _count(report, "mlp") == 0
+    assert sum(s.kind == "mlp" and "no fused form" in s.reason for s in report.skipped) == L
     assert not [r for r in report.replacements if r.status != "kept"]
     last_attention = [r for r in report.replacements if r.kind == "attention"][-1]
     assert isinstance(fused.get_submodule(last_attention.path).config, type(model.config))
@@ -229,8 +232,8 @@ def test_encoder_pad_positions_match_too():
 def test_encoder_training_report():
     report = fuseformer.optimize(_encoder("bert", dropout=0.1), training=True)
     assert _count(report, "norm") == 2 * L + 1 and _count(report, "attention") == 0
-    assert _count(report, "loss") == 0 and _count(report, "mlp") == L
-    assert {s.kind for s in report.skipped} == {"attention", "loss"}
+    assert _count(report, "loss") == 0 and _count(report, "mlp") == 0
+    assert {s.kind for s in report.skipped} == {"mlp", "attention", "loss"}
 
 
 def test_encoder_dropout_keeps_its_meaning():
@@ -337,25 +340,45 @@ def test_other_model_type_is_skipped_not_fatal():
     assert not result.candidates and result.skipped
 
 
-@pytest.mark.parametrize("act, fused_as", [("gelu_new", "gelu_tanh"), ("silu", "silu"), ("relu", None)])
-def test_encoder_mlp_activations(act, fused_as, monkeypatch):
-    """Each *Intermediate's activation maps to linear_act's (GELU erf / tanh forms, SiLU) or, without a
-    fused form, the module stays and the report says why."""
+@pytest.mark.parametrize("act", ["gelu_new", "gelu", "silu", "relu"])
+def test_encoder_mlp_activations(act, monkeypatch):
+    """A *Intermediate with GELU's tanh form becomes one GEMM with the bias + GELU epilogue where that applies
+    (CUDA fp16/bf16 inference: forced here, torch._addmm_activation spied); other activations stay, with the
+    reason; training leaves them all."""
     model = _encoder("bert", hidden_act=act)
-    calls = []
-    real = hf_classic.F.linear_act
-    monkeypatch.setattr(hf_classic.F, "linear_act", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     fused, report = _optimized(model)
     mlps = [r for r in report.replacements if r.kind == "mlp"]
-    if fused_as is None:
-        assert not mlps and not calls
-        assert [s.reason for s in report.skipped if s.kind == "mlp"] == ["activation ReLU has no fused form"] * L
-    else:
-        assert [r.status for r in mlps] == ["kept"] * L and fused_as in mlps[0].replacement
-        calls.clear()
-        ids, mask = _padded()
-        _check(model, fused, {"input_ids": ids, "attention_mask": mask}, keep=mask.bool())
-        assert calls and set(calls) == {fused_as}
+    if act != "gelu_new":
+        assert not mlps
+        assert all("no fused form" in s.reason for s in report.skipped if s.kind == "mlp")
+        return
+    assert [r.status for r in mlps] == ["kept"] * L
+    calls = []
+
+    def addmm_activation(bias, x, w, use_gelu=False):
+        calls.append((tuple(x.shape), tuple(w.shape), use_gelu))
+        return tnf.gelu(torch.addmm(bias, x, w), approximate="tanh")
+
+    monkeypatch.setattr(hf_classic, "_epilogue_applies", lambda x, *p: True)
+    monkeypatch.setattr(torch, "_addmm_activation", addmm_activation)
+    ids, mask = _padded()
+    _check(model, fused, {"input_ids": ids, "attention_mask": mask}, keep=mask.bool(), grads=False)
+    assert calls and {c[1:] for c in calls} == {((H, 2 * H), True)} and calls[0][0] == (ids.numel(), H)
+    training = fuseformer.optimize(_encoder("bert", hidden_act=act), training=True)
+    assert "no backward" in next(s.reason for s in training.skipped if s.kind == "mlp")
+
+
+def test_epilogue_applies_only_to_cuda_half_inference():
+    x = torch.randn(2, 4)
+    w = torch.randn(4, 3, requires_grad=True)
+    assert not hf_classic._epilogue_applies(x, w)  # CPU (where _addmm_activation computes erf GELU)
+    if torch.cuda.is_available():
+        xc, wc = x.cuda().half(), w.detach().cuda().half()
+        assert hf_classic._epilogue_applies(xc, wc)
+        assert not hf_classic._epilogue_applies(xc.float(), wc)
+        assert not hf_classic._epilogue_applies(xc, wc.requires_grad_())
+        with torch.no_grad():
+            assert hf_classic._epilogue_applies(xc, wc)
 
 
 def test_encoder_unpadded_runs_sdpa_where_faster(monkeypatch):
