@@ -14,7 +14,9 @@ The classes below give xgrammar's matcher the calls ``GrammarMatcher`` makes of 
 
 from __future__ import annotations
 
+import functools
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,12 +28,25 @@ _MAX_WHITESPACE = 16
 
 
 def xgrammar_module():
-    """xgrammar, or None when it is not installed (llguidance then compiles every constraint)."""
+    """xgrammar, or None when it is not installed (llguidance then compiles every constraint). Installed
+    but failing to import (a missing dependency: run 137's device host had no pydantic) also gives None,
+    with a warning naming the error, once: the length-bounded schemas then take llguidance's slower masks."""
     try:
         import xgrammar
-    except ImportError:
+    except ImportError as exc:
+        if getattr(exc, "name", None) != "xgrammar":
+            _warn_broken(f"{type(exc).__name__}: {exc}")
         return None
     return xgrammar
+
+
+@functools.cache
+def _warn_broken(error: str) -> None:
+    warnings.warn(
+        f"xgrammar is installed but does not import ({error}); length-bounded JSON schemas use llguidance",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def bounded_strings(schema: Any) -> bool:

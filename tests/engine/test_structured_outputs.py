@@ -9,6 +9,7 @@ import ast
 import gc
 import json
 import re
+import sys
 import threading
 import time
 import weakref
@@ -604,3 +605,32 @@ def test_output_processor_prepares_grammars_only_with_a_tokenizer(tokenizer):
         assert compiler._lltokenizer is not None
     finally:
         compiler.close()
+
+
+def test_xgrammar_broken_install_warns_once(monkeypatch):
+    """xgrammar installed but failing to import (a missing dependency) falls back to llguidance with one
+    warning naming the error; xgrammar not installed falls back silently."""
+    import builtins
+    import warnings
+
+    from fuseformer.engine import grammar_xgrammar
+
+    real_import = builtins.__import__
+    missing = {"name": "pydantic"}
+
+    def fake_import(name, *args, **kwargs):
+        if name == "xgrammar":
+            raise ModuleNotFoundError(f"No module named '{missing['name']}'", name=missing["name"])
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.delitem(sys.modules, "xgrammar", raising=False)
+    grammar_xgrammar._warn_broken.cache_clear()
+    with pytest.warns(RuntimeWarning, match="pydantic"):
+        assert grammar_xgrammar.xgrammar_module() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert grammar_xgrammar.xgrammar_module() is None  # once
+        missing["name"] = "xgrammar"
+        grammar_xgrammar._warn_broken.cache_clear()
+        assert grammar_xgrammar.xgrammar_module() is None  # not installed: silent
