@@ -73,7 +73,7 @@ def _drop_plain_mlps(result: PassResult, fp8_paths: set[str]) -> None:
     tanh-GELU ``*Intermediate``) cannot read an FP8 weight: where that linear becomes FP8, the fusion is
     dropped and reported."""
     for c in list(result.candidates):
-        if c.kind == "mlp" and c.replacement.startswith("cuBLASLt GEMM"):
+        if c.kind == "mlp":  # gated MLPs have no ``dense`` / ``c_fc`` child (they are taken over above)
             up = next((p for p in (f"{c.path}.dense", f"{c.path}.c_fc") if p in fp8_paths), None)
             if up is not None:
                 result.candidates.remove(c)

@@ -105,6 +105,22 @@ def _params_of(cls: type) -> list[str]:
     return [p.name for p in sig.parameters.values() if p.kind in kinds][1:]
 
 
+def _bound_forward_candidate(
+    path: str, module: nn.Module, kind: str, forward, state: dict, *, original: str, replacement: str, note: str
+) -> Candidate:
+    """A candidate that binds ``forward`` (with its ``state``) to ``module`` alone, and unbinds it."""
+
+    def apply():
+        if "forward" not in module.__dict__:
+            _set_bound_forward(module, forward, dict(state))
+
+    def undo():
+        _del_bound_forward(module)
+
+    return Candidate(path=path, kind=kind, original=original, replacement=replacement, apply=apply, undo=undo,
+                     note=note)  # fmt: skip
+
+
 def _add_layer_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer_norm(x + residual), x + residual) in one kernel. Mixed dtypes (autocast: a bf16 GEMM
     output added to an fp32 stream) are promoted first, as the ``+`` they replace would."""
@@ -132,25 +148,14 @@ def _post_ln_candidates(model: nn.Module, fused: set[int], result: PassResult) -
             )
             continue
         fused.add(id(m.LayerNorm))
-
-        def apply(m=m):
-            if "forward" not in m.__dict__:
-                _set_bound_forward(m, _post_ln_forward, {})
-
-        def undo(m=m):
-            _del_bound_forward(m)
-
         result.candidates.append(
-            Candidate(
-                path=path,
-                kind="norm",
+            _bound_forward_candidate(
+                path, m, "norm", _post_ln_forward, {},
                 original=f"{type(m).__name__} residual add + LayerNorm",
                 replacement="fuseformer layer_norm (+ residual add)",
-                apply=apply,
-                undo=undo,
                 note="LayerNorm(dropout(dense(h)) + x) with the add in the kernel",
             )
-        )
+        )  # fmt: skip
 
 
 def _gpt2_block_forward(self, hidden_states, *args, **kwargs):
@@ -204,26 +209,14 @@ def _gpt2_block_candidates(model: nn.Module, fused: set[int], result: PassResult
                 )
                 continue
             fused.add(id(block.ln_2))
-            state = {"params": names, "cache": cache}
-
-            def apply(block=block, state=state):
-                if "forward" not in block.__dict__:
-                    _set_bound_forward(block, _gpt2_block_forward, dict(state))
-
-            def undo(block=block):
-                _del_bound_forward(block)
-
             result.candidates.append(
-                Candidate(
-                    path=bpath,
-                    kind="norm",
+                _bound_forward_candidate(
+                    bpath, block, "norm", _gpt2_block_forward, {"params": names, "cache": cache},
                     original=f"{type(block).__name__} residual add + ln_2",
                     replacement="fuseformer layer_norm (+ residual add)",
-                    apply=apply,
-                    undo=undo,
                     note="ln_2(attn_out + residual) with the add in the kernel",
                 )
-            )
+            )  # fmt: skip
         return
 
 
@@ -332,25 +325,14 @@ def _mlp_candidates(model: nn.Module, gpt2: bool, training: bool, result: PassRe
             reason = "training: cuBLASLt's GELU epilogue (torch._addmm_activation) has no backward"
             result.skipped.append(Skipped(path=path, kind="mlp", reason=reason))
             continue
-
-        def apply(m=m, forward=forward):
-            if "forward" not in m.__dict__:
-                _set_bound_forward(m, forward, {})
-
-        def undo(m=m):
-            _del_bound_forward(m)
-
         result.candidates.append(
-            Candidate(
-                path=path,
-                kind="mlp",
+            _bound_forward_candidate(
+                path, m, "mlp", forward, {},
                 original=f"{type(linear).__name__} + {type(act).__name__}",
                 replacement="cuBLASLt GEMM with bias + GELU (tanh) epilogue",
-                apply=apply,
-                undo=undo,
                 note="CUDA fp16/bf16 inference; elsewhere the module's own ops",
             )
-        )
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
