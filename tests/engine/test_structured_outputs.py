@@ -577,7 +577,12 @@ def test_prepare_builds_the_vocabulary_views_before_the_first_compile(tokenizer)
         compiler.prepare().result(timeout=60)
         views = compiler._lltokenizer, compiler._xgrammar._compiler
         assert all(v is not None for v in views)
+        # Each library's first compile and batch fill ran (their executors made), and nothing of the
+        # warm-up is left in the grammar cache that requests' constraints share.
+        executors = compiler._xgr_executor, compiler._parallel
+        assert all(e is not None for e in executors) and not compiler._cache
         compiler.prepare().result(timeout=60)
+        assert (compiler._xgr_executor, compiler._parallel) == executors
         for spec in (StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX)):
             assert compiler.compile(spec).result(timeout=10) is not None
         assert (compiler._lltokenizer, compiler._xgrammar._compiler) == views
