@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import queue
 import threading
 import time
@@ -408,16 +409,17 @@ class GrammarCompiler:
         return self._executor.submit(self._prepare)
 
     def _prepare(self) -> None:
-        """The vocabulary views, then a tiny schema compiled and two rows filled by each library: their
-        first compile and first batch fill pay one-time costs (their thread pools, caches; ~20-50 ms
-        on a 2-core CPU at 128k tokens) that the first constrained request would otherwise wait for."""
-        out = torch.empty(2, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        """The vocabulary views, then a tiny schema compiled and a batch filled by each library: their first
+        compile and first batch fill pay one-time costs (their thread pools, caches; ~20-50 ms on a 2-core
+        CPU at 128k tokens) that the first constrained request would otherwise wait for."""
+        rows = 2 * (os.cpu_count() or 1)  # a row for each thread of the libraries' pools (half the cores)
+        out = torch.empty(rows, (self.vocab_size + 31) // 32, dtype=torch.int32)
         if xgrammar_module() is not None:
             self._xgrammar.prepare()
             grammar = self._xgrammar.compile(_WARM_SCHEMA, any_whitespace=True)
             if grammar is not None:
                 executor = self._xgr_executor or xgrammar_module().BatchGrammarMatcher()
-                fill_rows(executor, [grammar.deep_copy(), grammar.deep_copy()], [0, 1], out, _eos_only)
+                fill_rows(executor, [grammar.deep_copy() for _ in range(rows)], range(rows), out, _eos_only)
                 self._xgr_executor = executor
         try:
             lltokenizer = self._llguidance_tokenizer()
@@ -426,7 +428,7 @@ class GrammarCompiler:
         source = grammar_source(StructuredOutputsParams(json={"type": "object"}))
         matcher = _llguidance().LLMatcher(lltokenizer, source, log_level=0)
         if not matcher.is_error():
-            self._fill_live([(matcher, 0), (matcher.deep_copy(), 1)], out)
+            self._fill_live([(matcher.deep_copy(), i) for i in range(rows)], out)
 
     def _llguidance_tokenizer(self):
         if self._lltokenizer is None:
