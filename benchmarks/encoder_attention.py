@@ -118,6 +118,16 @@ def main() -> None:
     print(
         "# kernels of one flash_attention call:", [e.name[:60] for e in prof.events() if e.device_type.name == "CUDA"]
     )
+    import cProfile
+    import pstats
+
+    with cProfile.Profile() as prof:  # the host's time per public call, by function
+        for _ in range(200):
+            F.flash_attention(q, k, v, causal=False)
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    top = sorted(((v[2], f"{key[0].split('/')[-1]}:{key[2]}", v[1]) for key, v in stats.items()), reverse=True)[:12]
+    print("# host us per call (tottime / 200):", [(name, round(t / 200 * 1e6, 1), n) for t, name, n in top])
     best = min((r for r in rows if r["name"] == "triton fwd" and "us" in r), key=lambda r: r["us"], default=None)
     print("# best triton:", json.dumps(best), flush=True)
     info = dict(date=time.strftime("%Y-%m-%d %H:%M"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
