@@ -6,6 +6,7 @@ stop ids; chat template; bad input refused before anything is scheduled; the str
 runs the Triton kernels (interpreted on the CPU)."""
 
 import copy
+import json
 import math
 import os
 import subprocess
@@ -572,13 +573,29 @@ def test_built_in_model_is_the_default_and_writes_python():
     from fuseformer.engine import cli
 
     assert cli.DEFAULT_MODEL is not None and (Path(cli.DEFAULT_MODEL) / "model.safetensors").is_file()
-    with fuseformer.use_backend("reference"):
-        llm = LLM(cli.DEFAULT_MODEL, device="cpu")
-        assert llm.model_config.vocab_size == 8192 and sum(p.numel() for p in llm.model.parameters()) < 12.5e6
-        (out,) = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
-    text = out.outputs[0].text
+    # LLM.generate on the CPU path a user's process takes (as the CLI's: no TRITON_INTERPRET, nothing
+    # forced). Not use_backend("reference") here: forcing it also turns off the CPU's SDPA attention
+    # (ops/attention.py), and in bf16 the two paths' roundings pick different greedy tokens at near-ties
+    # (seen on a fresh machine, 2026-12-07: the same first 5 tokens, then apart).
+    code = (
+        "import json, sys, torch\n"
+        "from fuseformer.engine import cli\n"
+        "from fuseformer.engine.llm import LLM\n"
+        "from fuseformer.engine.sampling_params import SamplingParams\n"
+        f"torch.set_num_threads({torch.get_num_threads()})\n"
+        "llm = LLM(cli.DEFAULT_MODEL, device='cpu')\n"
+        "params = SamplingParams(temperature=0, max_tokens=24)\n"
+        "(out,) = llm.generate('def fibonacci(n):', params, use_tqdm=False)\n"
+        "n = sum(p.numel() for p in llm.model.parameters())\n"
+        "print(json.dumps([llm.model_config.vocab_size, n, out.outputs[0].text]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    vocab, params, text = json.loads(done.stdout.strip().splitlines()[-1])
+    assert vocab == 8192 and params < 12.5e6
     assert text.startswith("\n    ") or text.startswith("\n\t"), repr(text)  # the body is indented
-    # The same threads as here: in bf16 the thread count changes the matmuls' summation order.
+    # The same threads as there: in bf16 the thread count changes the matmuls' summation order.
     run = _cli(
         "def fibonacci(n):", "--max-tokens", "24", "--temperature", "0", "--threads", str(torch.get_num_threads())
     )
