@@ -42,33 +42,22 @@ def _cases():
         grads = [torch.randn_like(o) for o in outs]
         return lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True)
 
-    def rms_fwd():
-        x, w = rand(32768, 4096), rand(4096)
-        return lambda: F.rms_norm(x, w, 1e-6)
+    def rms(rows, cols, bwd=False, residual=False):
+        def make():
+            x, w = rand(rows, cols, grad=bwd), rand(cols, grad=bwd)
+            r = rand(rows, cols) if residual else None
+            fwd = lambda: F.rms_norm(x, w, 1e-6, residual=r)  # noqa: E731
+            return backward(fwd, (x, w)) if bwd else fwd
 
-    def rms_bwd():
-        x, w = rand(32768, 4096, grad=True), rand(4096, grad=True)
-        return backward(lambda: F.rms_norm(x, w, 1e-6), (x, w))
+        return make
 
-    def add_rms_fwd():
-        x, r, w = rand(32768, 4096), rand(32768, 4096), rand(4096)
-        return lambda: F.rms_norm(x, w, 1e-6, residual=r)
+    def swiglu(bwd=False):
+        def make():
+            g, u = rand(16384, 14336, grad=bwd), rand(16384, 14336, grad=bwd)
+            fwd = lambda: F.swiglu(g, u)  # noqa: E731
+            return backward(fwd, (g, u)) if bwd else fwd
 
-    def small_fwd():
-        x, w = rand(4096, 1024), rand(1024)
-        return lambda: F.rms_norm(x, w, 1e-6)
-
-    def small_bwd():
-        x, w = rand(4096, 1024, grad=True), rand(1024, grad=True)
-        return backward(lambda: F.rms_norm(x, w, 1e-6), (x, w))
-
-    def swiglu_fwd():
-        g, u = rand(16384, 14336), rand(16384, 14336)
-        return lambda: F.swiglu(g, u)
-
-    def swiglu_bwd():
-        g, u = rand(16384, 14336, grad=True), rand(16384, 14336, grad=True)
-        return backward(lambda: F.swiglu(g, u), (g, u))
+        return make
 
     def rotary():
         q, k = rand(8, 4096, 32, 128), rand(8, 4096, 8, 128)
@@ -107,13 +96,13 @@ def _cases():
         return step
 
     cases = {
-        "rms_norm fwd 32768x4096": rms_fwd,
-        "rms_norm bwd 32768x4096": rms_bwd,
-        "add + rms_norm fwd 32768x4096": add_rms_fwd,
-        "rms_norm fwd 4096x1024": small_fwd,
-        "rms_norm bwd 4096x1024": small_bwd,
-        "swiglu fwd 16384x14336": swiglu_fwd,
-        "swiglu bwd 16384x14336": swiglu_bwd,
+        "rms_norm fwd 32768x4096": rms(32768, 4096),
+        "rms_norm bwd 32768x4096": rms(32768, 4096, bwd=True),
+        "add + rms_norm fwd 32768x4096": rms(32768, 4096, residual=True),
+        "rms_norm fwd 4096x1024": rms(4096, 1024),
+        "rms_norm bwd 4096x1024": rms(4096, 1024, bwd=True),
+        "swiglu fwd 16384x14336": swiglu(),
+        "swiglu bwd 16384x14336": swiglu(bwd=True),
         "apply_rotary q,k B8 S4096 H32/8 D128": rotary,
         "flash_attention fwd hd128 causal B4 S4096": attn_fwd(4, 4096, True),
         "flash_attention fwd hd128 full B1 S16384": attn_fwd(1, 16384, False),

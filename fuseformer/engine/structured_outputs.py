@@ -412,7 +412,7 @@ class GrammarCompiler:
         """The vocabulary views, then a tiny schema compiled and a batch filled by each library: their first
         compile and first batch fill pay one-time costs (their thread pools, caches; ~20-50 ms on a 2-core
         CPU at 128k tokens) that the first constrained request would otherwise wait for."""
-        rows = 2 * (os.cpu_count() or 1)  # a row for each thread of the libraries' pools (half the cores)
+        rows = 2 * (os.cpu_count() or 1)  # rows for every thread of the libraries' pools (xgrammar's: half the cores)
         out = torch.empty(rows, (self.vocab_size + 31) // 32, dtype=torch.int32)
         if xgrammar_module() is not None:
             self._xgrammar.prepare()
