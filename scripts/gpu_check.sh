@@ -2,7 +2,7 @@
 # The GPU check: correctness at real sizes (tests marked `gpu`, bf16/fp16/fp32) and every benchmark,
 # in one go, on a CUDA machine. Writes logs, JSON and PNG plots to OUT_DIR.
 #
-#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune|serve|attention|gluon] [bench suites...]
+#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune|serve|attention|gluon|engine|fp8|fp8train|optimize|so|glance] [bench suites...]
 #
 # sweep: the lab's sweeps (benchmarks/sweeps.py, not the installed package): SWEEPS="name ..." picks them
 # (default: every one; `python3 benchmarks/sweeps.py --list` names them).
@@ -31,9 +31,19 @@
 #
 # optimize (not part of all): issue 26 in one device call (~9 min): the fusion GPU tests (one process), the
 # BERT ablation (benchmarks/optimize_ablation.py: each kind alone, host time and syncs per forward), BERT's attention layer against
-# SDPA's backends (benchmarks/encoder_attention.py), and
+# SDPA's backends (benchmarks/encoder_attention.py), the fused RoPE's training gradients (benchmarks/rotary_training.py), and
 # `fuseformer bench optimize`'s encoder, prefill and generate cases (peers in the same process); the training
 # case (HF + Liger: carry its wheel in .whl/) is OPTIMIZE_CASES=train, a call of its own.
+#
+# so (not part of all): issue 29's structured-outputs cost in one device call (~5 min): the grammar side of a first
+# constrained run (benchmarks/so_first_run.py --other-first: compile and first fills per schema, no model), then
+# benchmarks/structured_outputs_engine.py at full scale (256 x (256, 256), half under a JSON schema). Needs the
+# grammar libraries and their imports: carry their wheels in .whl/ (docs/perf-notes.md says which).
+#
+# glance (not part of all): issue 27's no-regression check (benchmarks/glance_regression.py, ~5 min): the glance
+# table's op cases for the package before issue 27 and now, alternating processes. The old package must be
+# carried in .glance-old/ (made on the machine with the checkout: mkdir -p .glance-old && git archive fc8d9e1
+# fuseformer ':!fuseformer/assets' | tar -x -C .glance-old).
 #
 # attention (not part of all): the attention GPU tests at head dim 128 (the Gluon kernels and the cases
 # they take), the attention layer's and the Llama model's, then `fuseformer bench attention --quick`, in one
@@ -83,7 +93,7 @@ if [[ "$stage" == gluon ]]; then
         > "$out/sweep-gluon.log" 2>&1 || status=1
     tail -n 3 "$out/sweep-gluon.log"
 fi
-if [[ ( "$stage" == engine || "$stage" == fp8 || "$stage" == fp8train || "$stage" == optimize ) ]] \
+if [[ ( "$stage" == engine || "$stage" == fp8 || "$stage" == fp8train || "$stage" == optimize || "$stage" == so ) ]] \
     && ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -124,7 +134,8 @@ if [[ "$stage" == optimize ]]; then
     python3 -m pytest -q -m gpu -p no:randomly tests/fusion 2>&1 | tee "$out/gpu-tests-fusion.log" | tail -n 5
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     python3 benchmarks/optimize_ablation.py --cases bert --out "$out" 2>&1 | grep -v Warn | tail -n 10 || status=1
-    python3 benchmarks/encoder_attention.py --out "$out" 2>&1 | grep -E '^#|sdpa|default' | cut -c1-200 || status=1
+    python3 benchmarks/encoder_attention.py --out "$out" 2>&1 | grep -E '^#|sdpa|default' | cut -c1-400 || status=1
+    python3 benchmarks/rotary_training.py 2>&1 | grep -v -i warn | tail -n 20 || status=1
     python3 -c "
 import json, sys
 from fuseformer.bench.optimize import bench_optimize, format_table
@@ -132,6 +143,16 @@ records = bench_optimize(cases=tuple(sys.argv[2].split(',')))
 print(format_table(records))
 json.dump(records, open(sys.argv[1], 'w'), indent=1)
 " "$out/bench-optimize.json" "${OPTIMIZE_CASES:-encoder,prefill,generate}" 2>&1 | grep -v Warn | tail -n 16 || status=1
+fi
+if [[ "$stage" == so ]]; then
+    python3 benchmarks/so_first_run.py --rows 128 --steps 48 --other-first --out "$out/so_first_run.json" 2>&1 \
+        | grep '^#' || status=1
+    python3 benchmarks/structured_outputs_engine.py --out "$out/structured_outputs_engine.json" \
+        > "$out/structured_outputs_engine.log" 2>&1 || status=1
+    grep -v -i warn "$out/structured_outputs_engine.log" | tail -n 20 | cut -c1-400
+fi
+if [[ "$stage" == glance ]]; then
+    python3 benchmarks/glance_regression.py --old .glance-old --out "$out/glance.json" 2>&1 | tail -n 24 || status=1
 fi
 if [[ "$stage" == serve ]]; then
     # The serving checks in one device call (~7 min): the GPU tests of the engine and the serving
