@@ -18,9 +18,11 @@ included) and as a CUDA-graph replay (kernel alone): where the Gluon kernel shou
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib
 import json
 import os
+import pstats
 import time
 
 import torch
@@ -118,9 +120,6 @@ def main() -> None:
     print(
         "# kernels of one flash_attention call:", [e.name[:60] for e in prof.events() if e.device_type.name == "CUDA"]
     )
-    import cProfile
-    import pstats
-
     with cProfile.Profile() as prof:  # the host's time per public call, by function
         for _ in range(200):
             F.flash_attention(q, k, v, causal=False)
