@@ -5,7 +5,13 @@ HF eager, then ``fuseformer.optimize(include=[kind])`` for each kind alone (reve
 all kinds; plus the top CUDA kernels of eager and of all-kinds (torch.profiler), so the slower
 pieces are named. Writes ``optimize_ablation.json`` under ``--out``.
 
-    python3 benchmarks/optimize_ablation.py --out results/
+The ``train`` case is the training goal's (0.904x HF + Liger, run 110): Llama-1B shape, B 4 x S 4096,
+gradient checkpointing, one forward + backward per step, ms and peak memory for HF eager, each kind
+alone, all kinds, all but attention (SDPA's, as HF's and Liger's), all kinds with the fused RoPE bound
+into the attention forwards by hand (optimize leaves it out in training, benchmarks/rotary_training.py),
+and HF + Liger last (its patch is process-wide).
+
+    python3 benchmarks/optimize_ablation.py --out results/ [--cases bert,llama,train]
 """
 
 from __future__ import annotations
@@ -94,6 +100,78 @@ def ablate(name: str, model, fwd, kinds) -> dict:
     return rec
 
 
+def _bind_rotary(model) -> list:
+    """The fused RoPE + attention forward on every Llama attention module (what optimize does at inference);
+    returns the modules bound."""
+    import types
+
+    from fuseformer.fusion import hf_attention
+
+    bound = []
+    for module in model.modules():
+        state = hf_attention.rotary_state(module)
+        if state is not None:
+            module.__dict__["_fuseformer_rotary"] = state
+            module.forward = types.MethodType(hf_attention.rotary_attention_forward, module)
+            bound.append(module)
+    return bound
+
+
+def ablate_train(batch: int = 4, seq: int = 4096) -> dict:
+    from fuseformer.bench.optimize import LLAMA_1B
+    from fuseformer.train.bench import hf_fwd_bwd_step
+
+    def timed(step) -> dict:
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        ms = bench_ms(step, warmup=300, rep=3000)
+        return dict(ms=ms, tok_s=batch * seq / ms * 1e3, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+
+    rec = dict(model=f"llama-1b train {batch}x{seq}", runs={}, counts={})
+    model = _build("LlamaForCausalLM", LLAMA_1B, "cuda").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, LLAMA_1B["vocab_size"], (batch, seq), device="cuda")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    variants = [("eager", None), ("norm", ["norm"]), ("mlp", ["mlp"]), ("attention", ["attention"]),
+                ("loss", ["loss"]), ("all", "all"), ("all-but-attention", ["norm", "mlp", "loss"]),
+                ("all+rotary", "rotary")]  # fmt: skip
+    for name, include in variants:
+        report, bound = None, []
+        try:
+            if include is not None:
+                kinds = None if include in ("all", "rotary") else include
+                report = fuseformer.optimize(model, training=True, include=kinds)
+                rec["counts"][name] = report.counts()
+                if include == "rotary":
+                    bound = _bind_rotary(model)
+                    rec["counts"][name]["rotary_bound"] = len(bound)
+            rec["runs"][name] = timed(step)
+            if name in ("eager", "all", "all+rotary"):
+                rec[f"top_{name}"] = _top_kernels(step, n=20)
+        except Exception as exc:  # one variant's failure must not lose the others
+            rec["runs"][name] = dict(error=f"{type(exc).__name__}: {exc}"[:400])
+        if report is not None:
+            report.revert()
+        for module in bound:  # the bound forwards are instance attributes: drop them
+            del module.__dict__["forward"], module.__dict__["_fuseformer_rotary"]
+        print(name, rec["runs"][name], flush=True)
+    model = None  # noqa: F841  (its weights and gradients must not count in Liger's peak)
+    torch.cuda.empty_cache()
+    try:
+        liger = hf_fwd_bwd_step(LLAMA_1B, batch, seq, "cuda", True)
+        rec["runs"]["hf+liger"] = timed(liger)
+        rec["top_hf+liger"] = _top_kernels(liger, n=20)
+    except Exception as exc:
+        rec["runs"]["hf+liger"] = dict(error=f"{type(exc).__name__}: {exc}"[:400])
+    print("hf+liger", rec["runs"]["hf+liger"], flush=True)
+    return rec
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="results")
@@ -114,6 +192,10 @@ def main() -> None:
         ids = torch.randint(0, LLAMA_8B["vocab_size"], (1, 4096), device="cuda")
         out.append(ablate("llama-8b prefill 1x4096", model, lambda: model(input_ids=ids).logits,
                           ("norm", "mlp", "attention", "loss")))  # fmt: skip
+        del model
+        torch.cuda.empty_cache()
+    if "train" in args.cases:  # last: HF + Liger patches transformers' Llama for the whole process
+        out.append(ablate_train())
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "optimize_ablation.json").write_text(json.dumps(out, indent=1))
 
