@@ -400,9 +400,10 @@ def _attention_candidates(model, prefix, layers, training, result) -> None:
             result.skipped.append(Skipped(path=path, kind="attention", reason="attention module has no config"))
             continue
         apply, undo = hf_attention.config_swap(attn, name)
-        # RoPE fused too (the whole forward is ours) for inference only: with training=True the GPU test
-        # test_llama_training_gradients_kept failed on 2026-12-04 (not yet diagnosed).
-        rotary = None if training else hf_attention.rotary_state(attn)
+        # RoPE fused too (the whole forward is ours), in training as well: its gradients pass against a
+        # float64 copy on the GPU (benchmarks/rotary_training.py, run 141), and it cut the Llama-1B
+        # training step from 348 to 321 ms (HF's rotate_half ran three times a layer under checkpointing).
+        rotary = hf_attention.rotary_state(attn)
         if rotary is not None:
             apply, undo = _with_bound_forward(attn, hf_attention.rotary_attention_forward, rotary, apply, undo)
         result.candidates.append(

@@ -305,12 +305,13 @@ def test_attention_function_masks():
             torch.testing.assert_close(out[rows], want[rows], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
-def test_rotary_fused_into_llama_family_attention(model_type):
+def test_rotary_fused_into_llama_family_attention(model_type, training):
     """Llama, Mistral, Qwen2 and Qwen3 attention modules get the rotary + attention forward (RoPE in one
-    kernel per q and k); undo gives the class's own forward back."""
+    kernel per q and k), for inference and training alike; undo gives the class's own forward back."""
     model = make(model_type)
-    result = hf.find_candidates(model, training=False, kinds=frozenset({"attention"}))
+    result = hf.find_candidates(model, training=training, kinds=frozenset({"attention"}))
     attn = [c for c in result.candidates if c.kind == "attention"]
     assert attn and all(c.replacement.endswith("+ rotary") for c in attn)
     layer = model.model.layers[0].self_attn
