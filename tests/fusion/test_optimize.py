@@ -159,3 +159,31 @@ def test_built_sample_inputs_from_the_first_layer(stub_pass):
     stub_pass.update({"a": 1.0})
     report = fuseformer.optimize(Net())
     assert report.replacements[0].status == "kept"
+
+
+def test_scalar_output_judged_at_its_gradients_precision():
+    """A loss (one element) of a bf16 model: its baseline error is one draw, small by chance here, so it
+    gets the floor of its gradients' dtype (bf16: 8e-3 of the loss); an error past that floor still fails,
+    and the gradients keep the 2x check of their own baseline."""
+    from fuseformer.fusion.base import Candidate
+    from fuseformer.fusion.verify import Run, judge
+
+    c = Candidate(path="", kind="loss", original="o", replacement="r", apply=lambda: None, undo=lambda: None,
+                  params="lm_head.weight")  # fmt: skip
+    ref_g = torch.randn(64, 32, dtype=torch.float64)
+    base_g = (ref_g + 1e-3 * torch.randn_like(ref_g)).bfloat16()
+
+    def runs(loss_err: float, grad_err: float):
+        ref = Run({"": torch.tensor(6.93, dtype=torch.float64)}, {"lm_head.weight": ref_g})
+        base = Run({"": torch.tensor(6.93 + 3e-4)}, {"lm_head.weight": base_g})
+        fused = Run({"": torch.tensor(6.93 + loss_err)}, {"lm_head.weight": (ref_g + grad_err).bfloat16()})
+        return fused, base, ref
+
+    assert judge(c, *runs(1.3e-3, 0.0), training=True).passed  # 4x the lucky baseline, far under the floor
+    assert not judge(c, *runs(0.2, 0.0), training=True).passed  # 3% off: a wrong loss
+    assert not judge(c, *runs(1.3e-3, 0.5), training=True).passed  # gradients judged as before
+    fused, base, ref = runs(1.3e-3, 0.0)
+    for r in (fused, base, ref):
+        r.grads.clear()  # no gradients (an inference run): the output's own dtype, fp32, as before
+    v = judge(c, fused, base, ref, training=False)
+    assert not v.passed and v.tolerance == pytest.approx(2 * 3e-4 + 1e-5 * 6.93, rel=0.01)
