@@ -335,9 +335,11 @@ class GrammarCompiler:
         (``accept_tokens``, another fill) until then. The hand-over costs the caller ~0.1 ms: it waits,
         the GIL released, until the fill thread is inside llguidance (else the fill thread would wait
         for the GIL up to the interpreter's 5 ms switch interval)."""
+        start = time.perf_counter()
         out, live = self._prepare_fill(matchers, out)
         fill = MaskFill(out)
-        if not live:
+        if not live:  # every row EOS-only (ended or failed grammars), written here
+            fill.seconds = time.perf_counter() - start
             fill._done.set()
             return fill
         fill._work = functools.partial(self._fill_live, live, out)  # dropped once done: no ref to self kept
@@ -375,7 +377,7 @@ class GrammarCompiler:
             raise ValueError("fill_bitmask: out must be a contiguous CPU tensor")
         live = []
         for i, m in enumerate(matchers):
-            inner = m._live_matcher()
+            inner = m._fill_matcher()
             if inner is None:
                 m._fill_eos_only(out[i])
             else:
@@ -388,7 +390,7 @@ class GrammarCompiler:
         if xgr_rows:  # the schemas with length-bounded strings (grammar_xgrammar.py)
             if self._xgr_executor is None:
                 self._xgr_executor = xgrammar_module().BatchGrammarMatcher()
-            fill_rows(self._xgr_executor, *zip(*xgr_rows), out, _eos_only)
+            fill_rows(self._xgr_executor, *zip(*xgr_rows), out)
             live = [(m, i) for m, i in live if not isinstance(m, XgrammarMatcher)]
             if not live:
                 return
@@ -419,7 +421,7 @@ class GrammarCompiler:
             grammar = self._xgrammar.compile(_WARM_SCHEMA, any_whitespace=True)
             if grammar is not None:
                 executor = self._xgr_executor or xgrammar_module().BatchGrammarMatcher()
-                fill_rows(executor, [grammar.deep_copy() for _ in range(rows)], range(rows), out, _eos_only)
+                fill_rows(executor, [grammar.deep_copy() for _ in range(rows)], range(rows), out)
                 self._xgr_executor = executor
         try:
             lltokenizer = self._llguidance_tokenizer()
@@ -469,7 +471,8 @@ def _fill_loop(jobs: queue.SimpleQueue) -> None:
 
 class MaskFill:
     """A batch's bitmask filling on ``GrammarCompiler``'s fill thread (``fill_bitmask_async``);
-    ``seconds``: how long the grammar library took, once done (0.0 when no row needed it)."""
+    ``seconds``: how long the grammar library took, once done (when no row needed it: how long the caller
+    took to write the EOS-only rows)."""
 
     __slots__ = ("bitmask", "seconds", "_work", "_started", "_done", "_error")
 
@@ -554,7 +557,7 @@ class GrammarMatcher:
         target = bitmask[row]
         if not target.is_contiguous():
             raise ValueError("fill_bitmask: bitmask rows must be contiguous")
-        inner = self._live_matcher()
+        inner = self._fill_matcher()
         if inner is None:
             self._fill_eos_only(target)
         else:
@@ -571,6 +574,15 @@ class GrammarMatcher:
                 return None
             self._matcher = self._future.result().deep_copy()
         return None if self._error is not None else self._matcher
+
+    def _fill_matcher(self):
+        """The library's matcher whose row the library fills, or None when the row is EOS-only (the grammar
+        failed, a token was rejected, or an xgrammar matcher ended). Called on the caller's thread, so
+        that a batch's fill thread makes one library call (grammar_xgrammar.fill_rows)."""
+        inner = self._live_matcher()
+        if isinstance(inner, XgrammarMatcher) and inner.ended():
+            return None
+        return inner
 
     def _fill_eos_only(self, row: torch.Tensor) -> None:
         _eos_only(row, self._eos)
