@@ -486,10 +486,12 @@ def _check_glu(h_q, h_scale, a, a_scale, w, w_scale, activation):
     # the row amax moved by up to 7e-4 relative (H100, 2026-12-06); e4m3's step is 2^-3 relative.
     torch.testing.assert_close(h_scale, s_ref, rtol=2e-3 if a.is_cuda else 1e-5, atol=0)
     if a.is_cuda:
-        # Those sums also move values near zero by ~1e-4 of the group's amax: many of e4m3's subnormal
-        # steps (2^-9 of the scale, ~4e-6 of the amax) there (run 120: ~1% of q at K 4096), so "within a
-        # step" holds for the normal range (|q| >= 2^-6) only; the §3 check below covers the rest.
-        normal = (q_ref.float().abs() >= 2.0**-6) | (h_q.float().abs() >= 2.0**-6)
+        # Those sums also move every value by up to ~1e-4 of the group's amax, i.e. ~0.045 in q's units (the
+        # amax maps to 448). e4m3's step at |q| in [2^e, 2^(e+1)) is 2^(e-3): smaller than that move for
+        # every |q| under ~0.36, not only in the subnormals (run 142: 512-8,481 elements of up to 14.3M more
+        # than a step apart with the old bound 2^-6, in proportion to M, as a uniform effect is). So "within
+        # a step" is asked from |q| >= 1 (step 0.125); the §3 check below covers every value.
+        normal = (q_ref.float().abs() >= 1.0) | (h_q.float().abs() >= 1.0)
         assert_q_near(h_q[normal], q_ref[normal])
     else:
         assert_q_near(h_q, q_ref)
