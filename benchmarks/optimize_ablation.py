@@ -42,7 +42,9 @@ def _top_kernels(fn, n: int = 15) -> list[dict]:
         if t:
             rows.append(dict(name=e.key[:120], ms_per_call_total=t / 3 / 1e3, count=e.count // 3))
     rows.sort(key=lambda r: -r["ms_per_call_total"])
-    return rows[:n]
+    total = dict(name="(all kernels)", ms_per_call_total=sum(r["ms_per_call_total"] for r in rows),
+                 count=sum(r["count"] for r in rows))  # fmt: skip
+    return [total] + rows[:n]
 
 
 def _host(fn) -> dict:
@@ -152,7 +154,8 @@ def ablate_train(batch: int = 4, seq: int = 4096) -> dict:
                     rec["counts"][name]["rotary_bound"] = len(bound)
             rec["runs"][name] = timed(step)
             if name in ("eager", "all", "all+rotary"):
-                rec[f"top_{name}"] = _top_kernels(step, n=20)
+                rec[f"top_{name}"] = _top_kernels(step, n=30)
+                rec.setdefault("host", {})[name] = _host(step)
         except Exception as exc:  # one variant's failure must not lose the others
             rec["runs"][name] = dict(error=f"{type(exc).__name__}: {exc}"[:400])
         if report is not None:
@@ -160,15 +163,22 @@ def ablate_train(batch: int = 4, seq: int = 4096) -> dict:
         for module in bound:  # the bound forwards are instance attributes: drop them
             del module.__dict__["forward"], module.__dict__["_fuseformer_rotary"]
         print(name, rec["runs"][name], flush=True)
+        if name in rec.get("host", {}):
+            h = rec["host"][name]
+            print(f"  host {h['host_ms']:.1f} ms a step, syncs {h['syncs']}", flush=True)
     model = None  # noqa: F841  (its weights and gradients must not count in Liger's peak)
     torch.cuda.empty_cache()
     try:
         liger = hf_fwd_bwd_step(LLAMA_1B, batch, seq, "cuda", True)
         rec["runs"]["hf+liger"] = timed(liger)
-        rec["top_hf+liger"] = _top_kernels(liger, n=20)
+        rec["top_hf+liger"] = _top_kernels(liger, n=30)
+        rec.setdefault("host", {})["hf+liger"] = _host(liger)
     except Exception as exc:
         rec["runs"]["hf+liger"] = dict(error=f"{type(exc).__name__}: {exc}"[:400])
     print("hf+liger", rec["runs"]["hf+liger"], flush=True)
+    if "hf+liger" in rec.get("host", {}):
+        h = rec["host"]["hf+liger"]
+        print(f"  host {h['host_ms']:.1f} ms a step, syncs {h['syncs']}", flush=True)
     return rec
 
 
