@@ -7,9 +7,10 @@ pieces are named. Writes ``optimize_ablation.json`` under ``--out``.
 
 The ``train`` case is the training goal's (0.904x HF + Liger, run 110): Llama-1B shape, B 4 x S 4096,
 gradient checkpointing, one forward + backward per step, ms and peak memory for HF eager, each kind
-alone, all kinds, all but attention (SDPA's, as HF's and Liger's), all kinds with the fused RoPE bound
-into the attention forwards by hand (optimize leaves it out in training, benchmarks/rotary_training.py),
-and HF + Liger last (its patch is process-wide).
+alone, all kinds (attention with the fused RoPE, the default since run 141), all but attention (SDPA's,
+as HF's and Liger's), all kinds with q/k/v and gate/up each as one GEMM over concatenated weights (bound
+here by hand: the engine's models pack them; a candidate for optimize's training), and HF + Liger last
+(its patch is process-wide); each with its loss, all kernels, and the host time of a step.
 
     python3 benchmarks/optimize_ablation.py --out results/ [--cases bert,llama,train]
 """
@@ -102,20 +103,43 @@ def ablate(name: str, model, fwd, kinds) -> dict:
     return rec
 
 
-def _bind_rotary(model) -> list:
-    """The fused RoPE + attention forward on every Llama attention module (what optimize does at inference);
-    returns the modules bound."""
-    import types
+def _packed_mlp_forward(self, x):
+    """A Llama MLP with gate and up as one GEMM over their concatenated weights (the cat's backward splits
+    the gradient back to the two parameters): one dX GEMM and no dX add in the backward."""
+    import fuseformer.ops as F
 
-    from fuseformer.fusion import hf_attention
+    w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+    return self.down_proj(F.swiglu(torch.nn.functional.linear(x, w)))
+
+
+def _packed_rotary_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """``rotary_attention_forward`` without a cache, q/k/v as one GEMM over their concatenated weights (the
+    engine's models pack them): q, k, v are strided views of its output."""
+    from fuseformer.fusion.hf_attention import _rotate, fuseformer_attention
+
+    b, s = hidden_states.shape[:-1]
+    d, hq, hkv = self.head_dim, self.config.num_attention_heads, self.config.num_key_value_heads
+    w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+    bias = None if self.q_proj.bias is None else torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+    q, k, v = torch.nn.functional.linear(hidden_states, w, bias).split([hq * d, hkv * d, hkv * d], -1)
+    cos, sin = position_embeddings
+    q, k = _rotate(q.view(b, s, hq, d), cos, sin), _rotate(k.view(b, s, hkv, d), cos, sin)
+    v = v.view(b, s, hkv, d)
+    out, _ = fuseformer_attention(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
+                                  scaling=self.scaling)  # fmt: skip
+    return self.o_proj(out.reshape(b, s, -1)), None
+
+
+def _bind(model, cls_name: str, forward) -> list:
+    """``forward`` bound on every module of class ``cls_name``; returns (module, the instance forward it
+    had or None) to put back."""
+    import types
 
     bound = []
     for module in model.modules():
-        state = hf_attention.rotary_state(module)
-        if state is not None:
-            module.__dict__["_fuseformer_rotary"] = state
-            module.forward = types.MethodType(hf_attention.rotary_attention_forward, module)
-            bound.append(module)
+        if type(module).__name__ == cls_name:
+            bound.append((module, module.__dict__.get("forward")))
+            module.forward = types.MethodType(forward, module)
     return bound
 
 
@@ -139,30 +163,37 @@ def ablate_train(batch: int = 4, seq: int = 4096) -> dict:
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
 
+    # "attention" and "all" include the fused RoPE (optimize's default in training since run 141).
     variants = [("eager", None), ("norm", ["norm"]), ("mlp", ["mlp"]), ("attention", ["attention"]),
                 ("loss", ["loss"]), ("all", "all"), ("all-but-attention", ["norm", "mlp", "loss"]),
-                ("all+rotary", "rotary")]  # fmt: skip
+                ("all+packed", "packed")]  # fmt: skip
     for name, include in variants:
-        report, bound = None, []
+        report, packed = None, []
         try:
             if include is not None:
-                kinds = None if include in ("all", "rotary") else include
+                kinds = None if include in ("all", "packed") else include
                 report = fuseformer.optimize(model, training=True, include=kinds)
                 rec["counts"][name] = report.counts()
-                if include == "rotary":
-                    bound = _bind_rotary(model)
-                    rec["counts"][name]["rotary_bound"] = len(bound)
+                if include == "packed":
+                    packed = _bind(model, "LlamaAttention", _packed_rotary_forward)
+                    packed += _bind(model, "LlamaMLP", _packed_mlp_forward)
+                    rec["counts"][name]["packed_bound"] = len(packed)
+            with torch.no_grad():  # the same loss for every variant, within bf16's noise
+                rec.setdefault("loss", {})[name] = float(model(input_ids=ids, labels=ids).loss)
             rec["runs"][name] = timed(step)
-            if name in ("eager", "all", "all+rotary"):
+            if name in ("eager", "all", "all+packed"):
                 rec[f"top_{name}"] = _top_kernels(step, n=30)
                 rec.setdefault("host", {})[name] = _host(step)
         except Exception as exc:  # one variant's failure must not lose the others
             rec["runs"][name] = dict(error=f"{type(exc).__name__}: {exc}"[:400])
+        for module, previous in reversed(packed):  # optimize's own bound forwards back before its revert
+            if previous is None:
+                del module.__dict__["forward"]
+            else:
+                module.forward = previous
         if report is not None:
             report.revert()
-        for module in bound:  # the bound forwards are instance attributes: drop them
-            del module.__dict__["forward"], module.__dict__["_fuseformer_rotary"]
-        print(name, rec["runs"][name], flush=True)
+        print(name, rec["runs"][name], "loss", rec.get("loss", {}).get(name), flush=True)
         if name in rec.get("host", {}):
             h = rec["host"][name]
             print(f"  host {h['host_ms']:.1f} ms a step, syncs {h['syncs']}", flush=True)
