@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -140,10 +140,6 @@ class XgrammarMatcher:
     def get_error(self) -> str:
         return self._error
 
-    def ended(self) -> bool:
-        """EOS accepted: only EOS is allowed from here (its bitmask row is written without xgrammar)."""
-        return self.inner.is_terminated()
-
     def is_stopped(self) -> bool:
         """Ended (EOS accepted), or complete with nothing but EOS allowed next (llguidance's meaning;
         the second case fills a mask to tell: not for the step's path)."""
@@ -163,9 +159,22 @@ class XgrammarMatcher:
         return copy
 
 
-def fill_rows(executor, matchers: Sequence[XgrammarMatcher], rows: Sequence[int], out: torch.Tensor) -> None:
-    """Rows ``rows`` of ``out`` ((N, ceil(V / 32)) int32, CPU): the tokens each matcher allows next, in
-    parallel on ``executor`` (an ``xgrammar.BatchGrammarMatcher``), in one call. The matchers must not have
-    ended (``ended``: the caller writes those rows EOS-only): a loop of calls here would run on the fill
-    thread, and each xgrammar call releases the GIL and must take it back from the engine's busy thread."""
-    executor.batch_fill_next_token_bitmask([m.inner for m in matchers], out, indices=list(rows))
+def fill_rows(
+    executor,
+    matchers: Sequence[XgrammarMatcher],
+    rows: Sequence[int],
+    out: torch.Tensor,
+    eos_only: Callable[[torch.Tensor, Sequence[int]], None],
+) -> None:
+    """Rows ``rows`` of ``out`` ((N, ceil(V / 32)) int32, CPU): the tokens each matcher allows next,
+    the live ones in parallel on ``executor`` (an ``xgrammar.BatchGrammarMatcher``), the ended ones
+    EOS only (``eos_only(row, eos)``)."""
+    live, live_rows = [], []
+    for m, i in zip(matchers, rows):
+        if m.inner.is_terminated():
+            eos_only(out[i], m.eos)
+        else:
+            live.append(m.inner)
+            live_rows.append(i)
+    if live:
+        executor.batch_fill_next_token_bitmask(live, out, indices=live_rows)

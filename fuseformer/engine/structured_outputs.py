@@ -32,6 +32,7 @@ import functools
 import json
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -334,12 +335,12 @@ class GrammarCompiler:
         on, and ``MaskFill.result()`` waits for the bitmask. The matchers must not be used
         (``accept_tokens``, another fill) until then. The hand-over costs the caller ~0.1 ms: it waits,
         the GIL released, until the fill thread is inside llguidance (else the fill thread would wait
-        for the GIL up to the interpreter's 5 ms switch interval)."""
-        start = time.perf_counter()
+        for the GIL up to the interpreter's 5 ms switch interval). While the fill is in flight the switch
+        interval is 0.25 ms (``_ShortSwitches``): when the library returns, the fill thread needs the GIL
+        back from the caller's Python to say it is done."""
         out, live = self._prepare_fill(matchers, out)
         fill = MaskFill(out)
-        if not live:  # every row EOS-only (ended or failed grammars), written here
-            fill.seconds = time.perf_counter() - start
+        if not live:
             fill._done.set()
             return fill
         fill._work = functools.partial(self._fill_live, live, out)  # dropped once done: no ref to self kept
@@ -349,6 +350,7 @@ class GrammarCompiler:
                 target=_fill_loop, args=(self._fills,), name="fuseformer-grammar-fill", daemon=True
             ).start()
             self._stop_fills = weakref.finalize(self, self._fills.put, None)
+        _SHORT_SWITCHES.enter()  # left by the fill thread when the fill is done
         self._fills.put(fill)
         fill._started.wait()
         return fill
@@ -377,7 +379,7 @@ class GrammarCompiler:
             raise ValueError("fill_bitmask: out must be a contiguous CPU tensor")
         live = []
         for i, m in enumerate(matchers):
-            inner = m._fill_matcher()
+            inner = m._live_matcher()
             if inner is None:
                 m._fill_eos_only(out[i])
             else:
@@ -390,7 +392,7 @@ class GrammarCompiler:
         if xgr_rows:  # the schemas with length-bounded strings (grammar_xgrammar.py)
             if self._xgr_executor is None:
                 self._xgr_executor = xgrammar_module().BatchGrammarMatcher()
-            fill_rows(self._xgr_executor, *zip(*xgr_rows), out)
+            fill_rows(self._xgr_executor, *zip(*xgr_rows), out, _eos_only)
             live = [(m, i) for m, i in live if not isinstance(m, XgrammarMatcher)]
             if not live:
                 return
@@ -421,7 +423,7 @@ class GrammarCompiler:
             grammar = self._xgrammar.compile(_WARM_SCHEMA, any_whitespace=True)
             if grammar is not None:
                 executor = self._xgr_executor or xgrammar_module().BatchGrammarMatcher()
-                fill_rows(executor, [grammar.deep_copy() for _ in range(rows)], range(rows), out)
+                fill_rows(executor, [grammar.deep_copy() for _ in range(rows)], range(rows), out, _eos_only)
                 self._xgr_executor = executor
         try:
             lltokenizer = self._llguidance_tokenizer()
@@ -453,6 +455,43 @@ class GrammarCompiler:
         return compiled
 
 
+class _ShortSwitches:
+    """The interpreter's switch interval lowered while any batch fill is in flight, then put back.
+
+    A fill thread holds the GIL only to start and to finish; the library's work runs without it. But when
+    the library returns, the thread must take the GIL back from the engine's thread, which is running
+    Python (launching the next step) and gives it up only at the switch interval, 5 ms by default. A
+    constrained step of the SO benchmark filled 128 rows in 11.0 ms p50 on an H100 host where the same
+    fills took 4.5 ms without an engine beside (run 141); on a 2-core CPU, 128 rows beside a busy Python
+    thread: 10.5-12.2 ms at 5 ms, 3.0-3.3 ms at 0.2 ms, 3.3-3.6 with the other thread asleep
+    (benchmarks/so_gil_handoff.py). Outside fills nothing changes."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._saved: float | None = None  # the interval to put back, when this lowered it
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._in_flight == 0:
+                current = sys.getswitchinterval()
+                self._saved = current if current > self.seconds else None
+                if self._saved is not None:
+                    sys.setswitchinterval(self.seconds)
+            self._in_flight += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0 and self._saved is not None:
+                sys.setswitchinterval(self._saved)
+                self._saved = None
+
+
+_SHORT_SWITCHES = _ShortSwitches(2.5e-4)
+
+
 def _fill_loop(jobs: queue.SimpleQueue) -> None:
     """The fill thread of a GrammarCompiler (a function: the thread holds no reference to the compiler,
     which stops it when freed or closed)."""
@@ -466,13 +505,13 @@ def _fill_loop(jobs: queue.SimpleQueue) -> None:
         finally:
             fill.seconds = time.perf_counter() - start
             fill._work = None
+            _SHORT_SWITCHES.exit()
             fill._done.set()
 
 
 class MaskFill:
     """A batch's bitmask filling on ``GrammarCompiler``'s fill thread (``fill_bitmask_async``);
-    ``seconds``: how long the grammar library took, once done (when no row needed it: how long the caller
-    took to write the EOS-only rows)."""
+    ``seconds``: how long the grammar library took, once done (0.0 when no row needed it)."""
 
     __slots__ = ("bitmask", "seconds", "_work", "_started", "_done", "_error")
 
@@ -557,7 +596,7 @@ class GrammarMatcher:
         target = bitmask[row]
         if not target.is_contiguous():
             raise ValueError("fill_bitmask: bitmask rows must be contiguous")
-        inner = self._fill_matcher()
+        inner = self._live_matcher()
         if inner is None:
             self._fill_eos_only(target)
         else:
@@ -574,15 +613,6 @@ class GrammarMatcher:
                 return None
             self._matcher = self._future.result().deep_copy()
         return None if self._error is not None else self._matcher
-
-    def _fill_matcher(self):
-        """The library's matcher whose row the library fills, or None when the row is EOS-only (the grammar
-        failed, a token was rejected, or an xgrammar matcher ended). Called on the caller's thread, so
-        that a batch's fill thread makes one library call (grammar_xgrammar.fill_rows)."""
-        inner = self._live_matcher()
-        if isinstance(inner, XgrammarMatcher) and inner.ended():
-            return None
-        return inner
 
     def _fill_eos_only(self, row: torch.Tensor) -> None:
         _eos_only(row, self._eos)

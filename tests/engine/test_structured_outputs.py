@@ -354,6 +354,43 @@ def test_the_async_fill_runs_beside_the_callers_python(tokenizer, monkeypatch):
     compiler.close()
 
 
+def test_the_switch_interval_is_short_while_a_fill_is_in_flight(tokenizer, monkeypatch):
+    """While a batch fill runs on the fill thread the interpreter's switch interval is 0.25 ms (the fill
+    thread takes the GIL back from the caller's Python at most that late); it is put back when the last
+    fill in flight is done, and a lower one set by the user is left alone."""
+    compiler = GrammarCompiler(tokenizer)
+    spec = StructuredOutputsParams(regex=REGEX)
+    compiler.compile(spec).result(timeout=10)
+    matchers = [compiler.matcher(spec) for _ in range(3)]
+    fill_live = GrammarCompiler._fill_live
+    seen = []
+
+    def slow(self, live, out):
+        seen.append(sys.getswitchinterval())
+        time.sleep(0.5 if self is other else 0.05)
+        fill_live(self, live, out)
+
+    monkeypatch.setattr(GrammarCompiler, "_fill_live", slow)
+    other = GrammarCompiler(tokenizer)
+    other.compile(spec).result(timeout=10)
+    before = sys.getswitchinterval()
+    try:
+        first = compiler.fill_bitmask_async(matchers)
+        second = other.fill_bitmask_async([other.matcher(spec)])  # another engine's fill, overlapping
+        assert sys.getswitchinterval() == pytest.approx(2.5e-4)
+        first.result()
+        assert sys.getswitchinterval() == pytest.approx(2.5e-4)  # the other fill is still in flight
+        second.result()
+        assert sys.getswitchinterval() == before and seen == [pytest.approx(2.5e-4)] * 2
+        sys.setswitchinterval(1e-4)
+        compiler.fill_bitmask_async(matchers).result()
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
+    finally:
+        sys.setswitchinterval(before)
+        compiler.close()
+        other.close()
+
+
 def test_a_freed_compiler_ends_its_fill_thread(tokenizer):
     """The fill thread holds no reference to its compiler: an LLM dropped without close() leaves
     neither the compiler (its 128k-token tables) nor the thread behind."""
@@ -563,52 +600,6 @@ def test_length_bounded_schemas_compile_with_xgrammar_the_rest_with_llguidance(t
     try:
         matcher = compiler.matcher(StructuredOutputsParams(json=SCHEMA))
         assert matcher.wait(10) is None and not isinstance(matcher._live_matcher(), XgrammarMatcher)
-    finally:
-        compiler.close()
-
-
-def test_xgrammar_rows_fill_in_one_call_on_the_fill_thread(tokenizer):
-    """The fill thread makes one xgrammar call for a batch (each call releases the GIL, and taking it back
-    from the engine's busy thread can wait the interpreter's switch interval: run 141's constrained steps
-    filled 128 rows in 11 ms against 4.5 without an engine); which rows ended is asked on the caller's
-    thread, and an ended row is EOS-only."""
-    pytest.importorskip("xgrammar")
-    compiler = GrammarCompiler(tokenizer)
-    calls = []
-
-    class Spy:
-        def __init__(self, inner, name):
-            self._inner, self._name = inner, name
-
-        def __getattr__(self, attr):
-            method = getattr(self._inner, attr)
-            if attr.startswith("_"):  # xgrammar's own reads (its C++ handle)
-                return method
-
-            def call(*args, **kwargs):
-                calls.append((threading.current_thread().name, self._name, attr))
-                return method(*args, **kwargs)
-
-            return call
-
-    try:
-        spec = StructuredOutputsParams(json=SCHEMA)
-        matchers = [compiler.matcher(spec) for _ in range(3)]
-        assert matchers[0].wait(10) is None
-        expected = compiler.fill_bitmask(matchers)
-        ended = matchers[2]._live_matcher()
-        ended.inner = Spy(ended.inner, "ended")
-        ended.inner.__dict__["is_terminated"] = lambda: calls.append(("?", "ended", "is_terminated")) or True
-        for m in matchers[:2]:
-            m._live_matcher().inner = Spy(m._live_matcher().inner, "live")
-        compiler._xgr_executor = Spy(compiler._xgr_executor, "executor")
-        calls.clear()
-        got = compiler.fill_bitmask_async(matchers).result()
-        on_fill = [c for c in calls if c[0] == "fuseformer-grammar-fill"]
-        assert [c[1:] for c in on_fill] == [("executor", "batch_fill_next_token_bitmask")], calls
-        assert torch.equal(got[:2], expected[:2])
-        allowed = ((got[2].view(torch.uint8)[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()
-        assert allowed.nonzero().flatten().tolist() == sorted(ended.eos)
     finally:
         compiler.close()
 
