@@ -444,6 +444,22 @@ def test_paged_attention_gpu(seqs, hq, hkv, d, block_size, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "seqs, hq, hkv, d, window, softcap",
+    [
+        (MIX, 4, 2, 16, 4, 5.0),  # the tiny Gemma 2 checkpoint's shape (its logits failed on an H100, run 142)
+        (MIX, 8, 4, 256, -1, 50.0),  # Gemma 2's head dim and cap
+        ([(513, 200), (33, 1), (1, 1)], 8, 4, 256, 100, 50.0),
+    ],
+)
+def test_paged_attention_softcap_gpu(seqs, hq, hkv, d, window, softcap, dtype):
+    """Soft-capped paged attention on the GPU (the device-parametrized softcap tests are not marked gpu)."""
+    out, ref, base = _step(seqs, hq, hkv, d, 16, dtype, "cuda", window=window, softcap=softcap)
+    assert_close("out", out, ref, base)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("window", [1, 100, 1000])
 def test_paged_attention_window_gpu(window):
     out, ref, base = _step([(3000, 800), (2000, 1), (50, 50)], 32, 8, 128, 16, torch.bfloat16, "cuda", window=window)
