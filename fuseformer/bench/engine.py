@@ -169,15 +169,18 @@ def timed_generate(llm: Any, prompts: list, params: Any, device: str) -> tuple[l
     """``llm.generate`` as a benchmark times it: (outputs, seconds, record, the run's StepRecords). The
     record holds the run's steps by kind (where the time went), its five longest launches (a kernel
     compiled inside the run shows there), the Triton kernels compiled inside it (the warm-up missed
-    them) and Python's collections by generation."""
+    them), Python's collections by generation and, on CUDA, the caching allocator's device allocations
+    and retries inside the run (a retry frees every cached block, syncing: a first-run stall candidate)."""
     log = llm.core.step_log
     kinds_before, count_before = log.totals(), log.count
     _sync(device)
+    alloc_before = _alloc_counts(device)
     with TritonCompiles() as compiles, GcPauses() as pauses:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         _sync(device)
         seconds = time.perf_counter() - start
+    alloc = {k: v - alloc_before[k] for k, v in _alloc_counts(device).items()}
     records = log.since(count_before)
     slowest = sorted(records, key=lambda r: r.launch_ms)[-5:]
     record = dict(
@@ -187,8 +190,17 @@ def timed_generate(llm: Any, prompts: list, params: Any, device: str) -> tuple[l
         ],
         triton_compiles=compiles.names,
         gc=pauses.record(),
+        cuda_allocator=alloc,
     )
     return outs, seconds, record, records
+
+
+def _alloc_counts(device: str) -> dict[str, int]:
+    """The CUDA caching allocator's cudaMalloc calls and out-of-memory retries so far ({} off CUDA)."""
+    if not str(device).startswith("cuda"):
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"device_allocs": stats.get("num_device_alloc", 0), "alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
 def _record(impl: str, case: dict, **fields: Any) -> Record:
