@@ -25,7 +25,7 @@ import torch
 
 import fuseformer
 from fuseformer.bench._timing import bench_ms
-from fuseformer.bench.optimize import BERT_BASE, LLAMA_8B, _build
+from fuseformer.bench.optimize import BERT_BASE, LLAMA_8B, _build, _free, _record
 
 
 def _top_kernels(fn, n: int = 15) -> list[dict]:
@@ -147,12 +147,11 @@ def ablate_train(batch: int = 4, seq: int = 4096) -> dict:
     from fuseformer.bench.optimize import LLAMA_1B
     from fuseformer.train.bench import hf_fwd_bwd_step
 
-    def timed(step) -> dict:
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        ms = bench_ms(step, warmup=300, rep=3000)
-        return dict(ms=ms, tok_s=batch * seq / ms * 1e3, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    def timed(name, step) -> dict:  # bench optimize's record (warm-up, median ms, peak memory, error)
+        rec = _record("train", name, step, "cuda", 3000)
+        if "ms" in rec:
+            rec["tok_s"] = batch * seq / rec["ms"] * 1e3
+        return rec
 
     rec = dict(model=f"llama-1b train {batch}x{seq}", runs={}, counts={})
     model = _build("LlamaForCausalLM", LLAMA_1B, "cuda").train()
@@ -180,7 +179,7 @@ def ablate_train(batch: int = 4, seq: int = 4096) -> dict:
                     rec["counts"][name]["packed_bound"] = len(packed)
             with torch.no_grad():  # the same loss for every variant, within bf16's noise
                 rec.setdefault("loss", {})[name] = float(model(input_ids=ids, labels=ids).loss)
-            rec["runs"][name] = timed(step)
+            rec["runs"][name] = timed(name, step)
             if name in ("eager", "all", "all+packed"):
                 rec[f"top_{name}"] = _top_kernels(step, n=30)
                 rec.setdefault("host", {})[name] = _host(step)
@@ -193,24 +192,25 @@ def ablate_train(batch: int = 4, seq: int = 4096) -> dict:
                 module.forward = previous
         if report is not None:
             report.revert()
-        print(name, rec["runs"][name], "loss", rec.get("loss", {}).get(name), flush=True)
-        if name in rec.get("host", {}):
-            h = rec["host"][name]
-            print(f"  host {h['host_ms']:.1f} ms a step, syncs {h['syncs']}", flush=True)
+        _print_run(rec, name)
     model = None  # noqa: F841  (its weights and gradients must not count in Liger's peak)
-    torch.cuda.empty_cache()
+    _free()
     try:
         liger = hf_fwd_bwd_step(LLAMA_1B, batch, seq, "cuda", True)
-        rec["runs"]["hf+liger"] = timed(liger)
+        rec["runs"]["hf+liger"] = timed("hf+liger", liger)
         rec["top_hf+liger"] = _top_kernels(liger, n=30)
         rec.setdefault("host", {})["hf+liger"] = _host(liger)
     except Exception as exc:
         rec["runs"]["hf+liger"] = dict(error=f"{type(exc).__name__}: {exc}"[:400])
-    print("hf+liger", rec["runs"]["hf+liger"], flush=True)
-    if "hf+liger" in rec.get("host", {}):
-        h = rec["host"]["hf+liger"]
-        print(f"  host {h['host_ms']:.1f} ms a step, syncs {h['syncs']}", flush=True)
+    _print_run(rec, "hf+liger")
     return rec
+
+
+def _print_run(rec: dict, name: str) -> None:
+    print(name, rec["runs"][name], "loss", rec.get("loss", {}).get(name), flush=True)
+    if name in rec.get("host", {}):
+        h = rec["host"][name]
+        print(f"  host {h['host_ms']:.1f} ms a step, syncs {h['syncs']}", flush=True)
 
 
 def main() -> None:

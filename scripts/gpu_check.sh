@@ -31,7 +31,7 @@
 #
 # optimize (not part of all): issue 26 in one device call (~9 min): the fusion GPU tests (one process), the
 # BERT ablation (benchmarks/optimize_ablation.py: each kind alone, host time and syncs per forward), BERT's attention layer against
-# SDPA's backends (benchmarks/encoder_attention.py), the fused RoPE's training gradients (benchmarks/rotary_training.py), and
+# SDPA's backends (benchmarks/encoder_attention.py), and
 # `fuseformer bench optimize`'s encoder, prefill and generate cases (peers in the same process); the training
 # case (HF + Liger: carry its wheel in .whl/) is OPTIMIZE_CASES=train, a call of its own.
 #
@@ -135,7 +135,6 @@ if [[ "$stage" == optimize ]]; then
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     python3 benchmarks/optimize_ablation.py --cases bert --out "$out" 2>&1 | grep -v Warn | tail -n 10 || status=1
     python3 benchmarks/encoder_attention.py --out "$out" 2>&1 | grep -E '^#|sdpa|default' | cut -c1-400 || status=1
-    python3 benchmarks/rotary_training.py 2>&1 | grep -v -i warn | tail -n 20 || status=1
     python3 -c "
 import json, sys
 from fuseformer.bench.optimize import bench_optimize, format_table

@@ -401,7 +401,7 @@ def _attention_candidates(model, prefix, layers, training, result) -> None:
             continue
         apply, undo = hf_attention.config_swap(attn, name)
         # RoPE fused too (the whole forward is ours), in training as well: its gradients pass against a
-        # float64 copy on the GPU (benchmarks/rotary_training.py, run 141), and it cut the Llama-1B
+        # float64 copy on the GPU (run 141; the check, a lab script, is in commit 1dcf490), and it cut the Llama-1B
         # training step from 348 to 321 ms (HF's rotate_half ran three times a layer under checkpointing).
         rotary = hf_attention.rotary_state(attn)
         if rotary is not None:
