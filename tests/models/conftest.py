@@ -44,8 +44,9 @@ CHECKPOINTS = {
     ),
     # q/k norm, head_dim 32 != hidden / heads, untied.
     "qwen3": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
-    # Offset norms, GeGLU (the legacy "gelu", read as the tanh form), scaled embeddings, MQA, tied.
-    "gemma": (transformers.GemmaConfig, dict(num_key_value_heads=1, head_dim=16, hidden_act="gelu")),
+    # Offset norms, GeGLU in the tanh form (the legacy "gelu" is erf in transformers 5.17, tanh since:
+    # test_registry covers our reading of it), scaled embeddings, MQA, tied.
+    "gemma": (transformers.GemmaConfig, dict(num_key_value_heads=1, head_dim=16, hidden_act="gelu_pytorch_tanh")),
     # Gemma2: 3 layers, sliding window 4 in layers 0 and 2; query_pre_attn_scalar 24 != head_dim; both
     # soft-caps low enough to bite (random scores reach ~4, logits ~15); GQA 4/2, untied.
     "gemma2": (
@@ -98,7 +99,9 @@ def hf_checkpoint(tmp_path_factory):
     @functools.cache
     def make(name: str, sharded: bool = False):
         config_cls, kwargs = CHECKPOINTS[name]
-        config = config_cls(**(_BASE | kwargs))
+        # Eager attention: the math itself. transformers 5.17 (the GPU host's) let Gemma2 take SDPA, which
+        # drops the attention soft-cap, so HF's own logits there were not Gemma2's (5.25 refuses SDPA).
+        config = config_cls(**(_BASE | kwargs), attn_implementation="eager")
         torch.manual_seed(1234)
         model = _MODEL_CLASSES[config_cls](config).eval()
         _randomize(model, seed=len(name))
