@@ -373,15 +373,6 @@ def _attention_candidates(model, prefix, layers, training, result) -> None:
             Skipped(path=prefix, kind="attention", reason=f"model uses {impl!r} attention, whose masks we do not read")
         )
         return
-    if getattr(config, "attn_logit_softcapping", None):
-        result.skipped.append(
-            Skipped(
-                path=prefix,
-                kind="attention",
-                reason=f"attn_logit_softcapping={config.attn_logit_softcapping}: flash_attention has no soft-capping",
-            )
-        )
-        return
     name = hf_attention.register()
     for i, layer in enumerate(layers):
         attn = layer.self_attn

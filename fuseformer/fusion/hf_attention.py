@@ -18,8 +18,9 @@ a check that the mask restricted to those is exactly bottom-right causal (with t
 window), which is what the kernel computes. Then the kernel runs batched (B, S, H, D) when nothing
 drops out, or packed varlen (T, H, D) with cu_seqlens otherwise. A mask of any other shape
 (bidirectional, packed documents, a custom 4D mask) fails the check and runs on an exact masked
-reference instead: slower, never wrong. So do attention dropout in training and logit soft-capping,
-which the kernel lacks (the pass skips those models; this is the safety net).
+reference instead: slower, never wrong. So does attention dropout in training, which the kernel
+lacks (the pass skips those models; this is the safety net). Logit soft-capping (Gemma 2's
+``softcap``) the kernel takes, in the forward and the backward.
 
 KV cache: transformers updates the cache before calling the attention function, so the function
 sees all keys; causal alignment is bottom-right (query i of Sq sees keys j <= i + Sk - Sq), the same
@@ -208,6 +209,7 @@ def fuseformer_attention(
     (out (B, Sq, Hq, D), None)."""
     b, hq, sq, d = query.shape
     sk = key.shape[2]
+    softcap = softcap or 0.0
     if sq == 1 and not softcap and _HF_SDPA is not None:
         # A decode step: transformers' own SDPA call, as the model ran before optimize. Ours has no
         # split-K path over a dense cache, and reading the mask per step syncs the host and makes
@@ -219,7 +221,7 @@ def fuseformer_attention(
     causal = getattr(module, "is_causal", True)
     training = module.training
     if (
-        softcap
+        (sq == 1 and softcap)  # a soft-capped decode step (SDPA has no cap): one row of scores, as eager
         or (dropout and training)
         or kwargs.get("s_aux") is not None
         or d > MAX_HEAD_DIM
@@ -232,7 +234,9 @@ def fuseformer_attention(
         return _reference(query, key, value, attention_mask, scale, left, causal, softcap, dropout, training), None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
     if plan[0] in ("dense", "full"):
-        out = F.flash_attention(q, k, v, causal=plan[0] == "dense", softmax_scale=scale, window_size=(left, -1))
+        out = F.flash_attention(
+            q, k, v, causal=plan[0] == "dense", softmax_scale=scale, window_size=(left, -1), softcap=softcap
+        )
         return out, None
     _, q_idx, kv_idx, cu_q, cu_k, max_q, max_k, extra = plan
     hkv = k.shape[2]
@@ -246,6 +250,7 @@ def fuseformer_attention(
         causal=True,
         softmax_scale=scale,
         window_size=(left, 0),
+        softcap=softcap,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
         max_seqlen_q=max_q,
@@ -261,6 +266,7 @@ def fuseformer_attention(
             vp,
             causal=False,
             softmax_scale=scale,
+            softcap=softcap,
             cu_seqlens_q=cu_e,
             cu_seqlens_k=cu_k,
             max_seqlen_q=max_e,

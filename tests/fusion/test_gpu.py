@@ -123,3 +123,34 @@ def test_gpt2_inference_mlp_epilogue_kept():
         got = model(input_ids=ids).logits
     assert len(calls) == 2
     assert (got.float() - want.float()).abs().max() < 0.25 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_gemma2_softcapped_attention_kept(training):
+    """Gemma 2 at head dim 256 (its real one) with a cap that bites (q/k scaled up so the scores reach
+    several units): the attention layers go through flash_attention's softcap, forward and backward, and
+    pass optimize's check in bf16; the logits are within §3 of a float64 copy."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(
+        vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=256, sliding_window=64, attn_logit_softcapping=5.0,
+        attn_implementation="eager",
+    )  # fmt: skip
+    with torch.device("cuda"):
+        model = transformers.Gemma2ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+    model.train(training)
+    ref = copy.deepcopy(model).double().eval()
+    ids = torch.randint(0, 1024, (2, 200), device="cuda")
+    with torch.no_grad():
+        base, want = model.eval()(input_ids=ids).logits, ref(input_ids=ids).logits
+    model.train(training)
+    report = fuseformer.optimize(model, training=training)
+    assert not report.reverted, str(report)
+    assert report.counts().get("attention") == 2, str(report)
+    with torch.no_grad():
+        got = model.eval()(input_ids=ids).logits
+    assert max_err(got, want) <= tolerance(want, base, torch.bfloat16)
