@@ -143,7 +143,7 @@ def _bind(model, cls_name: str, forward) -> list:
     return bound
 
 
-def ablate_train(batch: int = 4, seq: int = 4096) -> dict:
+def ablate_train(batch: int = 4, seq: int = 4096, only: set[str] | None = None) -> dict:
     from fuseformer.bench.optimize import LLAMA_1B
     from fuseformer.train.bench import hf_fwd_bwd_step
 
@@ -166,7 +166,7 @@ def ablate_train(batch: int = 4, seq: int = 4096) -> dict:
     variants = [("eager", None), ("norm", ["norm"]), ("mlp", ["mlp"]), ("attention", ["attention"]),
                 ("loss", ["loss"]), ("all", "all"), ("all-but-attention", ["norm", "mlp", "loss"]),
                 ("all+packed", "packed")]  # fmt: skip
-    for name, include in variants:
+    for name, include in [v for v in variants if only is None or v[0] in only]:
         report, packed = None, []
         try:
             if include is not None:
@@ -217,6 +217,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="results")
     p.add_argument("--cases", default="bert,llama")
+    p.add_argument("--train-variants", default=None, help="comma-separated names (default: all; HF + Liger always)")
     args = p.parse_args()
     out = []
     if "bert" in args.cases:
@@ -236,7 +237,8 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     if "train" in args.cases:  # last: HF + Liger patches transformers' Llama for the whole process
-        out.append(ablate_train())
+        only = set(args.train_variants.split(",")) if args.train_variants else None
+        out.append(ablate_train(only=only))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "optimize_ablation.json").write_text(json.dumps(out, indent=1))
 
