@@ -445,6 +445,7 @@ def _causal_lm_forward(self, *args, **kwargs):
         ignore_index=-100,
         reduction="sum" if num_items is not None else "mean",
         out_dtype=torch.float32,  # as HF's loss on upcast logits: a bf16 loss of ~7 is good to ~0.03 only
+        softcap=getattr(self.config, "final_logit_softcapping", None) or 0.0,  # Gemma 2's, inside the kernels
     )
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
@@ -465,15 +466,6 @@ def _loss_candidate(model, training, result) -> None:
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     if not isinstance(head, nn.Linear) or base is None or base is model:
         result.skipped.append(Skipped(path="", kind="loss", reason="not a causal LM with a linear lm_head"))
-        return
-    if getattr(model.config, "final_logit_softcapping", None):
-        result.skipped.append(
-            Skipped(
-                path="",
-                kind="loss",
-                reason=f"final_logit_softcapping={model.config.final_logit_softcapping}: the fused loss has none",
-            )
-        )
         return
     names = {id(p): n for n, p in model.named_parameters()}
     head_param = names.get(id(head.weight), "lm_head.weight")

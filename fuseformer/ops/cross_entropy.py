@@ -5,7 +5,9 @@
     dx_ij  = s_i * (p_ij (1 + 2 z lse_i) - eps / V - (1 - eps) [j == y_i]),      p = softmax(x)
 
 which is ``torch.nn.functional.cross_entropy(x, y, ignore_index, label_smoothing=eps)`` plus the
-optional z-loss of PaLM (``z * lse^2``, z = ``z_loss``). ``mean`` divides by the number of targets
+optional z-loss of PaLM (``z * lse^2``, z = ``z_loss``). With ``softcap`` c > 0 the logits are capped
+first, x <- c tanh(x / c) (Gemma 2's final logit soft-capping), and the gradient of the raw logits is
+the one above times 1 - tanh(x / c)^2: the kernels cap each value as they load it, in both passes. ``mean`` divides by the number of targets
 that are not ignored; **all targets ignored gives loss 0 and zero gradients** (torch gives NaN: the
 issue asks for 0, so that a batch of padding does not poison training).
 
@@ -30,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuseformer.ops._attention_common import tanh
 from fuseformer.ops._utils import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
@@ -64,14 +67,18 @@ def cross_entropy_ref(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     upcast: bool = True,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Pure PyTorch cross-entropy (logits (N, V), target (N,)); fp32 (fp64 stays fp64) when ``upcast``.
+    """Pure PyTorch cross-entropy (logits (N, V), target (N,)); fp32 (fp64 stays fp64) when ``upcast``;
+    ``softcap`` > 0 caps the logits first (c tanh(x / c)).
 
     Returns the loss in logits' dtype: a scalar, or (N,) for ``reduction="none"``. All targets
     ignored with ``mean`` gives 0 (not torch's NaN).
     """
     dtype = logits.dtype
     x = logits.to(float_dtype_of(logits)) if upcast else logits
+    if softcap:
+        x = softcap * torch.tanh(x / softcap)
     valid = target != ignore_index
     v = x.shape[-1]
     lse = torch.logsumexp(x, dim=-1)
@@ -98,9 +105,9 @@ def cross_entropy_ref(
 def _cross_entropy_kernel(
     X, T, LOSS, LSE, DX, SCALE,
     stride_x, stride_dx, stride_scale,
-    V, ignore_index, label_smoothing, z_loss,
+    V, ignore_index, label_smoothing, z_loss, softcap,
     LSE_GIVEN: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     # One row a program. DX may be X itself (the gradient overwrites the logits, FLCE); each block
     # is read before it is written, by the same program, so that is safe.
@@ -119,6 +126,8 @@ def _cross_entropy_kernel(
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
             x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+            if SOFTCAP:  # the cap of -inf is -softcap: masked columns stay -inf
+                x = tl.where(mask, softcap * tanh(x / softcap), -float("inf"))
             new_m = tl.maximum(m, tl.max(x, axis=0))
             # Shift by 0 while everything so far is -inf (a padded vocabulary masked with -inf),
             # so that -inf - -inf does not turn the sum into NaN. NaN in x propagates through s.
@@ -131,6 +140,8 @@ def _cross_entropy_kernel(
         tl.store(LSE + row, lse)
         if WRITE_LOSS:
             x_t = tl.load(x_row + target, mask=in_range, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                x_t = softcap * tanh(x_t / softcap)
             loss = lse - (1.0 - label_smoothing) * x_t
             if HAS_SMOOTHING:
                 loss -= (label_smoothing / V) * sum_x
@@ -149,7 +160,12 @@ def _cross_entropy_kernel(
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                t = tanh(x / softcap)
+                x = softcap * t
             dx = tl.exp(x - lse) * p_scale - smooth - tl.where(cols == target, hit, 0.0)
+            if SOFTCAP:
+                dx = dx * (1.0 - t * t)
             dx = tl.where(valid, dx, 0.0)
             tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
@@ -157,8 +173,8 @@ def _cross_entropy_kernel(
 @triton.jit
 def _cross_entropy_cols_stats_kernel(
     X, T, PART,
-    stride_v, C, V, V_SPLIT,
-    HAS_SMOOTHING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    stride_v, C, V, V_SPLIT, softcap,
+    HAS_SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     # The row kernel's first pass on transposed logits: X is (V, C), column t holding token t's logits
     # (the FLCE's first chunk, laid out in grad_weight's memory; see _first_chunk_in_dw). Program
@@ -180,6 +196,8 @@ def _cross_entropy_cols_stats_kernel(
         mask = (rows[:, None] < v1) & tmask[None, :]
         ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :]
         x = tl.load(ptrs, mask=mask, other=-float("inf")).to(tl.float32)  # (BV, BT)
+        if SOFTCAP:
+            x = tl.where(mask, softcap * tanh(x / softcap), -float("inf"))
         new_m = tl.maximum(m, tl.max(x, axis=0))
         shift = tl.where(new_m == -float("inf"), 0.0, new_m)  # as in the row kernel
         s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[None, :]), axis=0)
@@ -190,6 +208,8 @@ def _cross_entropy_cols_stats_kernel(
     target = tl.load(T + toks, mask=tmask, other=-1).to(tl.int64)
     mine = tmask & (target >= v0) & (target < v1)
     x_t = tl.load(X + target * stride_v + toks, mask=mine, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        x_t = tl.where(mine, softcap * tanh(x_t / softcap), 0.0)
     part = PART + split.to(tl.int64) * 4 * C + toks
     tl.store(part, m, mask=tmask)
     tl.store(part + C, s, mask=tmask)
@@ -201,9 +221,9 @@ def _cross_entropy_cols_stats_kernel(
 def _cross_entropy_cols_grad_kernel(
     X, T, LOSS, LSE, SCALE, PART,
     stride_v, stride_scale,
-    C, V, V_SPLIT, SPLITS, ignore_index, label_smoothing, z_loss,
+    C, V, V_SPLIT, SPLITS, ignore_index, label_smoothing, z_loss, softcap,
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     # Program (i, k): combine the SPLITS partials of its tokens (in split order: every program of a
     # token gets the same lse), write lse and the loss (split 0), then dlogits^T in place over its
@@ -252,8 +272,13 @@ def _cross_entropy_cols_grad_kernel(
             mask = (rows[:, None] < v1) & tmask[None, :]
             ptrs = X + rows[:, None].to(tl.int64) * stride_v + toks[None, :]
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                t = tanh(x / softcap)
+                x = softcap * t
             dx = tl.exp(x - lse_safe[None, :]) * p_scale[None, :] - smooth[None, :]
             dx -= tl.where(rows[:, None] == target[None, :], hit[None, :], 0.0)
+            if SOFTCAP:
+                dx = dx * (1.0 - t * t)
             dx = tl.where(valid[None, :], dx, 0.0)
             tl.store(ptrs, dx.to(X.dtype.element_ty), mask=mask)
 
@@ -276,7 +301,8 @@ def _cols_splits(c: int, v: int, block_t: int, block_v: int, programs: int) -> t
 
 
 def _launch_cols(
-    xt, target, loss, lse, scale, ignore_index, label_smoothing, z_loss, *, write_loss, write_grad, scratch=None
+    xt, target, loss, lse, scale, ignore_index, label_smoothing, z_loss, *, write_loss, write_grad, scratch=None,
+    softcap=0.0,
 ):  # fmt: skip
     """The CE kernels on transposed logits ``xt`` (V, C) (unit column stride): loss and lse per token
     (C,), and dlogits^T in place over ``xt`` when ``write_grad``. ``scratch``: free memory of any
@@ -299,14 +325,15 @@ def _launch_cols(
     grid = (triton.cdiv(c, bt), splits)
     has_smoothing = label_smoothing != 0.0
     _cross_entropy_cols_stats_kernel[grid](
-        xt, target, part, xt.stride(0), c, v, rows, HAS_SMOOTHING=has_smoothing, **cfg
+        xt, target, part, xt.stride(0), c, v, rows, float(softcap), HAS_SMOOTHING=has_smoothing,
+        SOFTCAP=softcap != 0.0, **cfg
     )  # fmt: skip
     _cross_entropy_cols_grad_kernel[grid](
         xt, target, loss if loss is not None else lse, lse, scale if scale is not None else lse, part,
         xt.stride(0), (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
-        c, v, rows, splits, ignore_index, float(label_smoothing), float(z_loss),
+        c, v, rows, splits, ignore_index, float(label_smoothing), float(z_loss), float(softcap),
         WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, HAS_SMOOTHING=has_smoothing,
-        HAS_Z_LOSS=z_loss != 0.0, **cfg,
+        HAS_Z_LOSS=z_loss != 0.0, SOFTCAP=softcap != 0.0, **cfg,
     )  # fmt: skip
 
 
@@ -336,7 +363,8 @@ def ce_config(v: int, write_grad: bool, dtype: torch.dtype, device: torch.device
 
 
 def _launch(
-    x, target, loss, lse, dx, scale, ignore_index, label_smoothing, z_loss, *, lse_given, write_loss, write_grad
+    x, target, loss, lse, dx, scale, ignore_index, label_smoothing, z_loss, *, lse_given, write_loss, write_grad,
+    softcap=0.0,
 ):  # fmt: skip
     n, v = x.shape
     if n == 0:
@@ -348,9 +376,9 @@ def _launch(
         scale if scale is not None else lse,
         x.stride(0), dx.stride(0) if dx is not None else 0,
         (scale.stride(0) if scale.dim() else 0) if scale is not None else 0,
-        v, ignore_index, float(label_smoothing), float(z_loss),
+        v, ignore_index, float(label_smoothing), float(z_loss), float(softcap),
         LSE_GIVEN=lse_given, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad,
-        HAS_SMOOTHING=label_smoothing != 0.0, HAS_Z_LOSS=z_loss != 0.0, **cfg,
+        HAS_SMOOTHING=label_smoothing != 0.0, HAS_Z_LOSS=z_loss != 0.0, SOFTCAP=softcap != 0.0, **cfg,
     )  # fmt: skip
 
 
@@ -358,14 +386,19 @@ def _launch(
 # Launchers (no autograd; logits (N, V) with a unit column stride)
 # --------------------------------------------------------------------------------------------
 def cross_entropy_fwd(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (N, V), target (N,) -> loss (N,) fp32 (0 where ignored), lse (N,) fp32."""
     n = logits.shape[0]
     loss = empty((n,), dtype=torch.float32, device=logits.device)
     lse = empty((n,), dtype=torch.float32, device=logits.device)
     _launch(logits, target, loss, lse, None, None, ignore_index, label_smoothing, z_loss,
-            lse_given=False, write_loss=True, write_grad=False)  # fmt: skip
+            lse_given=False, write_loss=True, write_grad=False, softcap=softcap)  # fmt: skip
     return loss, lse
 
 
@@ -377,11 +410,12 @@ def cross_entropy_bwd(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """dloss (N,) (any stride, e.g. an expanded scalar), logits (N, V), lse (N,) -> dlogits (N, V)."""
     dx = empty(tuple(logits.shape), dtype=logits.dtype, device=logits.device)
     _launch(logits, target, None, lse, dx, dloss, ignore_index, label_smoothing, z_loss,
-            lse_given=True, write_loss=False, write_grad=True)  # fmt: skip
+            lse_given=True, write_loss=False, write_grad=True, softcap=softcap)  # fmt: skip
     return dx
 
 
@@ -389,9 +423,9 @@ def cross_entropy_bwd(
 # Registration
 # --------------------------------------------------------------------------------------------
 def _ce_fwd_impl(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss)
+    return cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, softcap)
 
 
 def _ce_bwd_impl(
@@ -402,8 +436,9 @@ def _ce_bwd_impl(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
+    softcap: float,
 ) -> torch.Tensor:
-    return cross_entropy_bwd(dloss, logits, target, lse, ignore_index, label_smoothing, z_loss)
+    return cross_entropy_bwd(dloss, logits, target, lse, ignore_index, label_smoothing, z_loss, softcap)
 
 
 _ce_fwd_op = torch.library.custom_op("fuseformer::cross_entropy_fwd", mutates_args=())(_ce_fwd_impl)
@@ -411,19 +446,19 @@ _ce_bwd_op = torch.library.custom_op("fuseformer::cross_entropy_bwd", mutates_ar
 
 
 @_ce_fwd_op.register_fake
-def _(logits, target, ignore_index, label_smoothing, z_loss):
+def _(logits, target, ignore_index, label_smoothing, z_loss, softcap):
     n = logits.shape[0]
     return logits.new_empty((n,), dtype=torch.float32), logits.new_empty((n,), dtype=torch.float32)
 
 
 @_ce_bwd_op.register_fake
-def _(dloss, logits, target, lse, ignore_index, label_smoothing, z_loss):
+def _(dloss, logits, target, lse, ignore_index, label_smoothing, z_loss, softcap):
     return torch.empty_like(logits)
 
 
 def _ce_setup_context(ctx, inputs, output):
-    logits, target, ignore_index, label_smoothing, z_loss = inputs
-    ctx.args = (ignore_index, label_smoothing, z_loss)
+    logits, target, ignore_index, label_smoothing, z_loss, softcap = inputs
+    ctx.args = (ignore_index, label_smoothing, z_loss, softcap)
     ctx.save_for_backward(logits, target, output[1])
     ctx.mark_non_differentiable(output[1])
 
@@ -433,7 +468,7 @@ def _ce_backward_with(bwd):
 
     def _backward(ctx, dloss, _dlse):
         logits, target, lse = ctx.saved_tensors
-        return bwd(dloss, logits, target, lse, *ctx.args), None, None, None, None
+        return bwd(dloss, logits, target, lse, *ctx.args), None, None, None, None, None
 
     return _backward
 
@@ -447,7 +482,7 @@ _CrossEntropyFunction = autograd_function(
 # --------------------------------------------------------------------------------------------
 # Public function (and the argument checks it shares with fused_linear_cross_entropy)
 # --------------------------------------------------------------------------------------------
-def _check_common(op, target, n, device, ignore_index, reduction, label_smoothing, z_loss):
+def _check_common(op, target, n, device, ignore_index, reduction, label_smoothing, z_loss, softcap):
     check_tensor(op, "target", target, dtypes=_TARGET_DTYPES, ndim=1, device=device)
     check_shape(op, "target", target, (n,), "one class index per row")
     if not isinstance(ignore_index, int):
@@ -458,6 +493,8 @@ def _check_common(op, target, n, device, ignore_index, reduction, label_smoothin
         raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if not isinstance(z_loss, (int, float)) or z_loss < 0:
         raise ValueError(f"{op}: z_loss must be a non-negative float, got {z_loss!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < float("inf"):
+        raise ValueError(f"{op}: softcap must be a finite float >= 0 (0 turns it off), got {softcap!r}")
 
 
 def cross_entropy(
@@ -467,6 +504,7 @@ def cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """``torch.nn.functional.cross_entropy`` over class logits, gradients included, plus optional z-loss.
 
@@ -479,6 +517,8 @@ def cross_entropy(
         reduction: "mean" (over the targets not ignored), "sum" or "none" (per-row losses).
         label_smoothing: in [0, 1], as in torch.
         z_loss: weight of ``lse^2`` added to each row's loss (PaLM's z-loss); 0 turns it off.
+        softcap: > 0 caps the logits first, ``softcap * tanh(logits / softcap)`` (Gemma 2's
+            ``final_logit_softcapping``), the gradient taken through the cap; 0 turns it off.
 
     Returns:
         The loss in logits' dtype, accumulated in fp32: a scalar, or (N,) for "none". All targets
@@ -487,14 +527,14 @@ def cross_entropy(
     op = "cross_entropy"
     check_tensor(op, "logits", logits, dtypes=FLOAT_DTYPES, ndim=2)
     n, v = logits.shape
-    _check_common(op, target, n, logits.device, ignore_index, reduction, label_smoothing, z_loss)
+    _check_common(op, target, n, logits.device, ignore_index, reduction, label_smoothing, z_loss, softcap)
     backend = choose_backend(op, logits.device, logits.dtype in KERNEL_DTYPES, "float64 runs on the reference")
     if backend == "reference":
-        return cross_entropy_ref(logits, target, ignore_index, reduction, label_smoothing, z_loss)
+        return cross_entropy_ref(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap=softcap)
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     rows, _ = dispatch(
         _ce_fwd_op, _CrossEntropyFunction, _ce_fwd_impl, x, target.contiguous(), ignore_index,
-        float(label_smoothing), float(z_loss),
+        float(label_smoothing), float(z_loss), float(softcap),
     )  # fmt: skip
     if reduction == "none":
         return rows.to(logits.dtype)

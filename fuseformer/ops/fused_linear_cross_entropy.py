@@ -60,6 +60,7 @@ def fused_linear_cross_entropy_ref(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     upcast: bool = True,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """cross_entropy_ref(hidden @ weight.T + bias, ...) with the logits fully materialized.
 
@@ -69,7 +70,9 @@ def fused_linear_cross_entropy_ref(
     logits = hidden.reshape(-1, hidden.shape[-1]).to(compute) @ weight.to(compute).T
     if bias is not None:
         logits = logits + bias.to(compute)
-    loss = cross_entropy_ref(logits, target.reshape(-1), ignore_index, reduction, label_smoothing, z_loss, upcast=False)
+    loss = cross_entropy_ref(
+        logits, target.reshape(-1), ignore_index, reduction, label_smoothing, z_loss, upcast=False, softcap=softcap
+    )
     return loss.to(dtype).view(lead) if reduction == "none" else loss.to(dtype)
 
 
@@ -144,7 +147,8 @@ def _growing_plan(n: int, h: int, v: int, c: int, first: int) -> tuple[int, list
 
 
 def _first_chunk_in_dw(
-    hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse, dh, dw, db, spare, c
+    hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse, dh, dw, db, spare, c,
+    softcap=0.0,
 ):  # fmt: skip
     """Tokens [0, c) (c <= H) as one chunk whose logits live in grad_weight's memory, before any of
     grad_weight is written: transposed, (V, c), so that vocabulary row j of the logits lies inside
@@ -166,7 +170,8 @@ def _first_chunk_in_dw(
     s_c = scale[:c] if scale.dim() else scale
     # The spare room is free until the grad_weight slices: the CE kernels' partials go there.
     _launch_cols(lt, target[:c], loss[:c] if loss is not None else None, lse[:c], s_c, ignore_index,
-                 label_smoothing, z_loss, write_loss=loss is not None, write_grad=True, scratch=spare)  # fmt: skip
+                 label_smoothing, z_loss, write_loss=loss is not None, write_grad=True, scratch=spare,
+                 softcap=softcap)  # fmt: skip
     if dh is not None:
         torch.matmul(lt.T, weight, out=dh[:c])  # (c, H)
     if db is not None:
@@ -182,7 +187,8 @@ def _first_chunk_in_dw(
 
 
 def _chunks(
-    hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse, want_dh, dw, db, chunk_size
+    hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse, want_dh, dw, db, chunk_size,
+    softcap=0.0,
 ):  # fmt: skip
     """Run the chunked pass: per chunk logits, the kernel (loss and/or dlogits in place), the
     gradient GEMMs. ``scale`` (N,) or a 0-dim tensor scales dlogits per row (None: no gradient).
@@ -220,7 +226,7 @@ def _chunks(
         # the scratch, or the logits buffer.
         spare = arena[first * h :] if arena is not None else buf.view(-1)
         _first_chunk_in_dw(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse,
-                           dh, dw, db, spare, first)  # fmt: skip
+                           dh, dw, db, spare, first, softcap=softcap)  # fmt: skip
     if arena is not None:
         plan = [(s, e, arena[off : off + (e - s) * v].view(e - s, v))
                 for s, e, off in growing]  # fmt: skip
@@ -236,7 +242,7 @@ def _chunks(
             s_c = scale[start:end] if scale.dim() else scale
         _launch(logits, target[start:end], loss[start:end] if loss is not None else None, lse[start:end],
                 logits if write_grad else None, s_c, ignore_index, label_smoothing, z_loss,
-                lse_given=False, write_loss=loss is not None, write_grad=write_grad)  # fmt: skip
+                lse_given=False, write_loss=loss is not None, write_grad=write_grad, softcap=softcap)  # fmt: skip
         if not write_grad:
             continue
         if dh is not None:
@@ -269,13 +275,14 @@ def fused_linear_cross_entropy_fwd(
     grad_weight: bool,
     grad_bias: bool,
     chunk_size: int | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """hidden (N, H), weight (V, H), target (N,), bias (V,) -> (loss, dhidden, dweight, dbias).
 
     loss: fp32, a 0-dim tensor (mean/sum) or (N,) (none). The gradients (for a unit gradient of
     the loss; None when not asked for) are computed here for mean and sum; for ``none`` they are
     left to :func:`fused_linear_cross_entropy_bwd`, which needs the per-token gradient. Contiguous
-    inputs. ``chunk_size`` overrides the tokens per chunk.
+    inputs. ``chunk_size`` overrides the tokens per chunk; ``softcap`` > 0 caps the logits first.
     """
     n, h = hidden.shape
     v = weight.shape[0]
@@ -293,7 +300,7 @@ def fused_linear_cross_entropy_fwd(
     if dw is not None and n == 0:
         dw.zero_()
     dh = _chunks(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, scale, loss, lse,
-                 wants_grad and grad_hidden, dw, db, chunk_size)  # fmt: skip
+                 wants_grad and grad_hidden, dw, db, chunk_size, softcap=softcap)  # fmt: skip
     if reduction != "none":
         loss = loss.sum()
         if reduction == "mean":
@@ -316,6 +323,7 @@ def fused_linear_cross_entropy_bwd(
     grad_weight: bool,
     grad_bias: bool,
     chunk_size: int | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The gradients for ``reduction="none"``: dloss (N,) -> dhidden, dweight, dbias (None when not
     asked for), recomputing each chunk's logits with dlogits scaled by dloss per token."""
@@ -328,7 +336,7 @@ def fused_linear_cross_entropy_bwd(
     if dw is not None and n == 0:
         dw.zero_()
     dh = _chunks(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, dloss.to(torch.float32), None,
-                 lse, grad_hidden, dw, db, chunk_size)  # fmt: skip
+                 lse, grad_hidden, dw, db, chunk_size, softcap=softcap)  # fmt: skip
     return dh, dw, (db.to(bias.dtype) if db is not None else None)
 
 
@@ -352,10 +360,11 @@ def _flce_fwd_impl(
     grad_weight: bool,
     grad_bias: bool,
     chunk_size: int,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     loss, dh, dw, db = fused_linear_cross_entropy_fwd(
         hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss,
-        grad_hidden, grad_weight, grad_bias, chunk_size or None,
+        grad_hidden, grad_weight, grad_bias, chunk_size or None, softcap,
     )  # fmt: skip
     # A custom op cannot return None: an empty tensor stands for "not computed".
     return loss, *(t if t is not None else hidden.new_empty(0) for t in (dh, dw, db))
@@ -378,12 +387,14 @@ def _flce_bwd_impl(
     grad_weight: bool,
     grad_bias: bool,
     chunk_size: int,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     flags = (grad_hidden, grad_weight, grad_bias)
     if reduction == "none":
         grads = fused_linear_cross_entropy_bwd(
-            dloss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, *flags, chunk_size or None
-        )
+            dloss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, *flags, chunk_size or None,
+            softcap,
+        )  # fmt: skip
     else:
         g = dloss.to(torch.float32)
         grads = tuple(t * g if flag else None for t, flag in zip((dh, dw, db), flags))
@@ -440,7 +451,7 @@ _flce_bwd_op = torch.library.custom_op("fuseformer::fused_linear_cross_entropy_b
 
 
 @_flce_fwd_op.register_fake
-def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb, chunk_size):
+def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb, chunk_size, softcap):
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     grads = reduction != "none"
@@ -452,7 +463,7 @@ def _(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_
 
 @_flce_bwd_op.register_fake
 def _(dloss, hidden, weight, target, bias, dh, dw, db, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb,
-      chunk_size):  # fmt: skip
+      chunk_size, softcap):  # fmt: skip
     # mean/sum: the saved gradients, scaled; none: recomputed, shaped like the inputs.
     likes = (hidden, weight, bias) if reduction == "none" else (dh, dw, db)
     return tuple(torch.empty_like(t) if flag else dh.new_empty(0) for t, flag in zip(likes, (gh, gw, gb)))
@@ -464,8 +475,8 @@ def _flce_setup_context(ctx, inputs, output):
 
 
 def _flce_save(ctx, inputs, dh, dw, db):
-    hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb, chunk_size = inputs
-    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb, chunk_size)
+    hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb, chunk_size, cap = inputs
+    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, gh, gw, gb, chunk_size, cap)
     ctx.has_bias = bias is not None
     if reduction == "none":  # recomputed in the backward
         ctx.save_for_backward(hidden, weight, target, bias, dh, dw, db)
@@ -481,8 +492,8 @@ def _flce_backward_with(bwd):
         if hidden is None:  # mean/sum: the inputs were not kept; the bwd does not read them
             hidden = weight = target = dh.new_empty(0)
         gh, gw, gb = bwd(dloss, hidden, weight, target, bias, dh, dw, db, *ctx.args)
-        _, _, _, _, flag_h, flag_w, flag_b, _ = ctx.args
-        return (gh if flag_h else None), (gw if flag_w else None), None, (gb if flag_b else None), *([None] * 8)
+        flag_h, flag_w, flag_b = ctx.args[4:7]
+        return (gh if flag_h else None), (gw if flag_w else None), None, (gb if flag_b else None), *([None] * 9)
 
     return _backward
 
@@ -527,6 +538,7 @@ def fused_linear_cross_entropy(
     chunk_size: int | None = None,
     *,
     out_dtype: torch.dtype | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, target, ...)`` without the full (N, V) logits.
 
@@ -551,6 +563,8 @@ def fused_linear_cross_entropy(
         out_dtype: the loss's dtype; None is hidden's. torch.float32 returns the fp32 accumulation
             itself, as Hugging Face's losses (computed on upcast logits) are: a bf16 loss of ~7
             is only good to ~0.03.
+        softcap: > 0 caps the logits, ``softcap * tanh(logits / softcap)``, before the loss (Gemma 2's
+            ``final_logit_softcapping``), inside the kernels: no extra pass over the logits.
 
     Under ``torch.autocast`` hidden, weight and bias are cast to the autocast dtype first (an fp32
     LM head weight included, as F.linear would).
@@ -581,13 +595,13 @@ def fused_linear_cross_entropy(
     n = hidden.numel() // h if h else 0
     x = hidden.reshape(n, h)
     t = target.reshape(n)
-    _check_common(op, t, n, hidden.device, ignore_index, reduction, label_smoothing, z_loss)
+    _check_common(op, t, n, hidden.device, ignore_index, reduction, label_smoothing, z_loss, softcap)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"{op}: chunk_size must be a positive int or None, got {chunk_size!r}")
     backend = choose_backend(op, hidden.device, hidden.dtype in KERNEL_DTYPES, "float64 runs on the reference")
     if backend == "reference":
         loss = fused_linear_cross_entropy_ref(
-            hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss
+            hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap=softcap
         )
         return loss if out_dtype is None else loss.to(out_dtype)
     grad = torch.is_grad_enabled()
@@ -599,7 +613,7 @@ def fused_linear_cross_entropy(
     out = dispatch(
         _flce_fwd_op, _FLCEFunction, _flce_fwd_impl, x.contiguous(), weight.contiguous(), t.contiguous(),
         bias.contiguous() if bias is not None else None, ignore_index, reduction, float(label_smoothing),
-        float(z_loss), *flags, int(chunk_size or 0),
+        float(z_loss), *flags, int(chunk_size or 0), float(softcap),
     )  # fmt: skip
     loss = out[0] if isinstance(out, tuple) else out  # the eager Function returns the loss alone
     loss = loss.to(out_dtype or hidden.dtype)

@@ -15,9 +15,11 @@ from fuseformer.train.data import IGNORE_INDEX
 _CHUNK = 4096
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    logits = hidden @ weight.t()  # (C, V), recomputed in backward
-    return TF.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="sum")
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, softcap: float) -> torch.Tensor:
+    logits = (hidden @ weight.t()).float()  # (C, V), recomputed in backward
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    return TF.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 # Logits per chunk of the fused linear cross-entropy in training: each chunk reads and writes the
@@ -28,13 +30,18 @@ LOSS_CHUNK_BYTES = 512 << 20
 
 
 def linear_cross_entropy_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk_bytes: int = LOSS_CHUNK_BYTES
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    chunk_bytes: int = LOSS_CHUNK_BYTES,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Sum over tokens of cross_entropy(hidden @ weight.T, target), targets -100 ignored.
 
     hidden (T, H) in the compute dtype, weight (V, H) (cast to hidden's dtype: the fp32 master
     weight's gradient flows back through the cast), target (T,) int64. Returns an fp32 scalar.
-    ``chunk_bytes``: the logits of one chunk of the fused op.
+    ``chunk_bytes``: the logits of one chunk of the fused op. ``softcap`` > 0 caps the logits first,
+    cap * tanh(logits / cap) (Gemma2's ``final_logit_softcapping``).
     """
     weight = weight.to(hidden.dtype)
     fused = getattr(F, "fused_linear_cross_entropy", None)
@@ -45,15 +52,19 @@ def linear_cross_entropy_sum(
         # three digits, too few for a held-out loss.
         chunk = max(1, chunk_bytes // (weight.shape[0] * hidden.element_size()))
         if not torch.is_grad_enabled():
-            per_token = fused(hidden, weight, target, ignore_index=IGNORE_INDEX, reduction="none", chunk_size=chunk)
+            per_token = fused(
+                hidden, weight, target, ignore_index=IGNORE_INDEX, reduction="none", chunk_size=chunk, softcap=softcap
+            )
             return per_token.float().sum()
         valid = (target != IGNORE_INDEX).sum().float()
-        loss = fused(hidden, weight, target, ignore_index=IGNORE_INDEX, reduction="mean", chunk_size=chunk)
+        loss = fused(
+            hidden, weight, target, ignore_index=IGNORE_INDEX, reduction="mean", chunk_size=chunk, softcap=softcap
+        )
         return loss.float() * valid
     total = hidden.new_zeros((), dtype=torch.float32)
     for h, t in zip(hidden.split(_CHUNK), target.split(_CHUNK)):
         if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss, h, weight, t, use_reentrant=False)
+            total = total + checkpoint(_chunk_loss, h, weight, t, softcap, use_reentrant=False)
         else:
-            total = total + _chunk_loss(h, weight, t)
+            total = total + _chunk_loss(h, weight, t, softcap)
     return total

@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as TF
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -57,7 +56,6 @@ _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "loss.png"
 _LM_PREFIX = "lm."  # CausalLMLoss holds the model as .lm: its state's names, less this, are the model's
-_CAPPED_CHUNK = 4096  # tokens per chunk of the soft-capped loss (train/loss.py's fallback chunk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,9 +67,8 @@ class CausalLMLoss(nn.Module):
     forward(input_ids (T,), positions (T,), cu_seqlens (n+1,) int32, max_seqlen, targets (T,))
     -> the fp32 sum of the token losses (targets -100 ignored).
 
-    A model whose logits are soft-capped (Gemma2's ``final_logit_softcapping``) takes its logits
-    from ``compute_logits``, chunked and recomputed in backward: the fused linear cross-entropy
-    has no cap.
+    A model whose logits are soft-capped (Gemma2's ``final_logit_softcapping``) passes its cap to the
+    fused linear cross-entropy, which applies it inside its kernels (as ``compute_logits`` would).
     """
 
     def __init__(self, lm: nn.Module) -> None:
@@ -81,19 +78,8 @@ class CausalLMLoss(nn.Module):
     def forward(self, input_ids, positions, cu_seqlens, max_seqlen: int, targets) -> torch.Tensor:
         meta = AttentionMetadata(cu_seqlens_q=cu_seqlens, max_seqlen_q=max_seqlen)
         hidden = self.lm(input_ids, positions, meta)  # (T, H)
-        if self.lm.config.final_logit_softcapping is None:
-            return linear_cross_entropy_sum(hidden, self.lm.lm_head.weight, targets)
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for h, t in zip(hidden.split(_CAPPED_CHUNK), targets.split(_CAPPED_CHUNK)):
-            if torch.is_grad_enabled():
-                total = total + checkpoint(self._capped_loss, h, t, use_reentrant=False)
-            else:
-                total = total + self._capped_loss(h, t)
-        return total
-
-    def _capped_loss(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = self.lm.compute_logits(hidden).float()  # (C, V)
-        return TF.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum")
+        cap = self.lm.config.final_logit_softcapping or 0.0
+        return linear_cross_entropy_sum(hidden, self.lm.lm_head.weight, targets, softcap=cap)
 
 
 def init_weights(lm: nn.Module, std: float, seed: int) -> None:

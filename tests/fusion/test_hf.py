@@ -187,18 +187,19 @@ def test_optimize_report_and_revert(model_type):
     assert all(type(m) is not fuseformer.layers.Linear for m in model.modules())
 
 
-def test_gemma2_skips_only_the_final_softcap():
+def test_gemma2_soft_caps_skip_nothing():
     model = make("gemma2")
+    assert model.config.attn_logit_softcapping and model.config.final_logit_softcapping
     result = hf.find_candidates(model, training=True, kinds=ALL)
-    reasons = {s.kind: s.reason for s in result.skipped}
-    assert set(reasons) == {"loss"} and "final_logit_softcapping" in reasons["loss"]
+    assert not result.skipped and {c.kind for c in result.candidates} == {"norm", "mlp", "attention", "loss"}
 
 
 def test_gemma2_attention_softcap_fused():
-    """A cap of 1 (it bites: without it the logits move far past the tolerance) through our kernel,
-    forward and backward; greedy generate over a left-padded batch (the varlen path, then soft-capped
-    decode steps) gives HF's tokens. Padding's own numbers: test_inference_packing_and_padding."""
-    model, uncapped = (make("gemma2", attn_logit_softcapping=c, final_logit_softcapping=None) for c in (1.0, None))
+    """An attention cap of 1 (it bites: without it the logits move far past the tolerance) through our
+    kernel, forward and backward, and a final cap of 0.2 through the fused loss; greedy generate over a
+    left-padded batch (the varlen path, then soft-capped decode steps) gives HF's tokens. Padding's own
+    numbers: test_inference_packing_and_padding."""
+    model, uncapped = (make("gemma2", attn_logit_softcapping=c, final_logit_softcapping=0.2) for c in (1.0, None))
     with torch.no_grad():  # scores of several units (the init's are ~0.01, where tanh changes nothing)
         for m in (model, uncapped):
             for name, p in m.named_parameters():
@@ -209,7 +210,9 @@ def test_gemma2_attention_softcap_fused():
     x = ids(2, 13)
     for m in (model, ref, base):
         m.train()
-        m(input_ids=x, labels=x).loss.backward()
+        m.loss = m(input_ids=x, labels=x).loss
+        m.loss.backward()
+    assert_close("loss", model.loss, ref.loss, base.loss)
     for (name, p), p_ref, p_base in zip(model.named_parameters(), ref.parameters(), base.parameters()):
         assert_close(f"grad {name}", p.grad, p_ref.grad, p_base.grad)
     mask = torch.ones_like(x)

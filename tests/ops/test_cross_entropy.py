@@ -28,14 +28,15 @@ def _grad_for(loss):
     return torch.randn(loss.shape, dtype=torch.float32, device=loss.device).to(loss.dtype)
 
 
-def _check_ce(n, v, dtype, device, reduction, label_smoothing=0.0, z_loss=0.0, gapped=False, ignore_frac=0.2):
+def _check_ce(n, v, dtype, device, reduction, label_smoothing=0.0, z_loss=0.0, gapped=False, ignore_frac=0.2,
+              softcap=0.0):  # fmt: skip
     x = (3 * torch.randn(n, v, device=device)).to(dtype)
     if gapped:  # a row-strided view whose gap columns hold NaN
         base = torch.full((n, v + 7), float("nan"), dtype=dtype, device=device)
         base[:, :v] = x
         x = base[:, :v]
     t = _targets(n, v, device, ignore_frac)
-    kw = dict(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss)
+    kw = dict(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
 
     def run(fn, cast, **extra):
         xs = x.detach().to(cast).requires_grad_()
@@ -63,6 +64,16 @@ def test_cross_entropy_matches_reference(n, v, dtype, reduction, device):
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_cross_entropy_smoothing_and_z_loss(reduction, device):
     _check_ce(19, 777, torch.float16, device, reduction, label_smoothing=0.1, z_loss=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_cross_entropy_softcap(reduction, dtype, device):
+    """Logits of std 3 under a cap of 2 (Gemma 2's final soft-cap, low enough to bite), with z-loss and
+    smoothing: the loss and the gradient through the tanh."""
+    _check_ce(19, 777, dtype, device, reduction, label_smoothing=0.1, z_loss=1e-3, softcap=2.0)
+    x, t = 3 * torch.randn(8, 50, dtype=torch.float64), torch.randint(0, 50, (8,))
+    assert abs(CE.cross_entropy_ref(x, t, softcap=2.0) - CE.cross_entropy_ref(x, t)) > 0.1  # it bites
 
 
 def test_cross_entropy_noncontiguous_with_nan_gaps(device):
@@ -161,6 +172,21 @@ def test_cross_entropy_float64_runs_on_reference(device):
             dict(logits=torch.randn(3, 8), target=torch.zeros(3, dtype=torch.long), z_loss=-1.0),
             "z_loss must be",
         ),  # fmt: skip
+        (
+            F.cross_entropy,
+            dict(logits=torch.randn(3, 8), target=torch.zeros(3, dtype=torch.long), softcap=float("nan")),
+            "softcap must be",
+        ),  # fmt: skip
+        (
+            F.fused_linear_cross_entropy,
+            dict(
+                hidden=torch.randn(3, 4),
+                weight=torch.randn(8, 4),
+                target=torch.zeros(3, dtype=torch.long),
+                softcap=-1.0,
+            ),
+            "softcap must be",
+        ),  # fmt: skip
     ],
 )
 def test_bad_input(fn, kwargs, match):
@@ -172,9 +198,11 @@ def test_custom_ops_pass_opcheck(device):
     x = torch.randn(6, 50, device=device, requires_grad=True)
     t = _targets(6, 50, device)
     with fuseformer.use_backend("triton"):
-        _, lse = CE._ce_fwd_op(x.detach(), t, -100, 0.1, 0.0)
-        torch.library.opcheck(CE._ce_fwd_op, (x, t, -100, 0.1, 0.0))
-        torch.library.opcheck(CE._ce_bwd_op, (torch.randn(6, device=device), x.detach(), t, lse, -100, 0.1, 0.0))
+        for cap in (0.0, 1.5):
+            _, lse = CE._ce_fwd_op(x.detach(), t, -100, 0.1, 0.0, cap)
+            torch.library.opcheck(CE._ce_fwd_op, (x, t, -100, 0.1, 0.0, cap))
+            dloss = torch.randn(6, device=device)
+            torch.library.opcheck(CE._ce_bwd_op, (dloss, x.detach(), t, lse, -100, 0.1, 0.0, cap))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

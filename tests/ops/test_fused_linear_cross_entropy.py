@@ -29,7 +29,7 @@ def _grad_for(loss):
 
 
 def _check_flce(n, h, v, dtype, device, reduction, bias=True, label_smoothing=0.0, z_loss=0.0, chunk_tokens=None,
-                ignore_frac=0.2, lead=None):  # fmt: skip
+                ignore_frac=0.2, lead=None, softcap=0.0):  # fmt: skip
     hidden = torch.randn(n, h, device=device).to(dtype)
     weight = (torch.randn(v, h, device=device) / h**0.5).to(dtype)
     b = torch.randn(v, device=device).to(dtype) if bias else None
@@ -37,7 +37,7 @@ def _check_flce(n, h, v, dtype, device, reduction, bias=True, label_smoothing=0.
     if lead is not None:
         hidden, t = hidden.view(*lead, h), t.view(*lead)
     leaves = [a for a in (hidden, weight, b) if a is not None]
-    kw = dict(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss)
+    kw = dict(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
 
     def run(fn, cast, **extra):
         args = [a.detach().to(cast).requires_grad_() for a in leaves]
@@ -88,14 +88,29 @@ def test_flce_default_chunking(device):
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_flce_softcap(reduction, device, small_chunks):
+    """Gemma 2's final soft-cap (logits ~1.4 std, a cap of 1.5 bites): the first chunk on the transposed
+    kernels (24 tokens), the rest in chunks of 8 on the row kernel, the recomputing backward of "none"."""
+    _check_flce(61, 24, 1000, torch.float16, device, reduction, softcap=1.5, label_smoothing=0.1)
+
+
+def test_flce_softcap_default_chunking_and_effect(device):
+    _check_flce(33, 40, 1000, torch.float32, device, "mean", softcap=1.5)
+    h, w = torch.randn(16, 40, dtype=torch.float64), torch.randn(300, 40, dtype=torch.float64) / 40**0.5
+    t = torch.randint(0, 300, (16,))
+    capped = FLCE.fused_linear_cross_entropy_ref(h, w, t, softcap=1.5)
+    assert abs(capped - FLCE.fused_linear_cross_entropy_ref(h, w, t)) > 1e-2  # the cap changes the loss
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_flce_chunk_size_argument(reduction, device, monkeypatch):
     """chunk_size sets the tokens per chunk (forward, and the recomputing backward of "none")."""
     seen = []
     chunks = FLCE._chunks
 
-    def spy(*args):
+    def spy(*args, **kw):
         seen.append(args[-1])
-        return chunks(*args)
+        return chunks(*args, **kw)
 
     monkeypatch.setattr(FLCE, "_chunks", spy)
     _check_flce(23, 40, 1000, torch.float16, device, reduction, chunk_tokens=5)
@@ -231,7 +246,7 @@ def test_flce_custom_op_passes_opcheck(device):
     with fuseformer.use_backend("triton"):
         for reduction in ("mean", "none"):
             for chunk in (4, 0):  # fixed chunks; the default (grad_hidden a view of the chunks' arena)
-                args = (hidden, weight, t, None, -100, reduction, 0.0, 0.0, True, True, False, chunk)
+                args = (hidden, weight, t, None, -100, reduction, 0.0, 0.0, True, True, False, chunk, 1.5 * chunk % 2)
                 torch.library.opcheck(FLCE._flce_fwd_op, args)
 
 
@@ -376,7 +391,7 @@ def test_flce_first_chunk_and_growing_chunks_match_reference(reduction, grads, d
     assert sizes[0] > 4 and sum(sizes) == n - h, sizes
     firsts, growing = [], []
     real_first, real_grow = FLCE._first_chunk_in_dw, FLCE._growing_chunks
-    monkeypatch.setattr(FLCE, "_first_chunk_in_dw", lambda *a: firsts.append(a[-1]) or real_first(*a))
+    monkeypatch.setattr(FLCE, "_first_chunk_in_dw", lambda *a, **k: firsts.append(a[-1]) or real_first(*a, **k))
     monkeypatch.setattr(FLCE, "_growing_chunks", lambda *a: growing.append(a) or real_grow(*a))
     hidden = torch.randn(n, h, device=device)
     weight = torch.randn(v, h, device=device) / h**0.5
@@ -451,17 +466,18 @@ from triton.compiler import ASTSource
 
 CE = importlib.import_module("fuseformer.ops.cross_entropy")
 FLCE = importlib.import_module("fuseformer.ops.fused_linear_cross_entropy")
-stats = {"X": "*bf16", "T": "*i64", "PART": "*fp32", "stride_v": "i32", "C": "i32", "V": "i32", "V_SPLIT": "i32"}
+stats = {"X": "*bf16", "T": "*i64", "PART": "*fp32", "stride_v": "i32", "C": "i32", "V": "i32", "V_SPLIT": "i32",
+         "softcap": "fp32"}
 grad = {"X": "*bf16", "T": "*i64", "LOSS": "*fp32", "LSE": "*fp32", "SCALE": "*fp32", "PART": "*fp32",
         "stride_v": "i32", "stride_scale": "i32", "C": "i32", "V": "i32", "V_SPLIT": "i32", "SPLITS": "i32",
-        "ignore_index": "i32", "label_smoothing": "fp32", "z_loss": "fp32"}
+        "ignore_index": "i32", "label_smoothing": "fp32", "z_loss": "fp32", "softcap": "fp32"}
 cfg = dict(CE._COLS_CONFIG)
 warps = cfg.pop("num_warps")
 cfg.pop("PROGRAMS")
-for wl, sm, z in [(True, False, False), (True, True, True), (False, False, False)]:
-    jobs = [(CE._cross_entropy_cols_stats_kernel, stats, dict(HAS_SMOOTHING=sm, **cfg)),
+for wl, sm, z, cap in [(True, False, False, False), (True, True, True, True), (False, False, False, False)]:
+    jobs = [(CE._cross_entropy_cols_stats_kernel, stats, dict(HAS_SMOOTHING=sm, SOFTCAP=cap, **cfg)),
             (CE._cross_entropy_cols_grad_kernel, grad,
-             dict(WRITE_LOSS=wl, WRITE_GRAD=True, HAS_SMOOTHING=sm, HAS_Z_LOSS=z, **cfg))]
+             dict(WRITE_LOSS=wl, WRITE_GRAD=True, HAS_SMOOTHING=sm, HAS_Z_LOSS=z, SOFTCAP=cap, **cfg))]
     for fn, sig, consts in jobs:
         src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts)
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))

@@ -1,6 +1,8 @@
 """Trainer: convergence (fused vs reference), accumulation, activation checkpointing, packed rows,
 mixed precision, metrics, and the ``fuseformer train`` entry."""
 
+import copy
+import dataclasses
 import json
 import math
 
@@ -234,6 +236,43 @@ def test_loss_sum_does_not_overflow_low_precision(dtype):
     exact = TF.cross_entropy(hidden.double() @ weight.double().T, target, ignore_index=IGNORE_INDEX, reduction="sum")
     assert low.dtype == torch.float32 and math.isfinite(low.item())
     assert low.item() == pytest.approx(exact.item(), rel=5e-3)
+
+
+@pytest.mark.parametrize("backend, dtype", [("triton", torch.float16), ("reference", torch.float32)])
+def test_softcapped_loss_through_the_fused_op(backend, dtype, model_config):
+    """Gemma2's final soft-cap (a cap of 0.5 that bites) goes into the fused loss: the sum and every
+    gradient against compute_logits + torch's cross-entropy in fp64 (DESIGN.md §3)."""
+    from fuseformer.models.registry import build_model
+    from fuseformer.testing import assert_close
+    from fuseformer.train.trainer import CausalLMLoss
+
+    torch.manual_seed(0)
+    config = model_config(architecture="Gemma2ForCausalLM", head_dim=8, sliding_window=4, hidden_act="gelu_tanh",
+                        final_logit_softcapping=0.5, attn_logit_softcapping=None)  # fmt: skip
+    lm = build_model(config).to(dtype)
+    ids = torch.randint(0, config.vocab_size, (12,))
+    targets = torch.randint(0, config.vocab_size, (12,))
+    targets[::5] = IGNORE_INDEX
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    pos = torch.cat([torch.arange(5), torch.arange(7)])
+
+    def exact(m):
+        hidden = m(ids, pos, AttentionMetadata(cu_seqlens_q=cu, max_seqlen_q=7))
+        return TF.cross_entropy(m.compute_logits(hidden), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    ref, base = copy.deepcopy(lm).double(), copy.deepcopy(lm)
+    with fuseformer.use_backend(backend):
+        ours = CausalLMLoss(lm)(ids, pos, cu, 7, targets)
+    with fuseformer.use_backend("reference"):
+        want, got_base = exact(ref), exact(base)
+        uncapped = copy.deepcopy(ref)
+        uncapped.config = dataclasses.replace(ref.config, final_logit_softcapping=None)
+        assert abs(exact(uncapped) - want) > 0.5  # the cap bites
+    assert_close("loss", ours, want, got_base)
+    for o in (ours, want, got_base):
+        o.backward()
+    for (name, p), r, b in zip(lm.named_parameters(), ref.parameters(), base.parameters()):
+        assert_close(f"grad {name}", p.grad, r.grad, b.grad)
 
 
 def _tiny_run_argv(tmp_path, tokenizer_dir, *extra):
