@@ -260,6 +260,15 @@ def test_flce_gpu(n, h, v, dtype, reduction):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_flce_softcap_gpu(dtype, reduction):
+    """A soft-cap of 1 on logits of unit spread (it bites) at Gemma 2's 256k vocabulary: the first chunk on
+    the transposed kernels, then growing chunks on the row kernel."""
+    _check_flce(3000, 1024, 256000, dtype, "cuda", reduction, softcap=1.0, bias=False)
+
+
+@pytest.mark.gpu
 def test_flce_gpu_memory_stays_below_logits():
     """8192 tokens, H 4096, V 128256 bf16: the peak above the inputs is the two gradients (which
     are outputs: dW 0.98 GiB, dH 0.06 GiB) and one chunk of logits (244 x V, 0.06 GiB): 1.0994 GiB,
