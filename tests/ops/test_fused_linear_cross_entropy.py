@@ -246,7 +246,8 @@ def test_flce_custom_op_passes_opcheck(device):
     with fuseformer.use_backend("triton"):
         for reduction in ("mean", "none"):
             for chunk in (4, 0):  # fixed chunks; the default (grad_hidden a view of the chunks' arena)
-                args = (hidden, weight, t, None, -100, reduction, 0.0, 0.0, True, True, False, chunk, 1.5 if chunk else 0.0)
+                cap = 1.5 if chunk else 0.0
+                args = (hidden, weight, t, None, -100, reduction, 0.0, 0.0, True, True, False, chunk, cap)
                 torch.library.opcheck(FLCE._flce_fwd_op, args)
 
 
