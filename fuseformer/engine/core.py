@@ -137,8 +137,7 @@ class EngineCore:
         waits for a kernel's compilation (Triton's JIT, autotune entries, cuBLAS heuristics): prefills of
         each power-of-two token bucket from 16 up to ``max_num_batched_tokens`` (the kernels' configs
         are chosen per bucket) and of one token less (Triton specializes on multiples of 16), decode
-        steps, a mixed step (a prefill chunk beside a decode), the largest bucket over many sequences and a
-        mixed step of many (``_warm_up_many``), prefills after a prefix-cache hit, a
+        steps, a mixed step (a prefill chunk beside a decode), prefills after a prefix-cache hit, a
         sampled, seeded request with top-k/top-p/min-p and logprobs (fp32 logits), and one at temperature
         1 alone (the logits as they come: the sampler's kernel compiles once per dtype). Paged
         attention's config buckets (``config_query_lengths``) each get a prefill with a short context
@@ -185,7 +184,6 @@ class EngineCore:
                 run([Request(f"warm-up-{n}", tokens, greedy)])
             run([Request("warm-up-decoding", prompt(min(limit, 40)), mixed)],
                 [Request("warm-up-arriving", prompt(min(limit, 24)), greedy)])  # fmt: skip
-            self._warm_up_many(limit, prompt, mixed, greedy, run)
             longest, bs = max(prompts, key=len), self.scheduler.config.block_size
             for n in query_lengths:  # n new tokens after the longest prompt's cached full blocks
                 cached = (min(len(longest) - 1, limit - n) // bs) * bs
@@ -199,20 +197,6 @@ class EngineCore:
         self.step_log = StepLog()
         self.warm_up_seconds = time.perf_counter() - start
         return self.warm_up_seconds
-
-    def _warm_up_many(self, limit: int, prompt, mixed: SamplingParams, greedy: SamplingParams, run) -> None:
-        """Many sequences at once, as a loaded engine's first steps are: the largest bucket prefilled over up
-        to 64 sequences, then as many arriving while those decode (a mixed step of both). Run 141 (H100)
-        met its first prefill of 16,384 tokens over 64 sequences, and its first such mixed step, in requests
-        after a warm-up of one sequence a bucket: 1.3 and 1.1 s launches, no Triton compile inside. Skipped
-        when the KV pool cannot hold both batches at once."""
-        n = min(64, self.scheduler.config.max_num_seqs // 2, max(2, limit // 16))
-        length = max(1, limit // n)
-        blocks = -(-(length + 4) // self.scheduler.config.block_size)  # a sequence's blocks at its end
-        if n < 2 or 2 * n * blocks > self.scheduler.kv.pool.num_free_blocks:
-            return
-        run([Request(f"warm-up-many-{i}", prompt(length), mixed) for i in range(n)],
-            [Request(f"warm-up-many-arriving-{i}", prompt(length), greedy) for i in range(n)])  # fmt: skip
 
     @property
     def async_scheduling(self) -> bool:

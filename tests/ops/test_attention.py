@@ -429,8 +429,8 @@ def test_flash_attention_varlen_gpu(lens_q, lens_k, hq, hkv, d, causal, window, 
 
 
 # Gemma 2's soft-capped attention on the GPU (the device-parametrized softcap tests above are not marked gpu,
-# so an ordered `-m gpu` run never took them there): head dim 16 (the tiny test checkpoint's, whose logits
-# failed on an H100 in run 142) and 256 (Gemma 2's), a window of 4 keys, packed varlen as the engine calls it.
+# so an ordered `-m gpu` run never took them there): head dim 16 (the tiny test checkpoint's) and 256 (Gemma 2's),
+# a window of 4 keys, packed varlen as the engine calls it.
 GPU_SOFTCAP = [
     (None, [40, 97, 1], 4, 2, 16, True, (3, 0), 5.0),
     (None, [40, 97, 1], 4, 2, 16, True, (-1, -1), 5.0),
