@@ -2,7 +2,7 @@
 # The GPU check: correctness at real sizes (tests marked `gpu`, bf16/fp16/fp32) and every benchmark,
 # in one go, on a CUDA machine. Writes logs, JSON and PNG plots to OUT_DIR.
 #
-#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune|serve|attention|gluon|engine|fp8|fp8train|optimize|so|glance] [bench suites...]
+#   bash scripts/gpu_check.sh OUT_DIR [all|tests|bench|sweep|tune|serve|attention|gluon|engine|fp8|fp8train|optimize|so|glance|ordered] [bench suites...]
 #
 # sweep: the lab's sweeps (benchmarks/sweeps.py, not the installed package): SWEEPS="name ..." picks them
 # (default: every one; `python3 benchmarks/sweeps.py --list` names them).
@@ -45,6 +45,14 @@
 # carried in .glance-old/ (made on the machine with the checkout: mkdir -p .glance-old && git archive fc8d9e1
 # fuseformer ':!fuseformer/assets' | tar -x -C .glance-old).
 #
+# ordered (not part of all): issue 27's criterion, the GPU tests one directory a process, in order
+# (ORDERED="tests/ops tests/engine ..."; default every directory with GPU tests), within DEADLINE seconds
+# (default 570) of the stage's start. First a warm-up pass over the same directories with pytest-xdist
+# (8 processes, at most WARM_S seconds, default 200; its results are not the check and go to its own log):
+# it fills Triton's on-disk compile cache in parallel, so that the ordered runs, which pass or fail the
+# check, compile little (tests/ops compiled alone needs ~660 s, more than one call). Each ordered run is
+# stopped with SIGINT at the deadline, so pytest still prints its summary and --durations.
+#
 # attention (not part of all): the attention GPU tests at head dim 128 (the Gluon kernels and the cases
 # they take), the attention layer's and the Llama model's, then `fuseformer bench attention --quick`, in one
 # device call (~5 min; run 83 ran the tests in 158 s).
@@ -77,6 +85,24 @@ if [[ "$stage" == all || "$stage" == sweep ]]; then
     python3 benchmarks/sweeps.py ${SWEEPS:-$(python3 benchmarks/sweeps.py --list | cut -d' ' -f1)} --out "$out" \
         > "$out/sweep.log" 2>&1 || status=1
     tail -n 3 "$out/sweep.log"
+fi
+if [[ "$stage" == ordered ]]; then
+    start=$SECONDS
+    dirs=${ORDERED:-tests/ops tests/engine tests/serve tests/models tests/layers tests/train tests/fusion tests/bench}
+    # Separate caches of tuned configs: the warm-up's tests must not write where the ordered runs read.
+    FUSEFORMER_CACHE_DIR=$(mktemp -d) timeout -s INT "${WARM_S:-200}" python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \
+        $dirs > "$out/gpu-warm.log" 2>&1
+    echo "warm-up pass: $((SECONDS - start)) s, $(tail -n 1 "$out/gpu-warm.log")"
+    for d in $dirs; do
+        left=$(( ${DEADLINE:-570} - (SECONDS - start) ))
+        if (( left < 20 )); then echo "ordered: no time left for $d"; status=1; continue; fi
+        name=$(echo "$d" | tr '/' '-')
+        timeout -s INT "$left" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 "$d" \
+            > "$out/gpu-$name.log" 2>&1
+        rc=$?
+        echo "$d: exit $rc at $((SECONDS - start)) s: $(grep -E ' in [0-9.]+s' "$out/gpu-$name.log" | tail -n 1)"
+        (( rc == 0 || rc == 5 )) || status=1
+    done
 fi
 if [[ "$stage" == attention ]]; then
     python3 -m pytest -q -m gpu tests/ops/test_attention.py tests/layers/test_attention.py tests/models/test_llama.py \
