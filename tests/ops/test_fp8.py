@@ -475,29 +475,40 @@ def _glu_inputs(m, i, k, grouped, device):
 
 
 def _check_glu(h_q, h_scale, a, a_scale, w, w_scale, activation):
-    """Scales close to the fp32 reference's, q within a step of it, and §3 on the dequantized h against
-    the fp64 h (the baseline: the fp32 reference's quantized h)."""
+    """Scales close to the fp32 reference's, §3 on the dequantized h against the fp64 h (the baseline:
+    the fp32 reference's quantized h), and q within a step of the reference's (on the GPU, see below)."""
     from fuseformer.ops.activations import _act_ref
 
     m, i = a.shape[0], w.shape[0] // 2
     q_ref, s_ref = G.fp8_gemm_glu_ref(a, a_scale, w, w_scale, activation)
     assert h_q.shape == (m, i) and h_scale.shape == (m, -(-i // 128)) and h_scale.dtype == torch.float32
-    # The GPU's FP8 MMA sums a K tile in reduced precision (about 14 bits, DeepSeek-V3 §3.3.2): at K 4096
-    # the row amax moved by up to 7e-4 relative (H100, 2026-12-06); e4m3's step is 2^-3 relative.
-    torch.testing.assert_close(h_scale, s_ref, rtol=2e-3 if a.is_cuda else 1e-5, atol=0)
-    if a.is_cuda:
-        # Those sums also move every value by up to ~1e-4 of the group's amax, i.e. ~0.045 in q's units (the
-        # amax maps to 448). e4m3's step at |q| in [2^e, 2^(e+1)) is 2^(e-3): smaller than that move for
-        # every |q| under ~0.36, not only in the subnormals (run 142: 512-8,481 elements of up to 14.3M more
-        # than a step apart with the old bound 2^-6, in proportion to M, as a uniform effect is). So "within
-        # a step" is asked from |q| >= 1 (step 0.125); the §3 check below covers every value.
-        normal = (q_ref.float().abs() >= 1.0) | (h_q.float().abs() >= 1.0)
-        assert_q_near(h_q[normal], q_ref[normal])
-    else:
-        assert_q_near(h_q, q_ref)
     gu = F.dequantize_fp8(a, a_scale, torch.float64) @ F.dequantize_fp8(w, w_scale, torch.float64).T
     h64 = _act_ref(gu[:, :i], activation) * gu[:, i:]
+    # The scales against the fp64 h's (amax / 448 a group of 128): relative errors at most twice the fp32
+    # reference's own plus 2e-6 (a group whose sums cancel leaves the reference itself 1.8e-5 off: 2026-12-07,
+    # this CPU). The GPU's FP8 MMA sums a K tile in reduced precision (about 14 bits, DeepSeek-V3 §3.3.2): at
+    # K 4096 the row amax moved by up to 7e-4 relative (H100, 2026-12-06); e4m3's step is 2^-3 relative.
+    groups = torch.nn.functional.pad(h64.abs(), (0, -i % 128)).view(m, -1, 128)
+    s64 = groups.amax(-1) / 448
+    rel, rel_ref = ((s - s64).abs() / s64 for s in (h_scale.double(), s_ref.double()))
+    limit = 2e-3 if a.is_cuda else 2 * rel_ref.max().item() + 2e-6
+    assert rel.max().item() <= limit, f"scales {rel.max().item():.2e} off (reference {rel_ref.max().item():.2e})"
     assert_close("h", F.dequantize_fp8(h_q, h_scale), h64, F.dequantize_fp8(q_ref, s_ref))
+    if not a.is_cuda:
+        assert_q_near(h_q, q_ref)
+        return
+    # Those sums also move values by ~1e-4 of the group's amax (~0.045 in q's units, the amax mapping to
+    # 448), more than e4m3's step 2^(e-3) for every |q| under ~0.36; so "within a step" is asked from
+    # |q| >= 1 (step 0.125). A few values move further: run 144 (H100, 2026-12-07) found 4 and 6 of 14.3M
+    # at M 1000 two steps apart (a move over 2.8e-4 of the amax, where cancellation leaves a running sum
+    # above the final value). So: within two steps everywhere from |q| >= 1, within one for all but 1e-5
+    # of them; the §3 check above is the criterion for every value.
+    normal = (q_ref.float().abs() >= 1.0) | (h_q.float().abs() >= 1.0)
+    q, ref = h_q[normal], q_ref[normal]
+    steps = (_signed_code(q) - _signed_code(ref)).abs()
+    assert steps.numel() == 0 or int(steps.max()) <= 2, f"{int((steps > 2).sum())} elements more than two steps apart"
+    assert int((steps > 1).sum()) <= 1e-5 * q.numel(), f"{int((steps > 1).sum())} of {q.numel()} two steps apart"
+    assert (steps > 0).sum() <= 0.15 * q.numel(), f"{int((steps > 0).sum())} of {q.numel()} differ"
 
 
 @pytest.mark.parametrize("m", [1, 5, 33])
