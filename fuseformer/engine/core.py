@@ -136,8 +136,12 @@ class EngineCore:
         """Run every kind of step the engine will meet before the first request does, so that no request
         waits for a kernel's compilation (Triton's JIT, autotune entries, cuBLAS heuristics): prefills of
         each power-of-two token bucket from 16 up to ``max_num_batched_tokens`` (the kernels' configs
-        are chosen per bucket) and of one token less (Triton specializes on multiples of 16), decode
-        steps, a mixed step (a prefill chunk beside a decode), prefills after a prefix-cache hit, a
+        are chosen per bucket) and of one token less (Triton specializes on multiples of 16), over as
+        many sequences as the bucket needs when one sequence (``max_model_len``) holds fewer tokens than
+        the step (the GEMMs' kernels are chosen by the step's token count: run 143 met its first
+        16,384-token steps in requests, 1.2 and 1.0 s launches, after a warm-up that stopped at
+        ``max_model_len`` 518), decode steps, a mixed step (a prefill chunk beside a decode) and one at
+        the step's budget over many sequences, prefills after a prefix-cache hit, a
         sampled, seeded request with top-k/top-p/min-p and logprobs (fp32 logits), and one at temperature
         1 alone (the logits as they come: the sampler's kernel compiles once per dtype). Paged
         attention's config buckets (``config_query_lengths``) each get a prefill with a short context
@@ -151,7 +155,9 @@ class EngineCore:
             raise RuntimeError("EngineCore.warm_up: requests are in the engine; warm up before adding any")
         start = time.perf_counter()
         vocab = self.runner.config.vocab_size
-        limit = max(1, min(self.runner.max_num_batched_tokens, self.max_model_len - 2))
+        seq_limit = max(1, self.max_model_len - 2)  # one prompt's tokens at most (room for two new ones)
+        max_seqs = self.scheduler.config.max_num_seqs
+        limit = max(1, min(self.runner.max_num_batched_tokens, max_seqs * seq_limit))  # a step's tokens
         lengths, p = [1], 16
         while p <= limit:
             lengths += [p - 1, p]
@@ -160,12 +166,18 @@ class EngineCore:
             lengths.append(limit)
         config = self.runner.config
         query_lengths = config_query_lengths(config.num_attention_heads // config.num_key_value_heads)
-        lengths += sorted(n for n in query_lengths if n <= limit and n not in lengths)
+        lengths += sorted(n for n in query_lengths if n <= seq_limit and n not in lengths)
         greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         counter = iter(range(10**9))
 
         def prompt(n: int) -> list[int]:  # distinct tokens: no prefix hit unless one is meant
             return [next(counter) % vocab for _ in range(n)]
+
+        def prompts(n: int) -> list[list[int]]:
+            """n tokens in as few prompts as hold them; one token less than a bucket in one prompt more
+            (Triton specializes the sequence count on multiples of 16 too)."""
+            k = min(max_seqs, -(-n // seq_limit) + (n > seq_limit and n % 16 == 15))
+            return [prompt(n // k + (i < n % k)) for i in range(k)]
 
         def run(*batches: list[Request]) -> None:
             for i, batch in enumerate(batches):
@@ -179,24 +191,42 @@ class EngineCore:
         plain = SamplingParams(temperature=1, max_tokens=2)  # the sampler's draw on the logits as they come
         mixed = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         with torch.random.fork_rng(devices=[self.runner.device] if self.runner.device.type == "cuda" else []):
-            prompts = [prompt(n) for n in lengths]
-            for n, tokens in zip(lengths, prompts):
-                run([Request(f"warm-up-{n}", tokens, greedy)])
-            run([Request("warm-up-decoding", prompt(min(limit, 40)), mixed)],
-                [Request("warm-up-arriving", prompt(min(limit, 24)), greedy)])  # fmt: skip
-            longest, bs = max(prompts, key=len), self.scheduler.config.block_size
+            longest: list[int] = []
+            for n in lengths:
+                batch = prompts(n)
+                longest = max(longest, *batch, key=len)
+                run([Request(f"warm-up-{n}-{i}", tokens, greedy) for i, tokens in enumerate(batch)])
+            run([Request("warm-up-decoding", prompt(min(seq_limit, 40)), mixed)],
+                [Request("warm-up-arriving", prompt(min(seq_limit, 24)), greedy)])  # fmt: skip
+            self._warm_up_full_mixed(limit, prompts, mixed, greedy, run)
+            bs = self.scheduler.config.block_size
             for n in query_lengths:  # n new tokens after the longest prompt's cached full blocks
-                cached = (min(len(longest) - 1, limit - n) // bs) * bs
+                cached = (min(len(longest) - 1, seq_limit - n, limit - n) // bs) * bs
                 if cached > 0:
                     run([Request(f"warm-up-prefix-hit-{n}", longest[:cached] + prompt(n), greedy)])
-            run([Request("warm-up-sampled", prompt(min(limit, 8)), sampled)])
-            run([Request("warm-up-plain", prompt(min(limit, 8)), plain)])
+            run([Request("warm-up-sampled", prompt(min(seq_limit, 8)), sampled)])
+            run([Request("warm-up-plain", prompt(min(seq_limit, 8)), plain)])
 
         self.scheduler.kv.reset_prefix_cache()
         self.scheduler.kv.pool.prefix_stats = PrefixCacheStats()
         self.step_log = StepLog()
         self.warm_up_seconds = time.perf_counter() - start
         return self.warm_up_seconds
+
+    def _warm_up_full_mixed(self, limit: int, prompts, mixed: SamplingParams, greedy: SamplingParams, run) -> None:
+        """A mixed step at the step's budget, as a loaded engine's first steps are: a full bucket's
+        sequences decoding while as many tokens more arrive (their decodes beside a prefill chunk of the
+        rest of the budget). Skipped when the KV pool cannot hold both batches at once (the first batch's
+        full prefill is then the largest bucket's, already run)."""
+        decoding, arriving = prompts(limit), prompts(limit)
+        if len(decoding) < 2:
+            return
+        bs = self.scheduler.config.block_size
+        blocks = sum(-(-(len(t) + 4) // bs) for t in decoding + arriving)  # each sequence's blocks at its end
+        if blocks > self.scheduler.kv.pool.num_free_blocks:
+            return
+        run([Request(f"warm-up-full-{i}", t, mixed) for i, t in enumerate(decoding)],
+            [Request(f"warm-up-full-arriving-{i}", t, greedy) for i, t in enumerate(arriving)])  # fmt: skip
 
     @property
     def async_scheduling(self) -> bool:

@@ -139,6 +139,33 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_nothing(model, async_schedul
         core.warm_up()
 
 
+def test_warm_up_reaches_the_step_budget_over_several_sequences(model, monkeypatch):
+    """A step holds more tokens than one sequence may (max_num_batched_tokens 24 > max_model_len 12):
+    warm_up still prefills each bucket up to 24 tokens, over as many sequences as hold it (the one
+    less than a bucket over one more), and runs a mixed step at the full budget, decodes beside a
+    prefill chunk; afterwards nothing is left."""
+    steps = []
+    log_step = EngineCore._log_step
+
+    def spy(self, handle, wait_ms, post_ms):
+        out = handle.scheduler_output
+        steps.append((out.num_batched_tokens, len(out.scheduled), sum(len(s.token_ids) == 1 for s in out.scheduled)))
+        log_step(self, handle, wait_ms, post_ms)
+
+    with fuseformer.use_backend("reference"):
+        core = _core(model, max_model_len=12, warm_up=False)
+        monkeypatch.setattr(EngineCore, "_log_step", spy)
+        core.warm_up()
+        monkeypatch.undo()
+    prefills = {(tokens, seqs) for tokens, seqs, decodes in steps if decodes == 0}
+    assert {(15, 3), (16, 2), (24, 3)} <= prefills, sorted(prefills)  # 5+5+5, 8+8, 8+8+8
+    assert all(seqs == 1 for tokens, seqs in prefills if tokens <= 10)
+    # The full-budget mixed step: 3 decodes beside the arriving prompts' first chunks (8 + 8 + 4 here).
+    assert any(tokens > 20 and 2 < decodes < seqs for tokens, seqs, decodes in steps), str(steps)
+    assert max(tokens for tokens, _, _ in steps) == 24
+    assert not core.has_unfinished_requests() and core.scheduler.kv.pool.num_free_blocks == 39
+
+
 class _StopAfter:
     """An output processor stand-in: says a stop string ended ``request_id`` once it has ``num`` tokens;
     records every update it gets."""
