@@ -51,7 +51,9 @@
 # (8 processes, at most WARM_S seconds, default 200; its results are not the check and go to its own log):
 # it fills Triton's on-disk compile cache in parallel, so that the ordered runs, which pass or fail the
 # check, compile little (tests/ops compiled alone needs ~660 s, more than one call). Each ordered run is
-# stopped with SIGINT at the deadline, so pytest still prints its summary and --durations.
+# stopped with SIGINT at the deadline, so pytest still prints its summary and --durations. MARK (default
+# gpu) selects the tests: MARK="gpu or on_device" adds the tests that take the `device` fixture (cuda on a
+# GPU host; tests/conftest.py marks them there), which `-m gpu` runs never take.
 #
 # attention (not part of all): the attention GPU tests at head dim 128 (the Gluon kernels and the cases
 # they take), the attention layer's and the Llama model's, then `fuseformer bench attention --quick`, in one
@@ -90,14 +92,14 @@ if [[ "$stage" == ordered ]]; then
     start=$SECONDS
     dirs=${ORDERED:-tests/ops tests/engine tests/serve tests/models tests/layers tests/train tests/fusion tests/bench}
     # Separate caches of tuned configs: the warm-up's tests must not write where the ordered runs read.
-    FUSEFORMER_CACHE_DIR=$(mktemp -d) timeout -s INT "${WARM_S:-200}" python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \
+    FUSEFORMER_CACHE_DIR=$(mktemp -d) timeout -s INT "${WARM_S:-200}" python3 -m pytest -q -m "${MARK:-gpu}" -n 8 -p no:cacheprovider \
         $dirs > "$out/gpu-warm.log" 2>&1
     echo "warm-up pass: $((SECONDS - start)) s, $(tail -n 1 "$out/gpu-warm.log")"
     for d in $dirs; do
         left=$(( ${DEADLINE:-570} - (SECONDS - start) ))
         if (( left < 20 )); then echo "ordered: no time left for $d"; status=1; continue; fi
         name=$(echo "$d" | tr '/' '-')
-        timeout -s INT "$left" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 "$d" \
+        timeout -s INT "$left" python3 -m pytest -q -m "${MARK:-gpu}" -p no:cacheprovider --durations=25 "$d" \
             > "$out/gpu-$name.log" 2>&1
         rc=$?
         echo "$d: exit $rc at $((SECONDS - start)) s: $(grep -E ' in [0-9.]+s' "$out/gpu-$name.log" | tail -n 1)"

@@ -18,10 +18,16 @@ from fuseformer.ops._utils import poison_outputs  # noqa: E402
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: correctness at real sizes on a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds on the CPU")
+    config.addinivalue_line("markers", "on_device: takes the device fixture (given on a CUDA host only)")
 
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
+        # Tests taking the ``device`` fixture run on the GPU there, but ``-m gpu`` runs skip them:
+        # ``-m "gpu or on_device"`` takes both (scripts/gpu_check.sh's ordered stage, MARK=...).
+        for item in items:
+            if "device" in getattr(item, "fixturenames", ()):
+                item.add_marker("on_device")
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
