@@ -41,8 +41,11 @@ def main() -> None:
         cpu = [q.get() for _ in procs]
         for proc in procs:
             proc.join()
-        print(f"{n:3d} procs: {sum(cpu):6.2f} CPU s in {args.seconds} s wall = {sum(cpu) / args.seconds:5.2f} CPUs "
-              f"(min {min(cpu) / args.seconds:.2f} a process)", flush=True)
+        print(
+            f"{n:3d} procs: {sum(cpu):6.2f} CPU s in {args.seconds} s wall = {sum(cpu) / args.seconds:5.2f} CPUs "
+            f"(min {min(cpu) / args.seconds:.2f} a process)",
+            flush=True,
+        )
     if before:
         print("cpu.stat before:", " ".join(before.split()))
         print("cpu.stat after: ", " ".join(stat.read_text().split()))

@@ -378,7 +378,11 @@ def flash_attention_fwd(
         return out, lse
     capped = softcap > 0
     gluon = gluon and not capped and config is None  # the Gluon kernel has no soft-capping
-    if gluon and _GLUON_FWD and attention_hopper.forward_usable(q, k, v, varlen, window_left, window_right, softmax_scale):
+    if (
+        gluon
+        and _GLUON_FWD
+        and attention_hopper.forward_usable(q, k, v, varlen, window_left, window_right, softmax_scale)
+    ):
         return attention_hopper.forward(q, k, v, softmax_scale, causal=window_right == 0, out=out, lse=lse)
     block_d = max(16, next_pow2(d))
     cfg = resolve_config("fwd", config, block_d, window_left >= 0 or window_right >= 0, q.dtype, q.device)

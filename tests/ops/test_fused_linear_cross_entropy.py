@@ -192,8 +192,12 @@ def test_flce_nan_propagates(device):
         ),  # fmt: skip
         (
             F.fused_linear_cross_entropy,
-            dict(hidden=torch.randn(3, 8), weight=torch.randn(5, 8), target=torch.zeros(3, dtype=torch.long),
-                 softcap=-1.0),
+            dict(
+                hidden=torch.randn(3, 8),
+                weight=torch.randn(5, 8),
+                target=torch.zeros(3, dtype=torch.long),
+                softcap=-1.0,
+            ),
             "softcap must be",
         ),  # fmt: skip
         (
