@@ -176,6 +176,13 @@ def main() -> None:
                         errors.append(dict(row, package=tag))
             if done.returncode:
                 errors.append(dict(package=tag, returncode=done.returncode, stderr=done.stderr[-2000:]))
+        _report(times, errors, args.out, f"after round {r + 1} of {args.rounds}")
+
+
+def _report(times: dict, errors: list, out: Path | None, when: str) -> None:
+    """Each case's medians so far, new / old, the regressions; written to ``out`` (after every round, so a
+    call cut short still has the rounds it finished)."""
+    print(f"-- {when}", flush=True)
     rows = []
     for name, t in times.items():
         if t["old"] and t["new"]:
@@ -185,8 +192,8 @@ def main() -> None:
             print(f"{name:<58} old {old:9.4f} ms  new {new:9.4f} ms  new/old {new / old:6.3f}{flag}", flush=True)
     for e in errors:
         print("error:", json.dumps(e)[:600], flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(dict(rows=rows, errors=errors, raw=times), indent=1))
+    if out:
+        out.write_text(json.dumps(dict(rows=rows, errors=errors, raw=times), indent=1))
 
 
 if __name__ == "__main__":
