@@ -139,7 +139,8 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_nothing(model, async_schedul
         core.warm_up()
 
 
-def test_warm_up_reaches_the_step_budget_over_several_sequences(model, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_warm_up_reaches_the_step_budget_over_several_sequences(model, async_scheduling, monkeypatch):
     """A step holds more tokens than one sequence may (max_num_batched_tokens 24 > max_model_len 12):
     warm_up still prefills each bucket up to 24 tokens, over as many sequences as hold it (the one
     less than a bucket over one more), and runs a mixed step at the full budget, decodes beside a
@@ -153,7 +154,7 @@ def test_warm_up_reaches_the_step_budget_over_several_sequences(model, monkeypat
         log_step(self, handle, wait_ms, post_ms)
 
     with fuseformer.use_backend("reference"):
-        core = _core(model, max_model_len=12, warm_up=False)
+        core = _core(model, max_model_len=12, warm_up=False, async_scheduling=async_scheduling)
         monkeypatch.setattr(EngineCore, "_log_step", spy)
         core.warm_up()
         monkeypatch.undo()
