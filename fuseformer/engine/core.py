@@ -173,10 +173,11 @@ class EngineCore:
         def prompt(n: int) -> list[int]:  # distinct tokens: no prefix hit unless one is meant
             return [next(counter) % vocab for _ in range(n)]
 
-        def prompts(n: int) -> list[list[int]]:
-            """n tokens in as few prompts as hold them; one token less than a bucket in one prompt more
-            (Triton specializes the sequence count on multiples of 16 too)."""
-            k = min(max_seqs, -(-n // seq_limit) + (n > seq_limit and n % 16 == 15))
+        def prompts(n: int, at_least: int = 1) -> list[list[int]]:
+            """n tokens in as few prompts as hold them (``at_least`` of them); one token less than a bucket
+            in one prompt more (Triton specializes the sequence count on multiples of 16 too)."""
+            k = max(at_least, -(-n // seq_limit) + (n > seq_limit and n % 16 == 15))
+            k = min(k, max_seqs, n)
             return [prompt(n // k + (i < n % k)) for i in range(k)]
 
         def run(*batches: list[Request]) -> None:
@@ -214,11 +215,11 @@ class EngineCore:
         return self.warm_up_seconds
 
     def _warm_up_full_mixed(self, limit: int, prompts, mixed: SamplingParams, greedy: SamplingParams, run) -> None:
-        """A mixed step at the step's budget, as a loaded engine's first steps are: a full bucket's
-        sequences decoding while as many tokens more arrive (their decodes beside a prefill chunk of the
-        rest of the budget). Skipped when the KV pool cannot hold both batches at once (the first batch's
-        full prefill is then the largest bucket's, already run)."""
-        decoding, arriving = prompts(limit), prompts(limit)
+        """A mixed step at the step's budget, as a loaded engine's first steps are: the budget's tokens
+        over at least two sequences, decoding while as many tokens more arrive (their decodes beside a
+        prefill chunk of the rest of the budget). Skipped when the KV pool cannot hold both batches at
+        once."""
+        decoding, arriving = prompts(limit, at_least=2), prompts(limit, at_least=2)
         if len(decoding) < 2:
             return
         bs = self.scheduler.config.block_size

@@ -140,11 +140,16 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_nothing(model, async_schedul
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_warm_up_reaches_the_step_budget_over_several_sequences(model, async_scheduling, monkeypatch):
-    """A step holds more tokens than one sequence may (max_num_batched_tokens 24 > max_model_len 12):
-    warm_up still prefills each bucket up to 24 tokens, over as many sequences as hold it (the one
-    less than a bucket over one more), and runs a mixed step at the full budget, decodes beside a
-    prefill chunk; afterwards nothing is left."""
+@pytest.mark.parametrize(
+    "max_model_len, prefills",
+    [(12, {(15, 3), (16, 2), (24, 3)}), (64, {(15, 1), (16, 1), (24, 1)})],  # 5+5+5, 8+8, 8+8+8 at 12
+)
+def test_warm_up_reaches_the_step_budget_over_several_sequences(model, async_scheduling, max_model_len, prefills,
+                                                                monkeypatch):  # fmt: skip
+    """warm_up prefills each bucket up to the step's budget (max_num_batched_tokens 24), over as many
+    sequences as hold it where one sequence may hold fewer (max_model_len 12; the one less than a bucket
+    over one more), and runs a mixed step at the full budget over several sequences either way: decodes
+    beside a prefill chunk. Afterwards nothing is left."""
     steps = []
     log_step = EngineCore._log_step
 
@@ -154,15 +159,15 @@ def test_warm_up_reaches_the_step_budget_over_several_sequences(model, async_sch
         log_step(self, handle, wait_ms, post_ms)
 
     with fuseformer.use_backend("reference"):
-        core = _core(model, max_model_len=12, warm_up=False, async_scheduling=async_scheduling)
+        core = _core(model, max_model_len=max_model_len, warm_up=False, async_scheduling=async_scheduling)
         monkeypatch.setattr(EngineCore, "_log_step", spy)
         core.warm_up()
         monkeypatch.undo()
-    prefills = {(tokens, seqs) for tokens, seqs, decodes in steps if decodes == 0}
-    assert {(15, 3), (16, 2), (24, 3)} <= prefills, sorted(prefills)  # 5+5+5, 8+8, 8+8+8
-    assert all(seqs == 1 for tokens, seqs in prefills if tokens <= 10)
-    # The full-budget mixed step: 3 decodes beside the arriving prompts' first chunks (8 + 8 + 4 here).
-    assert any(tokens > 20 and 2 < decodes < seqs for tokens, seqs, decodes in steps), str(steps)
+    seen = {(tokens, seqs) for tokens, seqs, decodes in steps if decodes == 0}
+    assert prefills <= seen, sorted(seen)
+    assert all(seqs == 1 for tokens, seqs in seen if tokens <= 10)
+    # The full-budget mixed step: decodes beside the arriving prompts' first chunks.
+    assert any(tokens > 20 and 2 <= decodes < seqs for tokens, seqs, decodes in steps), str(steps)
     assert max(tokens for tokens, _, _ in steps) == 24
     assert not core.has_unfinished_requests() and core.scheduler.kv.pool.num_free_blocks == 39
 
