@@ -484,12 +484,13 @@ def _check_glu(h_q, h_scale, a, a_scale, w, w_scale, activation):
     assert h_q.shape == (m, i) and h_scale.shape == (m, -(-i // 128)) and h_scale.dtype == torch.float32
     gu = F.dequantize_fp8(a, a_scale, torch.float64) @ F.dequantize_fp8(w, w_scale, torch.float64).T
     h64 = _act_ref(gu[:, :i], activation) * gu[:, i:]
-    # The scales against the fp64 h's (amax / 448 a group of 128): relative errors at most twice the fp32
-    # reference's own plus 2e-6 (a group whose sums cancel leaves the reference itself 1.8e-5 off: 2026-12-07,
-    # this CPU). The GPU's FP8 MMA sums a K tile in reduced precision (about 14 bits, DeepSeek-V3 §3.3.2): at
-    # K 4096 the row amax moved by up to 7e-4 relative (H100, 2026-12-06); e4m3's step is 2^-3 relative.
-    groups = torch.nn.functional.pad(h64.abs(), (0, -i % 128)).view(m, -1, 128)
-    s64 = groups.amax(-1) / 448
+    # The scales against the fp64 h's (the reference's scale rule on fp64 group amaxes): relative errors at
+    # most twice the fp32 reference's own plus 2e-6 (a group whose sums cancel leaves the reference itself
+    # 1.8e-5 off: 2026-12-07, this CPU). The GPU's FP8 MMA sums a K tile in reduced precision (about 14 bits,
+    # DeepSeek-V3 §3.3.2): at K 4096 the row amax moved by up to 7e-4 relative (H100, 2026-12-06); e4m3's
+    # step is 2^-3 relative.
+    groups = torch.nn.functional.pad(h64.abs(), (0, Q.fp8_groups(i) * Q.GROUP_SIZE - i)).view(m, -1, Q.GROUP_SIZE)
+    s64 = Q.fp8_scale_ref(groups.amax(-1))
     rel, rel_ref = ((s - s64).abs() / s64 for s in (h_scale.double(), s_ref.double()))
     limit = 2e-3 if a.is_cuda else 2 * rel_ref.max().item() + 2e-6
     assert rel.max().item() <= limit, f"scales {rel.max().item():.2e} off (reference {rel_ref.max().item():.2e})"
