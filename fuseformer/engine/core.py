@@ -199,8 +199,15 @@ class EngineCore:
                 run([Request(f"warm-up-{n}-{i}", tokens, greedy) for i, tokens in enumerate(batch)])
             run([Request("warm-up-decoding", prompt(min(seq_limit, 40)), mixed)],
                 [Request("warm-up-arriving", prompt(min(seq_limit, 24)), greedy)])  # fmt: skip
-            self._warm_up_full_mixed(limit, prompts, mixed, greedy, run)
+            # A mixed step at the budget over at least two sequences, as a loaded engine's first steps are:
+            # those decoding while as many tokens more arrive (decodes beside a prefill chunk of the rest
+            # of the budget); not where the KV pool cannot hold both batches at once.
             bs = self.scheduler.config.block_size
+            decoding, arriving = prompts(limit, at_least=2), prompts(limit, at_least=2)
+            blocks = sum(-(-(len(t) + 4) // bs) for t in decoding + arriving)  # each sequence's at its end
+            if len(decoding) > 1 and blocks <= self.scheduler.kv.pool.num_free_blocks:
+                run([Request(f"warm-up-full-{i}", t, mixed) for i, t in enumerate(decoding)],
+                    [Request(f"warm-up-full-arriving-{i}", t, greedy) for i, t in enumerate(arriving)])  # fmt: skip
             for n in query_lengths:  # n new tokens after the longest prompt's cached full blocks
                 cached = (min(len(longest) - 1, seq_limit - n, limit - n) // bs) * bs
                 if cached > 0:
@@ -213,21 +220,6 @@ class EngineCore:
         self.step_log = StepLog()
         self.warm_up_seconds = time.perf_counter() - start
         return self.warm_up_seconds
-
-    def _warm_up_full_mixed(self, limit: int, prompts, mixed: SamplingParams, greedy: SamplingParams, run) -> None:
-        """A mixed step at the step's budget, as a loaded engine's first steps are: the budget's tokens
-        over at least two sequences, decoding while as many tokens more arrive (their decodes beside a
-        prefill chunk of the rest of the budget). Skipped when the KV pool cannot hold both batches at
-        once."""
-        decoding, arriving = prompts(limit, at_least=2), prompts(limit, at_least=2)
-        if len(decoding) < 2:
-            return
-        bs = self.scheduler.config.block_size
-        blocks = sum(-(-(len(t) + 4) // bs) for t in decoding + arriving)  # each sequence's blocks at its end
-        if blocks > self.scheduler.kv.pool.num_free_blocks:
-            return
-        run([Request(f"warm-up-full-{i}", t, mixed) for i, t in enumerate(decoding)],
-            [Request(f"warm-up-full-arriving-{i}", t, greedy) for i, t in enumerate(arriving)])  # fmt: skip
 
     @property
     def async_scheduling(self) -> bool:
