@@ -5,7 +5,10 @@ benchmark's), ``GrammarCompiler.prepare`` as ``LLM`` calls it, then per schema a
 batch fill, then each row takes a random allowed token), with each step's fill time. Round 2 repeats round 1
 with new matchers from the cached grammar: what it saves is the first run's one-time cost.
 
-    python benchmarks/so_first_run.py [--rows 128] [--steps 64] [--other-first] [--out FILE]
+``--xgr-threads 8,12,15`` then walks the bounded schema (xgrammar's) once more for each size of xgrammar's
+batch pool (its default: half the cores), the lab's look at whether the fill scales with more of the host's cores.
+
+    python benchmarks/so_first_run.py [--rows 128] [--steps 64] [--other-first] [--xgr-threads N,...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def main() -> None:
     parser.add_argument(
         "--other-first", action="store_true", help="walk another bounded schema first (2 rows, then all)"
     )
+    parser.add_argument("--xgr-threads", default="", help="xgrammar pool sizes to walk the bounded schema with")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from structured_outputs import trained_tokenizer_dir
@@ -100,6 +104,15 @@ def main() -> None:
             r = walk(compiler, spec, rows, args.steps, seed=round_)
             record[f"{name} round {round_}"] = r
             print(f"# {name:<14} round {round_}: " + ", ".join(f"{k} {v}" for k, v in r.items()))
+    for threads in [int(n) for n in args.xgr_threads.split(",") if n]:
+        import xgrammar
+
+        compiler._xgr_executor = xgrammar.BatchGrammarMatcher(threads)  # lab: the pool GrammarCompiler keeps
+        spec = StructuredOutputsParams(json=SCHEMA)
+        for round_ in (1, 2):
+            r = walk(compiler, spec, args.rows, args.steps, seed=round_)
+            record[f"bounded, {threads} xgrammar threads, round {round_}"] = r
+            print(f"# bounded, {threads:>2} xgr threads, round {round_}: " + ", ".join(f"{k} {v}" for k, v in r.items()))
     compiler.close()
     if args.out:
         args.out.write_text(json.dumps(record, indent=1))
