@@ -112,7 +112,9 @@ def main() -> None:
         for round_ in (1, 2):
             r = walk(compiler, spec, args.rows, args.steps, seed=round_)
             record[f"bounded, {threads} xgrammar threads, round {round_}"] = r
-            print(f"# bounded, {threads:>2} xgr threads, round {round_}: " + ", ".join(f"{k} {v}" for k, v in r.items()))
+            print(
+                f"# bounded, {threads:>2} xgr threads, round {round_}: " + ", ".join(f"{k} {v}" for k, v in r.items())
+            )
     compiler.close()
     if args.out:
         args.out.write_text(json.dumps(record, indent=1))

@@ -895,6 +895,53 @@ def sweep_mlp_decode(
     return out
 
 
+def sweep_paged_decode() -> list[dict]:
+    """Paged decode attention (issue 28 item 5: 64 x 4,096 and 256 x 1,024, GQA 32/8, hd 128, bf16) over
+    BLOCK_N, num_stages, num_warps and forced key splits (``paged_attention_fwd``'s ``config=`` and
+    ``num_splits=``): ms from a CUDA graph and do_bench (L2 flushed), TB/s of the K/V read, % of copy.
+    The rule's choice is the record with ``rule: True``. At 64 x 4,096 the rule runs 512 programs (no split)."""
+    pa = importlib.import_module("fuseformer.ops.paged_attention")
+    copy = copy_ceiling_tb_s()
+    out: list[dict] = [dict(kind="paged_decode_ceiling", copy_tb_s=copy, gpu=torch.cuda.get_device_name())]
+    shapes = [(32, 2, 4), (32, 3, 4), (32, 4, 4), (64, 2, 4), (64, 3, 4), (64, 4, 4), (64, 3, 8), (128, 2, 4),
+              (128, 3, 4), (128, 2, 8), (128, 3, 8)]  # fmt: skip
+    configs = [None] + [dict(BLOCK_N=n, num_stages=st, num_warps=w) for n, st, w in shapes]
+    for batch, context in ((64, 4096), (256, 1024)):
+        out += _paged_decode_case(pa, batch, context, configs, copy)
+        torch.cuda.empty_cache()
+    return out
+
+
+def _paged_decode_case(pa, batch: int, context: int, configs: list, copy: float) -> list[dict]:
+    from fuseformer.bench.attention import paged_decode_bytes, paged_decode_inputs
+
+    q, k_cache, v_cache, cu, lens, tables, _, _ = paged_decode_inputs(batch, context)
+    nbytes = paged_decode_bytes(batch, context)
+    scale = q.shape[-1] ** -0.5
+    ref = pa.paged_attention_fwd(q, k_cache, v_cache, cu, lens, tables, scale, True, -1, 1)
+    out = []
+    for cfg in configs:
+        for splits in (None, 1, 2, 3, 4):
+            if cfg is not None and splits is None:
+                continue
+
+            def fn(cfg=cfg, splits=splits):
+                return pa.paged_attention_fwd(q, k_cache, v_cache, cu, lens, tables, scale, True, -1, 1,
+                                              config=cfg, num_splits=splits)  # fmt: skip
+
+            rec = dict(kind="paged_decode", batch=batch, context=context, config=cfg, splits=splits,
+                       rule=cfg is None and splits is None)  # fmt: skip
+            try:
+                rec["max_diff"] = float((fn().float() - ref.float()).abs().max())
+                graph_ms, ms = bench_graph_ms(fn), bench_ms(fn)
+                rec.update(graph_ms=graph_ms, graph_tb_s=tb_per_s(nbytes, graph_ms), ms=ms,
+                           tb_s=tb_per_s(nbytes, ms), graph_pct_copy=100 * tb_per_s(nbytes, graph_ms) / copy)  # fmt: skip
+            except Exception as exc:  # a config that does not fit (shared memory) is a record, not the end
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            out.append(rec)
+    return out
+
+
 def _time_record(rec: dict, fn: Callable[[], object], timer, nbytes: int, ceiling_tb_s: float) -> None:
     """Time ``fn`` into ``rec``: ms, weight GB/s and percent of the copy ceiling (or the error)."""
     try:
@@ -921,6 +968,7 @@ SWEEPS: dict[str, Callable[[], list[dict]]] = {
     "flce_gemms": sweep_flce_gemms,
     "flce_energy": sweep_flce_energy,
     "mlp_decode": sweep_mlp_decode,
+    "paged_decode": sweep_paged_decode,
     # The same sweep timed with L2 flushed by reading (bench_stream_ms), against the copy ceiling
     # timed that way: do_bench's zero-fill flush charges ~60 MB of dirty-line write-back to each call.
     "mlp_decode_clean": lambda: sweep_mlp_decode(

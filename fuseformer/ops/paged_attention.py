@@ -470,10 +470,13 @@ def paged_attention_fwd(
     config: dict | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """q (T, Hq, D) -> out (T, Hq, D); see the module docstring for the other arguments. ``config``:
     fields (BLOCK_M, BLOCK_N, num_warps, num_stages) put on the looked-up config (sweeps, tests).
-    ``k_scale``, ``v_scale``: one-element fp32 tensors of e4m3 caches (None: 1.0); unused otherwise."""
+    ``k_scale``, ``v_scale``: one-element fp32 tensors of e4m3 caches (None: 1.0); unused otherwise.
+    ``num_splits``: the split-K runs of each program's keys (sweeps, tests); None: the rule
+    (``_num_splits``). More than 1 needs every query of a sequence in one tile."""
     t, hq, d = q.shape
     out = empty((t, hq, d), dtype=q.dtype, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
@@ -488,7 +491,14 @@ def paged_attention_fwd(
     q_tiles = triton.cdiv(max_seqlen_q, cfg["BLOCK_M"] // cfg["HEADS"])
     head_programs = hkv * triton.cdiv(group, cfg["HEADS"])
     splits = 1
-    if q_tiles == 1:
+    if num_splits is not None:
+        if num_splits < 1 or (num_splits > 1 and q_tiles != 1):
+            raise ValueError(
+                f"paged_attention_fwd: num_splits {num_splits} needs to be >= 1, and 1 where a sequence's "
+                f"queries take {q_tiles} tiles"
+            )
+        splits = num_splits
+    elif q_tiles == 1:
         # Keys per sequence are at most the block table's width in tokens (known without a sync).
         max_keys = block_tables.shape[1] * page_size
         if window > 0:

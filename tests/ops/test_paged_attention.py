@@ -263,6 +263,33 @@ def test_paged_attention_split_k(seqs, hq, hkv, d, block_size, dtype, window, de
     assert_close("out", out, ref, base)
 
 
+def test_paged_attention_explicit_num_splits(device, merges):
+    """``num_splits`` (what a sweep varies) overrides the rule: 3 runs of keys merged, within §3 of fp64 as
+    the rule's one run is; refused below 1, or above 1 where a sequence's queries take several tiles."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 64, generator=gen).to(device=device, dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(20, 16, 2, 64, generator=gen).to(device=device, dtype=torch.float16) for _ in "kv")
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    lens = torch.tensor([150, 70], dtype=torch.int32, device=device)
+    tables = torch.randperm(20, generator=gen).to(device=device, dtype=torch.int32).reshape(2, 10)
+    ref = F.paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), cu, lens, tables)
+    base = F.paged_attention_ref(q, k_cache, v_cache, cu, lens, tables, upcast=False)
+    args = (q, k_cache, v_cache, cu, lens, tables, 64**-0.5, True, -1, 1)
+    one = PA.paged_attention_fwd(*args, num_splits=1)
+    assert not merges
+    three = PA.paged_attention_fwd(*args, num_splits=3)
+    assert len(merges) == 1, merges
+    assert_close("out, 1 split", one, ref, base)
+    assert_close("out, 3 splits", three, ref, base)
+    with pytest.raises(ValueError, match="num_splits 0"):
+        PA.paged_attention_fwd(*args, num_splits=0)
+    long_q = torch.randn(100, 4, 64, device=device, dtype=torch.float16)  # 100 queries x 2 heads: 2 tiles of 128
+    cu_long = torch.tensor([0, 100], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="num_splits 2"):
+        PA.paged_attention_fwd(long_q, k_cache, v_cache, cu_long, lens[:1], tables[:1], 64**-0.5, True, -1, 100,
+                               num_splits=2)  # fmt: skip
+
+
 def test_paged_attention_split_k_nan_propagates(device, force_split):
     q = torch.randn(2, 4, 16, device=device)
     q[1, 2, 5] = float("nan")
