@@ -909,10 +909,14 @@ def sweep_paged_decode() -> list[dict]:
     for batch, context in ((64, 4096), (256, 1024)):
         out += _paged_decode_case(pa, batch, context, configs, copy)
         torch.cuda.empty_cache()
+    # Batch-1 decode (issue 28's batch-1 workload: contexts 128-384, 8 programs, latency- not bandwidth-bound).
+    out += _paged_decode_case(pa, 1, 512, configs[:7], copy, splits=(None, 1, 2, 4, 8))
     return out
 
 
-def _paged_decode_case(pa, batch: int, context: int, configs: list, copy: float) -> list[dict]:
+def _paged_decode_case(
+    pa, batch: int, context: int, configs: list, copy: float, splits: tuple = (None, 1, 2, 3, 4)
+) -> list[dict]:
     from fuseformer.bench.attention import paged_decode_bytes, paged_decode_inputs
 
     q, k_cache, v_cache, cu, lens, tables, _, _ = paged_decode_inputs(batch, context)
@@ -921,16 +925,16 @@ def _paged_decode_case(pa, batch: int, context: int, configs: list, copy: float)
     ref = pa.paged_attention_fwd(q, k_cache, v_cache, cu, lens, tables, scale, True, -1, 1)
     out = []
     for cfg in configs:
-        for splits in (None, 1, 2, 3, 4):
-            if cfg is not None and splits is None:
+        for n in splits:
+            if cfg is not None and n is None:
                 continue
 
-            def fn(cfg=cfg, splits=splits):
+            def fn(cfg=cfg, n=n):
                 return pa.paged_attention_fwd(q, k_cache, v_cache, cu, lens, tables, scale, True, -1, 1,
-                                              config=cfg, num_splits=splits)  # fmt: skip
+                                              config=cfg, num_splits=n)  # fmt: skip
 
-            rec = dict(kind="paged_decode", batch=batch, context=context, config=cfg, splits=splits,
-                       rule=cfg is None and splits is None)  # fmt: skip
+            rec = dict(kind="paged_decode", batch=batch, context=context, config=cfg, splits=n,
+                       rule=cfg is None and n is None)  # fmt: skip
             try:
                 rec["max_diff"] = float((fn().float() - ref.float()).abs().max())
                 graph_ms, ms = bench_graph_ms(fn), bench_ms(fn)
