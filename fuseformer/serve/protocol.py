@@ -118,6 +118,13 @@ class _SamplingRequest(_Checked):
     # The field that asked for the request's constraint (the 400 of a constraint that does not compile names it).
     _structured_param: str | None = PrivateAttr(None)
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingRequest:
+        # OpenAI and vLLM refuse them too: without a stream they would have no effect.
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options can only be given with stream: true", "stream_options")
+        return self
+
     def _sampling_params(
         self, defaults: SamplingParams, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:

@@ -489,3 +489,16 @@ def test_docs_list_every_parameter():
     fields = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
     assert not (fields - listed), fields - listed
     assert not (set(REFUSED) - listed), set(REFUSED) - listed
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_stream_options_without_stream_is_400(server, endpoint):
+    """OpenAI and vLLM refuse stream_options on a request that does not stream: it would have no effect."""
+    url, _ = server
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    body = _body(endpoint, dict(stream_options={"include_usage": True}))
+    r = httpx.post(f"{url}{path}", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "stream_options" and "stream: true" in error["message"], error
+    assert httpx.post(f"{url}{path}", json=body | dict(stream=True)).status_code == 200
