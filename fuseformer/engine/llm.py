@@ -419,6 +419,11 @@ class LLM:
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
         ):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(
+                f"LLM.generate: prompts must be a string, a prompt dict, token ids or a list of them, "
+                f"got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         processor = self.output_processor
         params = processor.params_list(sampling_params, len(prompts))
@@ -437,6 +442,11 @@ class LLM:
         with the tokenizer's chat template."""
         if self.tokenizer is None:
             raise ValueError("LLM.chat: the model has no tokenizer.json")
+        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, (dict, list, tuple)) for m in messages):
+            raise TypeError(
+                "LLM.chat: messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) "
+                f"or a list of conversations, got {type(messages).__name__}"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         processor = self.output_processor
         params = processor.params_list(sampling_params, len(conversations))

@@ -295,6 +295,20 @@ def test_chat_uses_the_template(text_checkpoint):
         assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
 
 
+def test_chat_and_generate_refuse_inputs_of_the_wrong_type(text_checkpoint):
+    """A string is not a list of conversations (it ran one empty conversation a character), None or an int
+    is not a prompt: a TypeError naming the argument, nothing run."""
+    llm = _llm(text_checkpoint)
+    params = SamplingParams(max_tokens=2)
+    for bad in ("hello", None, 3):
+        with pytest.raises(TypeError, match="LLM.chat: messages must be"):
+            llm.chat(bad, params, use_tqdm=False)
+    for bad in (None, 5, 2.5):
+        with pytest.raises(TypeError, match="LLM.generate: prompts must be"):
+            llm.generate(bad, params, use_tqdm=False)
+    assert not llm.core.has_unfinished_requests()
+
+
 def test_default_sampling_params_from_generation_config(text_checkpoint):
     with fuseformer.use_backend("reference"):
         llm = _llm(text_checkpoint)
